@@ -1,0 +1,106 @@
+"""The kubelet's device manager checkpoint, `kubelet_internal_checkpoint` (KUBELET-FACTS.md section 4).
+
+Read defensively: whatever is on the node, the reader returns a `Checkpoint` or
+raises `CheckpointError` with a reason an operator can act on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+CHECKPOINT_NAME = "kubelet_internal_checkpoint"
+# A real checkpoint holds one entry per allocated container: well under 1 MiB on a full node.
+MAX_CHECKPOINT_BYTES = 16 * 1024 * 1024
+
+
+class CheckpointError(Exception):
+    """The checkpoint could not be read as the kubelet writes it."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    registered: Mapping[str, tuple[str, ...]]  # resource -> healthy device IDs at the last write
+    mtime_ns: int
+
+    def devices(self, resource: str) -> tuple[str, ...] | None:
+        """The resource's devices, or None when the kubelet does not list the resource at all."""
+        return self.registered.get(resource)
+
+
+def read_checkpoint(path: str, max_bytes: int = MAX_CHECKPOINT_BYTES) -> Checkpoint:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CheckpointError("no checkpoint: the kubelet has not recorded any device plugin") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot open the checkpoint: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError("the checkpoint is not a regular file")
+        if st.st_size > max_bytes:
+            raise CheckpointError(f"the checkpoint is {st.st_size} bytes, over the {max_bytes}-byte bound")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as e:
+        raise CheckpointError(f"cannot read the checkpoint: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    return Checkpoint(registered=parse_registered(raw), mtime_ns=st.st_mtime_ns)
+
+
+def parse_registered(raw: bytes) -> dict[str, tuple[str, ...]]:
+    if not raw.strip():
+        raise CheckpointError("the checkpoint is empty")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise CheckpointError("the checkpoint is not valid JSON (truncated or corrupt)") from None
+    data = doc.get("Data") if isinstance(doc, dict) else None
+    if not isinstance(data, dict):
+        raise CheckpointError("the checkpoint has no Data object")
+    registered = data.get("RegisteredDevices")
+    if registered is None:
+        return {}
+    if not isinstance(registered, dict):
+        raise CheckpointError("the checkpoint's RegisteredDevices is not an object")
+    return {
+        str(resource): tuple(d for d in (ids or ()) if isinstance(d, str))
+        for resource, ids in registered.items()
+        if ids is None or isinstance(ids, list)
+    }
+
+
+def write_checkpoint(
+    path: str,
+    registered: Mapping[str, Iterable[str]],
+    pod_entries: list[dict[str, Any]] | None = None,
+) -> None:
+    """Write the checkpoint as the kubelet does: a `.`-prefixed temporary file, fsync, rename."""
+    data = {
+        "PodDeviceEntries": pod_entries,
+        "RegisteredDevices": {r: list(ids) for r, ids in registered.items()},
+    }
+    # The real checksum is a Go-specific hash of the Go struct; nothing verifies it.
+    body = json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+    doc = {"Data": data, "Checksum": zlib.crc32(body)}
+    fd, tmp = tempfile.mkstemp(prefix=".", dir=os.path.dirname(path) or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(doc, separators=(",", ":")).encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,98 @@
+"""A Unix socket the simulator owns, forwarding bytes to a gRPC server on a private socket.
+
+grpcio binds and unlinks its own sockets. The simulator needs what a real
+process does to its socket file: keep it as a dead file when it dies (same
+inode, connections refused), or accept connections and never answer a frame
+(a hung process). Owning the listening socket and forwarding bytes gives both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+from typing import Any
+
+
+class SocketFront:
+    def __init__(self, path: str, backend: str) -> None:
+        self.path = path
+        self.backend = backend
+        self._server: asyncio.Server | None = None
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def hung(self) -> bool:
+        return not self._flowing.is_set()
+
+    @hung.setter
+    def hung(self, value: bool) -> None:
+        """Hung: connections are accepted, nothing is read from them or answered."""
+        if value:
+            self._flowing.clear()
+        else:
+            self._flowing.set()
+
+    async def start(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(self.path)
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            raise
+        extra: dict[str, Any] = {"cleanup_socket": False} if sys.version_info >= (3, 13) else {}
+        self._server = await asyncio.start_unix_server(self._accept, sock=sock, **extra)
+
+    async def close(self, unlink: bool) -> None:
+        """Stop listening. Without unlink the file stays behind, refusing connections."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for w in list(self._writers):
+            w.close()
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.get_running_loop().create_task(self._serve(reader, writer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            await self._flowing.wait()
+            b_reader, b_writer = await asyncio.open_unix_connection(self.backend)
+            self._writers.add(b_writer)
+            try:
+                await asyncio.gather(self._pump(reader, b_writer), self._pump(b_reader, writer))
+            finally:
+                self._writers.discard(b_writer)
+                b_writer.close()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await self._flowing.wait()
+                writer.write(data)
+                await writer.drain()
+        finally:
+            if writer.can_write_eof():
+                with contextlib.suppress(OSError):
+                    writer.write_eof()

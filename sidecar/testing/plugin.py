@@ -1,0 +1,262 @@
+"""FakeDevicePlugin: a device plugin that behaves like HAMi's, with faults switchable at run time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import grpc
+
+from sidecar.proto import deviceplugin_v1beta1_pb2 as dp
+from sidecar.rpc import API_VERSION, DEVICE_PLUGIN, REGISTRATION, insecure_channel, service_handler, unary, unix_target
+from sidecar.testing.front import SocketFront
+from sidecar.testing.kubelet import KUBELET_SOCKET
+from sidecar.watcher import FolderWatcher, FsEvent
+
+logger = logging.getLogger(__name__)
+
+
+class FakeDevicePlugin:
+    """Serves `DevicePlugin` on its socket, then registers; registers again when `kubelet.sock` is created.
+
+    Fault switches (attributes, effective at once):
+    `register_enabled`, `hung`, `answer_delay`, `options_error`, `api_version`,
+    `register_resource_name`; methods `set_devices`, `set_health`, `crash`.
+    """
+
+    def __init__(
+        self,
+        device_plugin_dir: str,
+        resource: str = "nvidia.com/gpu",
+        socket_name: str = "nvidia-gpu.sock",
+        devices: Iterable[str] = ("GPU-0", "GPU-1"),
+        *,
+        kubelet_socket: str = KUBELET_SOCKET,
+        register_timeout: float = 30.0,
+        retry_interval: float = 30.0,
+    ) -> None:
+        self.dir = device_plugin_dir
+        self.resource = resource
+        self.socket_name = socket_name
+        self.socket_path = os.path.join(device_plugin_dir, socket_name)
+        self.kubelet_socket = os.path.join(device_plugin_dir, kubelet_socket)
+        self.register_timeout = register_timeout
+        self.retry_interval = retry_interval  # HAMi and NVIDIA retry a failed Register after 30 s
+        self._devices: dict[str, str] = dict.fromkeys(devices, "Healthy")
+        # Fault switches.
+        self.register_enabled = True
+        self.answer_delay = 0.0
+        self.options_error: str | None = None
+        self.api_version = API_VERSION
+        self.register_resource_name = resource
+        # What happened.
+        self.calls: Counter[str] = Counter()
+        self.registrations = 0  # Register calls the kubelet accepted
+        self.last_register_error: str | None = None
+        self._private = tempfile.mkdtemp(prefix="fake-plugin-")
+        self._server: grpc.aio.Server | None = None
+        self._front: SocketFront | None = None
+        self._streams: set[asyncio.Queue[None]] = set()
+        self._watcher: FolderWatcher | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._retry: asyncio.TimerHandle | None = None
+        self._serial = 0
+
+    # -- faults ---------------------------------------------------------------
+    @property
+    def hung(self) -> bool:
+        return self._front is not None and self._front.hung
+
+    @hung.setter
+    def hung(self, value: bool) -> None:
+        """Accepts connections and never answers a frame (a deadlocked process)."""
+        self._hung = value
+        if self._front is not None:
+            self._front.hung = value
+
+    def set_devices(self, devices: Iterable[str]) -> None:
+        self._devices = dict.fromkeys(devices, "Healthy")
+        self._notify()
+
+    def set_health(self, device: str, healthy: bool) -> None:
+        self._devices[device] = "Healthy" if healthy else "Unhealthy"
+        self._notify()
+
+    async def crash(self, remove_socket: bool = True) -> None:
+        """The process dies: nothing serves; its socket is removed (or left as a dead file)."""
+        await self._stop_serving(unlink=remove_socket)
+
+    # -- lifecycle --------------------------------------------------------------
+    async def start(self) -> None:
+        """Serve first, then register (the kubelet dials back during Register)."""
+        self._hung = False
+        loop = asyncio.get_running_loop()
+        self._watcher = FolderWatcher(self.dir, self._on_event, loop, polling_interval=0.05)
+        self._watcher.start()
+        await self._serve()
+        await self.register()
+
+    async def restart(self) -> None:
+        """What HAMi does when `kubelet.sock` is created: restart the server, register again."""
+        await self._stop_serving(unlink=True)
+        await self._serve()
+        await self.register()
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+        if self._retry is not None:
+            self._retry.cancel()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._stop_serving(unlink=True)
+        shutil.rmtree(self._private, ignore_errors=True)
+
+    async def __aenter__(self) -> FakeDevicePlugin:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def serving(self) -> bool:
+        return self._front is not None
+
+    async def _serve(self) -> None:
+        self._serial += 1
+        backend = os.path.join(self._private, f"plugin-{self._serial}.sock")
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers(
+            [
+                service_handler(
+                    DEVICE_PLUGIN,
+                    {
+                        "GetDevicePluginOptions": self._options,
+                        "GetPreferredAllocation": self._preferred,
+                        "Allocate": self._allocate,
+                        "PreStartContainer": self._prestart,
+                    },
+                    {"ListAndWatch": self._list_and_watch},
+                )
+            ]
+        )
+        server.add_insecure_port(unix_target(backend))
+        await server.start()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        front = SocketFront(self.socket_path, backend)
+        await front.start()
+        front.hung = self._hung
+        self._server, self._front = server, front
+
+    async def _stop_serving(self, unlink: bool) -> None:
+        if self._front is not None:
+            await self._front.close(unlink=unlink)
+            self._front = None
+        if self._server is not None:
+            await self._server.stop(None)
+            self._server = None
+
+    # -- registration -------------------------------------------------------------
+    async def register(self) -> bool:
+        """One Register call to the kubelet; on failure, retry after `retry_interval` like HAMi."""
+        if not self.register_enabled:
+            return False
+        request = dp.RegisterRequest(
+            version=self.api_version,
+            endpoint=self.socket_name,
+            resource_name=self.register_resource_name,
+            options=dp.DevicePluginOptions(get_preferred_allocation_available=True),
+        )
+        try:
+            async with insecure_channel(self.kubelet_socket) as channel:
+                await unary(channel, REGISTRATION, "Register", dp.Empty)(request, timeout=self.register_timeout)
+        except grpc.aio.AioRpcError as e:
+            self.last_register_error = e.details() or e.code().name
+            logger.info("Could not register device plugin: %s", self.last_register_error)
+            self._schedule_retry()
+            return False
+        self.registrations += 1
+        self.last_register_error = None
+        return True
+
+    def _schedule_retry(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+        loop = asyncio.get_running_loop()
+        self._retry = loop.call_later(self.retry_interval, lambda: self._spawn(self.register()))
+
+    def _on_event(self, event: FsEvent) -> None:
+        if event.kind == "created" and event.name == os.path.basename(self.kubelet_socket) and self.serving:
+            self._spawn(self.restart())
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- DevicePlugin ---------------------------------------------------------------
+    async def _answer(self, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self.calls[method] += 1
+        if self.answer_delay:
+            await asyncio.sleep(self.answer_delay)
+
+    async def _options(self, _req: dp.Empty, context: grpc.aio.ServicerContext[Any, Any]) -> dp.DevicePluginOptions:
+        await self._answer("GetDevicePluginOptions", context)
+        if self.options_error is not None:
+            await context.abort(grpc.StatusCode.INTERNAL, self.options_error)
+        return dp.DevicePluginOptions(get_preferred_allocation_available=True)
+
+    async def _list_and_watch(
+        self, _req: dp.Empty, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[dp.ListAndWatchResponse]:
+        await self._answer("ListAndWatch", context)
+        changed: asyncio.Queue[None] = asyncio.Queue()
+        self._streams.add(changed)
+        try:
+            while True:
+                yield dp.ListAndWatchResponse(
+                    devices=[dp.Device(ID=d, health=h) for d, h in self._devices.items()]
+                )
+                await changed.get()
+        finally:
+            self._streams.discard(changed)
+
+    def _notify(self) -> None:
+        for q in self._streams:
+            q.put_nowait(None)
+
+    async def _preferred(
+        self, req: dp.PreferredAllocationRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> dp.PreferredAllocationResponse:
+        await self._answer("GetPreferredAllocation", context)
+        return dp.PreferredAllocationResponse(
+            container_responses=[
+                dp.ContainerPreferredAllocationResponse(deviceIDs=list(c.available_deviceIDs)[: c.allocation_size])
+                for c in req.container_requests
+            ]
+        )
+
+    async def _allocate(self, req: dp.AllocateRequest, context: grpc.aio.ServicerContext[Any, Any]) -> dp.AllocateResponse:
+        await self._answer("Allocate", context)
+        return dp.AllocateResponse(
+            container_responses=[
+                dp.ContainerAllocateResponse(envs={"NVIDIA_VISIBLE_DEVICES": ",".join(c.devices_ids)})
+                for c in req.container_requests
+            ]
+        )
+
+    async def _prestart(
+        self, _req: dp.PreStartContainerRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> dp.PreStartContainerResponse:
+        await self._answer("PreStartContainer", context)
+        return dp.PreStartContainerResponse()
