@@ -6,6 +6,7 @@ raises `CheckpointError` with a reason an operator can act on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -99,8 +100,6 @@ def write_checkpoint(
             os.fsync(f.fileno())
         os.rename(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise

@@ -8,6 +8,7 @@ this folder, and reacting to its own reads would make it spin (SPEC.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -77,7 +78,9 @@ class FolderWatcher:
                 _stop_quietly(observer)
                 if self._mode == "inotify":
                     raise
-                logger.warning("inotify unavailable (%s); polling the folder every %gs", e, self._polling_interval)
+                logger.warning(
+                    "inotify unavailable (%s); polling the folder every %gs", e, self._polling_interval
+                )
             else:
                 self._observer, self.active_mode = observer, "inotify"
                 return True
@@ -99,10 +102,8 @@ class FolderWatcher:
         self.active_mode = "none"
 
     def _emit(self, event: FsEvent) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: shutting down
             self._loop.call_soon_threadsafe(self._on_event, event)
-        except RuntimeError:  # the loop is closed: shutting down
-            pass
 
 
 def _stop_quietly(observer: Any) -> None:
@@ -114,7 +115,7 @@ def _stop_quietly(observer: Any) -> None:
         pass
 
 
-class _Forwarder(we.FileSystemEventHandler):  # type: ignore[misc]
+class _Forwarder(we.FileSystemEventHandler):
     def __init__(self, watcher: FolderWatcher) -> None:
         self._w = watcher
 

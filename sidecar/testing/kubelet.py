@@ -36,7 +36,9 @@ logger = logging.getLogger(__name__)
 
 KUBELET_SOCKET = "kubelet.sock"
 # The kubelet's own wording (pkg/kubelet/cm/devicemanager): tests and hami-doctor match on it.
-ERR_UNSUPPORTED_VERSION = 'requested API version "{}" is not supported by kubelet. Supported versions are ["v1beta1"]'
+ERR_UNSUPPORTED_VERSION = (
+    'requested API version "{}" is not supported by kubelet. Supported versions are ["v1beta1"]'
+)
 ERR_INVALID_RESOURCE_NAME = 'the ResourceName "{}" is invalid'
 ERR_DIAL = "failed to dial device plugin: {}"
 ERR_OPTIONS = "failed to get device plugin options: {}"
@@ -168,7 +170,9 @@ class FakeKubelet:
         await self.close()
 
     # -- Registration ----------------------------------------------------------
-    async def _register(self, request: dp.RegisterRequest, context: grpc.aio.ServicerContext[Any, Any]) -> dp.Empty:
+    async def _register(
+        self, request: dp.RegisterRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> dp.Empty:
         name = request.resource_name
         self.register_calls[name] += 1
         logger.info('"Got registration request from device plugin with resource" resourceName="%s"', name)
@@ -212,7 +216,9 @@ class FakeKubelet:
                 self._devices[resource] = {d.ID: d.health == "Healthy" for d in update.devices}
                 self._write_checkpoint()
         except grpc.aio.AioRpcError as e:
-            logger.info('"ListAndWatch ended unexpectedly for device plugin" resource="%s" err="%s"', resource, e)
+            logger.info(
+                '"ListAndWatch ended unexpectedly for device plugin" resource="%s" err="%s"', resource, e
+            )
         finally:
             # The kubelet marks every device of the resource unhealthy; capacity stays.
             self._devices[resource] = dict.fromkeys(self._devices.get(resource, {}), False)
@@ -281,4 +287,6 @@ class FakeKubelet:
     async def _get_pod(
         self, request: pr.GetPodResourcesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pr.GetPodResourcesResponse:
-        await context.abort(grpc.StatusCode.NOT_FOUND, f"pod {request.pod_namespace}/{request.pod_name} not found")
+        await context.abort(
+            grpc.StatusCode.NOT_FOUND, f"pod {request.pod_namespace}/{request.pod_name} not found"
+        )

@@ -15,7 +15,15 @@ from typing import Any
 import grpc
 
 from sidecar.proto import deviceplugin_v1beta1_pb2 as dp
-from sidecar.rpc import API_VERSION, DEVICE_PLUGIN, REGISTRATION, insecure_channel, service_handler, unary, unix_target
+from sidecar.rpc import (
+    API_VERSION,
+    DEVICE_PLUGIN,
+    REGISTRATION,
+    insecure_channel,
+    service_handler,
+    unary,
+    unix_target,
+)
 from sidecar.testing.front import SocketFront
 from sidecar.testing.kubelet import KUBELET_SOCKET
 from sidecar.watcher import FolderWatcher, FsEvent
@@ -179,7 +187,9 @@ class FakeDevicePlugin:
         )
         try:
             async with insecure_channel(self.kubelet_socket) as channel:
-                await unary(channel, REGISTRATION, "Register", dp.Empty)(request, timeout=self.register_timeout)
+                await unary(channel, REGISTRATION, "Register", dp.Empty)(
+                    request, timeout=self.register_timeout
+                )
         except grpc.aio.AioRpcError as e:
             self.last_register_error = e.details() or e.code().name
             logger.info("Could not register device plugin: %s", self.last_register_error)
@@ -210,7 +220,9 @@ class FakeDevicePlugin:
         if self.answer_delay:
             await asyncio.sleep(self.answer_delay)
 
-    async def _options(self, _req: dp.Empty, context: grpc.aio.ServicerContext[Any, Any]) -> dp.DevicePluginOptions:
+    async def _options(
+        self, _req: dp.Empty, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> dp.DevicePluginOptions:
         await self._answer("GetDevicePluginOptions", context)
         if self.options_error is not None:
             await context.abort(grpc.StatusCode.INTERNAL, self.options_error)
@@ -241,12 +253,16 @@ class FakeDevicePlugin:
         await self._answer("GetPreferredAllocation", context)
         return dp.PreferredAllocationResponse(
             container_responses=[
-                dp.ContainerPreferredAllocationResponse(deviceIDs=list(c.available_deviceIDs)[: c.allocation_size])
+                dp.ContainerPreferredAllocationResponse(
+                    deviceIDs=list(c.available_deviceIDs)[: c.allocation_size]
+                )
                 for c in req.container_requests
             ]
         )
 
-    async def _allocate(self, req: dp.AllocateRequest, context: grpc.aio.ServicerContext[Any, Any]) -> dp.AllocateResponse:
+    async def _allocate(
+        self, req: dp.AllocateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> dp.AllocateResponse:
         await self._answer("Allocate", context)
         return dp.AllocateResponse(
             container_responses=[

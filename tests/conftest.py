@@ -1,0 +1,63 @@
+"""Shared fixtures: short temporary folders (Unix socket paths are limited to 107 bytes) and the simulator."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+
+from sidecar.testing import FakeDevicePlugin, FakeKubelet
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="hg-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def dp_dir(short_tmp: str) -> str:
+    path = os.path.join(short_tmp, "device-plugins")
+    os.mkdir(path, 0o750)
+    return path
+
+
+@pytest.fixture
+async def kubelet(dp_dir: str, short_tmp: str) -> AsyncIterator[FakeKubelet]:
+    pod_resources = os.path.join(short_tmp, "pod-resources", "kubelet.sock")
+    async with FakeKubelet(dp_dir, pod_resources, dial_timeout=0.5) as k:
+        yield k
+
+
+@pytest.fixture
+async def plugin(kubelet: FakeKubelet, dp_dir: str) -> AsyncIterator[FakeDevicePlugin]:
+    async with FakeDevicePlugin(dp_dir, register_timeout=5, retry_interval=30) as p:
+        await wait_for(lambda: kubelet.healthy_devices("nvidia.com/gpu") == ["GPU-0", "GPU-1"])
+        yield p
+
+
+async def wait_for(predicate: Callable[[], object], timeout: float = 5.0, what: str = "") -> None:
+    """Poll a condition every 5 ms; fail the test with `what` when it does not hold in time."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}")
+        await asyncio.sleep(0.005)
+
+
+def require_tool(name: str) -> str:
+    """The path of a tool; a skip where it is missing, and a failure in CI (CI=true)."""
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{name} is required in CI (.ci/run installs it)")
+        pytest.skip(f"{name} not installed")
+    return path
