@@ -1,0 +1,3 @@
+from initcheck.cli import main
+
+raise SystemExit(main())

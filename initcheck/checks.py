@@ -1,0 +1,336 @@
+"""The checks of `kubelet.sock`, each a function from what is on the node to a `Finding`.
+
+Standard library only: this runs at every plugin start on every node. The kubelet
+process lookup (psutil) lives in `initcheck.kubelet` and is imported only when needed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+Status = Literal["pass", "fail", "warn", "skip"]
+
+DEFAULT_DIR = "/var/lib/kubelet/device-plugins"
+DEFAULT_SOCKET = "kubelet.sock"
+CAP_DAC_OVERRIDE = 1
+
+
+@dataclass(frozen=True)
+class Finding:
+    id: str
+    status: Status
+    path: str
+    found: str = ""
+    expected: str = ""
+    remedy: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        return {
+            "id": d["id"],
+            "status": d["status"],
+            "path": d["path"],
+            "evidence": {"found": d["found"], "expected": d["expected"]},
+            "remedy": d["remedy"],
+        }
+
+
+@dataclass(frozen=True)
+class Options:
+    socket_path: str
+    plugin_uid: int = field(default_factory=os.geteuid)
+    plugin_gid: int = field(default_factory=os.getegid)
+    plugin_groups: tuple[int, ...] = ()
+    expect_owner: int | None = None
+    expect_group: int | None = None
+    expect_mode: int | None = None
+    connect: bool = True
+    strict: bool = False
+    kubelet_process: str = "kubelet"
+
+    @property
+    def folder(self) -> str:
+        return os.path.dirname(self.socket_path)
+
+
+def check_folder(o: Options) -> Finding:
+    folder = o.folder
+    try:
+        st = os.stat(folder)
+    except FileNotFoundError:
+        return Finding(
+            "DIR_MISSING",
+            "fail",
+            folder,
+            "no such folder",
+            "the kubelet's device-plugins folder",
+            f"mount the host's device-plugins folder at {folder} (hostPath volume; HAMi chart value "
+            "devicePlugin.pluginPath), or pass --device-plugin-dir with the path the kubelet uses",
+        )
+    except OSError as e:
+        return Finding(
+            "DIR_MISSING", "fail", folder, f"cannot stat: {e.strerror}", "a readable folder", _selinux
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        return Finding(
+            "DIR_NOT_DIRECTORY",
+            "fail",
+            folder,
+            _kind(st.st_mode),
+            "a folder",
+            f"remove {folder} on the host and restart the kubelet, which creates the folder",
+        )
+    return Finding("DIR_MISSING", "pass", folder, "folder")
+
+
+def check_exists(o: Options) -> Finding:
+    try:
+        os.lstat(o.socket_path)
+    except FileNotFoundError:
+        return Finding(
+            "SOCKET_MISSING",
+            "fail",
+            o.socket_path,
+            "nothing",
+            "the kubelet's registration socket",
+            "check that the kubelet runs on this node (systemctl status kubelet) and that the hostPath "
+            "volume is the folder it uses; with --wait N the check waits for the kubelet to create it",
+        )
+    except OSError as e:
+        return Finding(
+            "SOCKET_MISSING", "fail", o.socket_path, f"cannot stat: {e.strerror}", "a socket", _selinux
+        )
+    return Finding("SOCKET_MISSING", "pass", o.socket_path, "exists")
+
+
+def check_is_socket(o: Options) -> Finding:
+    path = o.socket_path
+    lst = os.lstat(path)
+    found = _kind(lst.st_mode)
+    if stat.S_ISLNK(lst.st_mode):
+        target = os.readlink(path)
+        try:
+            st = os.stat(path)
+        except OSError:
+            found = f"dangling symlink to {target}"
+        else:
+            if stat.S_ISSOCK(st.st_mode):
+                return Finding("NOT_A_SOCKET", "pass", path, f"symlink to a socket ({target})")
+            found = f"symlink to a {_kind(st.st_mode)} ({target})"
+    elif stat.S_ISSOCK(lst.st_mode):
+        return Finding("NOT_A_SOCKET", "pass", path, "socket")
+    return Finding(
+        "NOT_A_SOCKET",
+        "fail",
+        path,
+        found,
+        "a Unix socket",
+        f"remove {path} on the host (rm {path}) and restart the kubelet (systemctl restart kubelet) so it "
+        "listens there again",
+    )
+
+
+def check_expectations(o: Options) -> list[Finding]:
+    st = os.stat(o.socket_path)
+    path = o.socket_path
+    out: list[Finding] = []
+    for fid, want, have, fix in (
+        ("OWNER_MISMATCH", o.expect_owner, st.st_uid, f"chown {o.expect_owner} {path}"),
+        ("GROUP_MISMATCH", o.expect_group, st.st_gid, f"chgrp {o.expect_group} {path}"),
+        ("MODE_MISMATCH", o.expect_mode, stat.S_IMODE(st.st_mode), f"chmod {o.expect_mode or 0:o} {path}"),
+    ):
+        if want is None:
+            out.append(Finding(fid, "skip", path, "not asked for (--expect-*)"))
+        elif want == have:
+            out.append(Finding(fid, "pass", path, _show(fid, have)))
+        else:
+            out.append(Finding(fid, "fail", path, _show(fid, have), _show(fid, want), fix))
+    return out
+
+
+def check_permission(o: Options) -> Finding:
+    """Can the plugin's identity connect? Search on every folder of the path, write on the socket."""
+    path = o.socket_path
+    who = f"uid {o.plugin_uid} gid {o.plugin_gid}"
+    if o.plugin_uid == 0 and has_capability(CAP_DAC_OVERRIDE):
+        return Finding("PERMISSION_DENIED", "pass", path, f"{who} with CAP_DAC_OVERRIDE")
+    groups = {o.plugin_gid, *o.plugin_groups}
+    folder = os.path.dirname(os.path.abspath(path))
+    while True:
+        st = os.stat(folder)
+        if not _allowed(st, o.plugin_uid, groups, 0o1):
+            return Finding(
+                "PERMISSION_DENIED",
+                "fail",
+                folder,
+                f"{who} cannot enter {folder} ({_perm(st)})",
+                "search (x) permission on every folder of the socket's path",
+                f"run the plugin as root (securityContext.runAsUser: 0) or chmod o+x {folder} on the host",
+            )
+        if folder == "/":
+            break
+        folder = os.path.dirname(folder)
+    st = os.stat(path)
+    if _allowed(st, o.plugin_uid, groups, 0o2):
+        return Finding("PERMISSION_DENIED", "pass", path, f"{who} may write ({_perm(st)})")
+    return Finding(
+        "PERMISSION_DENIED",
+        "fail",
+        path,
+        f"{_perm(st)}: {who} has no write permission",
+        f"write permission for {who} (connect() on a Unix socket needs it)",
+        "run the plugin as root (securityContext.runAsUser: 0), or give its group write access: "
+        f"chgrp <plugin-gid> {path} && chmod g+w {path} (hami-doctor --fix does this with --expect-group)",
+    )
+
+
+def check_mode_open(o: Options) -> Finding:
+    st = os.stat(o.socket_path)
+    if not st.st_mode & stat.S_IWOTH:
+        return Finding("MODE_TOO_OPEN", "pass", o.socket_path, f"mode {stat.S_IMODE(st.st_mode):04o}")
+    return Finding(
+        "MODE_TOO_OPEN",
+        "fail" if o.strict else "warn",
+        o.socket_path,
+        f"mode {stat.S_IMODE(st.st_mode):04o}: any process on the node may register a device plugin",
+        "not world-writable (0755 or 0770)",
+        f"chmod o-w {o.socket_path}, and find what loosened it (the kubelet creates it 0755 under umask 022)",
+    )
+
+
+def check_connect(o: Options) -> Finding:
+    if not o.connect:
+        return Finding("STALE_SOCKET", "skip", o.socket_path, "--no-connect")
+    err = try_connect(o.socket_path)
+    if err is None:
+        return Finding("STALE_SOCKET", "pass", o.socket_path, "connect() accepted")
+    if err in (errno.ECONNREFUSED, errno.ENOENT):
+        return Finding(
+            "STALE_SOCKET",
+            "fail",
+            o.socket_path,
+            "connect() refused: nothing listens on this file",
+            "the kubelet listening",
+            "the file outlived its kubelet: restart the kubelet (systemctl restart kubelet), which deletes "
+            "it and listens again; with --wait N the check waits for that",
+        )
+    if err in (errno.EACCES, errno.EPERM):
+        return Finding(
+            "PERMISSION_DENIED",
+            "fail",
+            o.socket_path,
+            f"connect() denied ({os.strerror(err)}) although the mode allows it",
+            "connect() accepted",
+            _selinux,
+        )
+    return Finding(
+        "STALE_SOCKET", "fail", o.socket_path, f"connect() failed: {os.strerror(err)}", "accepted", ""
+    )
+
+
+def try_connect(path: str, timeout: float = 1.0) -> int | None:
+    """errno of a Unix connect(), or None when it was accepted (a full backlog counts as listening)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(path)
+        except (TimeoutError, BlockingIOError):
+            return None
+        except OSError as e:
+            return e.errno or errno.EIO
+    return None
+
+
+def check_kubelet_path(o: Options) -> Finding:
+    from initcheck.kubelet import KubeletLookupError, listening_paths
+
+    try:
+        found = listening_paths(o.kubelet_process)
+    except KubeletLookupError as e:
+        return Finding("PATH_MISMATCH", "skip", o.socket_path, str(e))
+    if found.matches(o.socket_path):
+        return Finding("PATH_MISMATCH", "pass", o.socket_path, f"kubelet pid {found.pid} listens here")
+    listening = ", ".join(found.paths) or "no Unix socket"
+    return Finding(
+        "PATH_MISMATCH",
+        "fail",
+        o.socket_path,
+        f"kubelet pid {found.pid} listens on: {listening}",
+        f"the kubelet listening on {o.socket_path}",
+        "mount the folder the kubelet uses at the plugin's path (HAMi chart: devicePlugin.pluginPath; k3s: "
+        "/var/lib/rancher/k3s/agent/kubelet/device-plugins), or pass --kubelet-socket with the kubelet's "
+        "path",
+    )
+
+
+def run_checks(o: Options) -> list[Finding]:
+    """Every check in the spec's order; a failed gate (folder, file, socket) stops the rest."""
+    findings: list[Finding] = []
+    gates: tuple[Callable[[Options], Finding], ...] = (check_folder, check_exists, check_is_socket)
+    for gate in gates:
+        findings.append(gate(o))
+        if findings[-1].status == "fail":
+            return findings
+    findings += check_expectations(o)
+    steps: tuple[Callable[[Options], Finding], ...] = (check_permission, check_mode_open, check_connect)
+    findings += [step(o) for step in steps]
+    findings.append(check_kubelet_path(o))
+    return findings
+
+
+def has_capability(bit: int) -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> bit & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.geteuid() == 0
+
+
+def _allowed(st: os.stat_result, uid: int, groups: set[int], bit: int) -> bool:
+    if uid == st.st_uid:
+        return bool(st.st_mode >> 6 & bit)
+    if st.st_gid in groups:
+        return bool(st.st_mode >> 3 & bit)
+    return bool(st.st_mode & bit)
+
+
+def _perm(st: os.stat_result) -> str:
+    return f"{stat.filemode(st.st_mode)} {st.st_uid}:{st.st_gid}"
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISREG, "regular file"),
+        (stat.S_ISDIR, "folder"),
+        (stat.S_ISLNK, "symlink"),
+        (stat.S_ISFIFO, "named pipe"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return name
+    return "unknown file type"
+
+
+def _show(fid: str, value: int) -> str:
+    return (
+        f"mode {value:04o}"
+        if fid == "MODE_MISMATCH"
+        else ("uid " if fid == "OWNER_MISMATCH" else "gid ") + str(value)
+    )
+
+
+_selinux = (
+    "a security module denies access: check the audit log (ausearch -m avc -ts recent) and give the plugin's "
+    "container the label the folder needs (securityContext.seLinuxOptions), or run it privileged"
+)

@@ -1,0 +1,67 @@
+"""Where the kubelet really listens: its Unix sockets, read from the process (needs hostPID)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+
+
+class KubeletLookupError(Exception):
+    """No kubelet process could be inspected; the path check is skipped, not failed."""
+
+
+@dataclass(frozen=True)
+class KubeletSockets:
+    pid: int
+    paths: tuple[str, ...]
+
+    def matches(self, path: str) -> bool:
+        """True when the kubelet listens on `path`, by name or by inode through /proc/<pid>/root.
+
+        The inode comparison holds where the plugin's container mounts the host folder at
+        another path than the kubelet's.
+        """
+        if os.path.abspath(path) in self.paths:
+            return True
+        try:
+            mine = os.stat(path)
+        except OSError:
+            return False
+        for p in self.paths:
+            try:
+                theirs = os.stat(f"/proc/{self.pid}/root{p}")
+            except OSError:
+                continue
+            if (theirs.st_dev, theirs.st_ino) == (mine.st_dev, mine.st_ino):
+                return True
+        return False
+
+
+def find_kubelet(name: str = "kubelet") -> psutil.Process:
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] == name:
+            return proc
+    raise KubeletLookupError(
+        f"no process named {name} is visible, so where it listens was not checked "
+        "(the pod needs hostPID: true; HAMi's DaemonSet has it)"
+    )
+
+
+def listening_paths(name: str = "kubelet") -> KubeletSockets:
+    proc = find_kubelet(name)
+    try:
+        conns = proc.net_connections(kind="unix")
+    except psutil.AccessDenied:
+        raise KubeletLookupError(
+            f"kubelet pid {proc.pid} is visible but its sockets cannot be read (needs root or CAP_SYS_PTRACE)"
+        ) from None
+    except psutil.NoSuchProcess:
+        raise KubeletLookupError(f"kubelet pid {proc.pid} exited during the check") from None
+    paths: set[str] = set()
+    for conn in conns:
+        laddr: object = conn.laddr  # a Unix socket's address is its path (str)
+        if isinstance(laddr, str) and laddr.startswith("/"):
+            paths.add(laddr)
+    return KubeletSockets(proc.pid, tuple(sorted(paths)))
