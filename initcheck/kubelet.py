@@ -43,10 +43,9 @@ def find_kubelet(name: str = "kubelet") -> psutil.Process:
     for proc in psutil.process_iter(["name"]):
         if proc.info["name"] == name:
             return proc
-    raise KubeletLookupError(
-        f"no process named {name} is visible, so where it listens was not checked "
-        "(the pod needs hostPID: true; HAMi's DaemonSet has it)"
-    )
+    from initcheck.checks import no_kubelet
+
+    raise KubeletLookupError(no_kubelet(name))
 
 
 def listening_paths(name: str = "kubelet") -> KubeletSockets:

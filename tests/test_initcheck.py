@@ -327,18 +327,22 @@ def test_environment_twins_and_a_flag_wins(folder: str, short_tmp: str, listener
     assert result.stdout.startswith(f"fail: SOCKET_MISSING {short_tmp}/kubelet.sock")
 
 
-def test_only_the_standard_library_and_psutil_are_imported(folder: str, listener: socket.socket) -> None:
+def test_only_the_standard_library_and_psutil_are_imported(
+    folder: str, listener: socket.socket, fake_kubelet_process: tuple[subprocess.Popen[bytes], str]
+) -> None:
     code = (
         "import sys\nfrom initcheck.cli import main\n"
         "import io\nrc = main(sys.argv[1:], out=io.StringIO())\n"
         "print(rc, sorted({m.split('.')[0] for m in sys.modules} & {'grpc', 'aiohttp', 'watchdog', 'psutil', "
         "'sidecar', 'google'}))"
     )
-    healthy = subprocess.run(
-        [PY, "-c", code, "--device-plugin-dir", folder], capture_output=True, text=True, check=False
-    )
-    assert healthy.stdout.split(maxsplit=1) == ["0", "['psutil']\n"]
-    missing = subprocess.run(
-        [PY, "-c", code, "--device-plugin-dir", folder + "x"], capture_output=True, text=True, check=False
-    )
-    assert missing.stdout.split(maxsplit=1) == ["100", "[]\n"]
+
+    def imported(*args: str) -> list[str]:
+        result = subprocess.run([PY, "-c", code, *args], capture_output=True, text=True, check=True)
+        return result.stdout.split(maxsplit=1)
+
+    # A kubelet is visible: psutil reads where it listens (and finds it elsewhere).
+    assert imported("--device-plugin-dir", folder) == ["100", "['psutil']\n"]
+    # No kubelet to inspect, or the socket is missing: psutil is never loaded.
+    assert imported("--device-plugin-dir", folder, "--kubelet-process-name", "nobody") == ["0", "[]\n"]
+    assert imported("--device-plugin-dir", folder + "x") == ["100", "[]\n"]

@@ -1,0 +1,74 @@
+"""Wall time and peak RSS of `hami-initcheck` on a healthy socket, next to a bare `python -c pass`.
+
+Goal (issue 3): wall <= 2.5x the bare interpreter, peak RSS <= 20 MiB. Medians from one run,
+alternating the two commands so that machine noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+RUNS = int(os.environ.get("RUNS", "40"))
+
+
+def measure(argv: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (KiB) of one run of argv."""
+    started = time.perf_counter()
+    devnull = [(os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0)]
+    pid = os.posix_spawn(argv[0], argv, os.environ, file_actions=devnull)
+    _, status, usage = os.wait4(pid, 0)
+    elapsed = time.perf_counter() - started
+    code = os.waitstatus_to_exitcode(status)
+    if code not in (0, 100):
+        raise SystemExit(f"{argv} exited {code}")
+    return elapsed, usage.ru_maxrss
+
+
+def main() -> None:
+    folder = tempfile.mkdtemp(prefix="hg-bench-")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(os.path.join(folder, "kubelet.sock"))
+    listener.listen(1024)
+    script = shutil.which("hami-initcheck", path=os.path.dirname(sys.executable)) or "hami-initcheck"
+    # A process named kubelet listening on the socket, as hostPID shows it on a node: with it,
+    # initcheck loads psutil to read where the kubelet listens.
+    kubelet = os.path.join(folder, "kubelet")
+    os.symlink(os.path.realpath(sys.executable), kubelet)
+    helper = subprocess.Popen([kubelet, "-c", "import time; time.sleep(3600)"])
+    commands = {
+        "python -c pass": [sys.executable, "-c", "pass"],
+        "hami-initcheck": [script, "--device-plugin-dir", folder, "--kubelet-process-name", "no-kubelet"],
+        "hami-initcheck+kubelet": [script, "--device-plugin-dir", folder, "--no-connect"],
+    }
+    samples: dict[str, list[tuple[float, int]]] = {k: [] for k in commands}
+    try:
+        for _ in range(RUNS):
+            for name, argv in commands.items():
+                samples[name].append(measure(argv))
+    finally:
+        helper.kill()
+        helper.wait()
+        listener.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    wall = {k: statistics.median(s[0] for s in v) for k, v in samples.items()}
+    rss = {k: max(s[1] for s in v) for k, v in samples.items()}
+    print(f"runs: {RUNS} each, alternating; machine: {os.cpu_count()} cores")
+    for name in commands:
+        print(f"{name:24s} median wall {wall[name] * 1000:7.1f} ms   peak RSS {rss[name] / 1024:5.1f} MiB")
+    for name in list(commands)[1:]:
+        ratio = wall[name] / wall["python -c pass"]
+        print(
+            f"{name}: wall {ratio:.2f}x the bare interpreter (goal <= 2.5x), peak RSS "
+            f"{rss[name] / 1024:.1f} MiB (goal <= 20 MiB)"
+        )
+
+
+if __name__ == "__main__":
+    main()
