@@ -50,11 +50,13 @@ def _serialize(message: Message) -> bytes:
 def unary(
     channel: grpc.aio.Channel, service: Any, method: str, response: type[Resp]
 ) -> grpc.aio.UnaryUnaryMultiCallable[Message, Resp]:
-    return channel.unary_unary(
-        method_path(service, method),
-        request_serializer=_serialize,
-        response_deserializer=response.FromString,
-    )
+    return unary_path(channel, method_path(service, method), response)
+
+
+def unary_path(
+    channel: grpc.aio.Channel, path: str, response: type[Resp]
+) -> grpc.aio.UnaryUnaryMultiCallable[Message, Resp]:
+    return channel.unary_unary(path, request_serializer=_serialize, response_deserializer=response.FromString)
 
 
 def server_stream(

@@ -66,6 +66,7 @@ class FakeDevicePlugin:
         self.register_resource_name = resource
         # What happened.
         self.calls: Counter[str] = Counter()
+        self.register_attempts = 0  # Register calls made
         self.registrations = 0  # Register calls the kubelet accepted
         self.last_register_error: str | None = None
         self._private = tempfile.mkdtemp(prefix="fake-plugin-")
@@ -185,6 +186,7 @@ class FakeDevicePlugin:
             resource_name=self.register_resource_name,
             options=dp.DevicePluginOptions(get_preferred_allocation_available=True),
         )
+        self.register_attempts += 1
         try:
             async with insecure_channel(self.kubelet_socket) as channel:
                 await unary(channel, REGISTRATION, "Register", dp.Empty)(

@@ -1,0 +1,184 @@
+"""Live probes over gRPC and the kubelet's records, each side-effect free (KUBELET-FACTS.md sections 3 and 5).
+
+Never `Register` (it bumps the kubelet's registration metric and logs an attempt),
+never `ListAndWatch` (a second stream steals health events from the kubelet's),
+never `Allocate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Literal
+
+import grpc
+
+from initcheck.checks import try_connect
+from sidecar.checkpoint import Checkpoint, CheckpointError, read_checkpoint
+from sidecar.proto import deviceplugin_v1beta1_pb2 as dp
+from sidecar.proto import podresources_v1_pb2 as pr
+from sidecar.rpc import DEVICE_PLUGIN, POD_RESOURCES, REGISTRATION, insecure_channel, unary, unary_path
+
+# An unknown method of the kubelet's own service: the kubelet answers UNIMPLEMENTED without side effects.
+KUBELET_PROBE_METHOD = f"/{REGISTRATION.full_name}/HamiGuardProbe"
+
+SocketState = Literal["alive", "absent", "not-socket", "refused", "timeout", "wrong-service", "error"]
+
+
+@dataclass(frozen=True)
+class SocketId:
+    """What tells one socket file from its successor (inode numbers are reused at once)."""
+
+    ino: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    state: SocketState
+    reason: str
+    latency: float
+    identity: SocketId | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "alive"
+
+
+def socket_identity(path: str) -> SocketId | None | Literal["not-socket"]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(st.st_mode):
+        return "not-socket"
+    return SocketId(st.st_ino, st.st_mtime_ns)
+
+
+def socket_refuses(path: str) -> bool:
+    """A dead socket file: it exists and nothing listens (the kubelet that made it is gone)."""
+    return try_connect(path, timeout=0.05) is not None
+
+
+async def probe_kubelet(path: str, timeout: float) -> ProbeResult:
+    """Call an unknown method of `v1beta1.Registration`: "unknown method" proves the service is there."""
+    started = time.perf_counter()
+    identity = socket_identity(path)
+    if identity is None:
+        return ProbeResult("absent", f"{path} does not exist", 0.0)
+    if identity == "not-socket":
+        return ProbeResult("not-socket", f"{path} is not a socket", 0.0)
+    async with insecure_channel(path) as channel:
+        try:
+            await unary_path(channel, KUBELET_PROBE_METHOD, dp.Empty)(dp.Empty(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            latency = time.perf_counter() - started
+            code, details = e.code(), e.details() or ""
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                if details.startswith("unknown method"):
+                    return ProbeResult("alive", "serving v1beta1.Registration", latency, identity)
+                if details.startswith("unknown service"):
+                    return ProbeResult(
+                        "wrong-service",
+                        f"something else listens on {path}: {details} (not the kubelet's device plugin "
+                        "registration; API or socket mix-up)",
+                        latency,
+                        identity,
+                    )
+                return ProbeResult("alive", f"alive, service not verified ({details})", latency, identity)
+            return _failure(e, path, timeout, latency, identity)
+    return ProbeResult("alive", "alive, service not verified (the unknown method answered)", 0.0, identity)
+
+
+async def probe_plugin(path: str, timeout: float) -> ProbeResult:
+    """`GetDevicePluginOptions`: side-effect free, answered by every v1beta1 plugin."""
+    started = time.perf_counter()
+    identity = socket_identity(path)
+    if identity is None:
+        return ProbeResult("absent", f"{path} does not exist: the plugin is not serving", 0.0)
+    if identity == "not-socket":
+        return ProbeResult("not-socket", f"{path} is not a socket", 0.0)
+    async with insecure_channel(path) as channel:
+        call = unary(channel, DEVICE_PLUGIN, "GetDevicePluginOptions", dp.DevicePluginOptions)
+        try:
+            await call(dp.Empty(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            return _failure(e, path, timeout, time.perf_counter() - started, identity)
+    return ProbeResult("alive", "GetDevicePluginOptions answered", time.perf_counter() - started, identity)
+
+
+def _failure(
+    e: grpc.aio.AioRpcError, path: str, timeout: float, latency: float, identity: SocketId | None
+) -> ProbeResult:
+    code = e.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ProbeResult(
+            "timeout", f"timeout: no answer on {path} within {timeout:g}s (hung?)", latency, identity
+        )
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if socket_refuses(path):
+            return ProbeResult("refused", f"connection refused on {path}: nothing listens", latency, identity)
+        return ProbeResult("error", f"unavailable on {path}: {e.details()}", latency, identity)
+    return ProbeResult("error", f"{code.name} on {path}: {e.details()}", latency, identity)
+
+
+async def allocatable_devices(path: str, timeout: float) -> dict[str, int] | str:
+    """Device counts per resource from pod-resources `GetAllocatableResources`, or why there are none."""
+    if socket_identity(path) is None:
+        return "pod-resources socket not mounted"
+    async with insecure_channel(path) as channel:
+        call = unary(channel, POD_RESOURCES, "GetAllocatableResources", pr.AllocatableResourcesResponse)
+        try:
+            answer = await call(pr.AllocatableResourcesRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            return f"pod-resources: {e.code().name}: {e.details()}"
+    counts: dict[str, int] = {}
+    for d in answer.devices:
+        counts[d.resource_name] = counts.get(d.resource_name, 0) + len(d.device_ids)
+    return counts
+
+
+@dataclass(frozen=True)
+class Evidence:
+    ok: bool
+    reason: str
+    devices: int | None  # as the checkpoint lists them; None when unknown
+
+
+def registration_evidence(
+    checkpoint: Checkpoint | CheckpointError, resource: str, kubelet: SocketId | None, plugin: SocketId | None
+) -> Evidence:
+    """The kubelet accepted the plugin: its checkpoint was rewritten after both sockets were created,
+    listing at least one device of the resource (KUBELET-FACTS.md section 4)."""
+    if isinstance(checkpoint, CheckpointError):
+        return Evidence(False, str(checkpoint), None)
+    devices = checkpoint.devices(resource)
+    if devices is None:
+        return Evidence(False, f"the kubelet's checkpoint does not list {resource}: never registered", None)
+    if plugin is None:
+        return Evidence(False, "the plugin socket is missing", len(devices))
+    if kubelet is None:
+        return Evidence(False, "kubelet.sock is missing", len(devices))
+    newest = max(kubelet.mtime_ns, plugin.mtime_ns)
+    if checkpoint.mtime_ns < newest:
+        which = "plugin socket" if plugin.mtime_ns >= kubelet.mtime_ns else "kubelet.sock"
+        return Evidence(
+            False,
+            f"not registered since the {which} was created: the checkpoint is older than it",
+            len(devices),
+        )
+    if not devices:
+        return Evidence(False, f"the kubelet lists no healthy device of {resource}", 0)
+    return Evidence(True, f"the kubelet lists {len(devices)} device(s)", len(devices))
+
+
+async def read_checkpoint_async(path: str, executor: Executor) -> Checkpoint | CheckpointError:
+    """Off the loop: a checkpoint can be megabytes of JSON, and /healthz must not wait for it."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(executor, read_checkpoint, path)
+    except CheckpointError as e:
+        return e

@@ -1,0 +1,105 @@
+"""A node in a temporary folder: FakeKubelet, FakeDevicePlugin, the real sidecar on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+import pytest
+
+from sidecar.app import Sidecar
+from sidecar.cli import serve
+from sidecar.config import PluginSpec, Settings
+from sidecar.testing import FakeDevicePlugin, FakeKubelet
+from tests.conftest import wait_for
+
+GPU = "nvidia.com/gpu"
+# Short settings so that every scenario runs in a second or two.
+FAST = Settings(probe_interval=1.0, probe_timeout=0.3, registration_grace=2.0, host="127.0.0.1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Node:
+    dir: str
+    kubelet: FakeKubelet
+    plugin: FakeDevicePlugin
+    sidecar: Sidecar
+    settings: Settings
+    http: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.port}"
+
+    async def get(self, path: str = "/healthz?verbose") -> tuple[int, str]:
+        async with self.http.get(self.url + path) as r:
+            return r.status, await r.text()
+
+    async def until(self, path: str, status: int, timeout: float = 5.0, contains: str = "") -> str:
+        """Poll `path` every 5 ms until it answers `status` (and contains `contains`); the body."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            code, body = await self.get(path)
+            if code == status and contains in body:
+                return body
+            if loop.time() > deadline:
+                pytest.fail(f"{path} answered {code} after {timeout}s, not {status} {contains!r}:\n{body}")
+            await asyncio.sleep(0.005)
+
+
+@contextlib.asynccontextmanager
+async def sidecar_running(settings: Settings) -> AsyncIterator[tuple[Sidecar, asyncio.Task[Sidecar]]]:
+    stop = asyncio.Event()
+    sidecar = Sidecar(settings)
+    task = asyncio.get_running_loop().create_task(serve(settings, stop, sidecar))
+    try:
+        await wait_for(lambda: sidecar.ready or task.done(), what="the first probe round")
+        yield sidecar, task
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+NodeFactory = Callable[..., contextlib.AbstractAsyncContextManager[Node]]
+
+
+@pytest.fixture
+def make_node(dp_dir: str, short_tmp: str) -> NodeFactory:
+    @contextlib.asynccontextmanager
+    async def factory(plugin_kwargs: dict[str, Any] | None = None, **overrides: Any) -> AsyncIterator[Node]:
+        pod_resources = os.path.join(short_tmp, "pod-resources", "kubelet.sock")
+        settings = replace(
+            FAST, device_plugin_dir=dp_dir, pod_resources_socket=pod_resources, port=free_port(), **overrides
+        )
+        async with (
+            FakeKubelet(dp_dir, pod_resources, dial_timeout=0.5) as kubelet,
+            FakeDevicePlugin(dp_dir, register_timeout=5, **(plugin_kwargs or {})) as plugin,
+        ):
+            await wait_for(lambda: kubelet.healthy_devices(GPU), what="registration")
+            async with sidecar_running(settings) as (sidecar, _), aiohttp.ClientSession() as http:
+                yield Node(dp_dir, kubelet, plugin, sidecar, settings, http)
+
+    return factory
+
+
+@pytest.fixture
+async def node(make_node: NodeFactory) -> AsyncIterator[Node]:
+    async with make_node() as n:
+        yield n
+
+
+__all__ = ["FAST", "GPU", "Node", "NodeFactory", "PluginSpec", "free_port", "sidecar_running"]
