@@ -13,8 +13,8 @@ import os
 import stat
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +103,9 @@ class Sidecar:
         self.kubelet_restarts = 0
         self.history: deque[Attempt] = deque(maxlen=50)
         self.devices: dict[str, dict[str, int]] = {p.resource: {} for p in settings.plugins}
-        self._attempts: dict[str, Attempt | None] = dict.fromkeys((p.resource for p in settings.plugins), None)
+        self._attempts: dict[str, Attempt | None] = dict.fromkeys(
+            (p.resource for p in settings.plugins), None
+        )
         self._kubelet_down = False  # a kubelet restart is under way
         self._kubelet_id: SocketId | None = None  # kubelet.sock as last seen answering
         self._kubelet_recreated = False
@@ -115,6 +117,7 @@ class Sidecar:
         self._watcher: FolderWatcher | None = None
         self._folder_id: tuple[int, int] | None = None
         self._reader: ThreadPoolExecutor | None = None
+        self._folder_waiting = False
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -129,7 +132,7 @@ class Sidecar:
             polling_interval=self.settings.polling_interval,
         )
         if not self._arm_watcher():
-            self._spawn(self._wait_for_folder(), "folder-wait")
+            self._await_folder()
         self._spawn(self._probe_loop(), "probe-loop")
         self._schedule_refresh()
 
@@ -178,10 +181,22 @@ class Sidecar:
         logger.info("watching %s (%s)", self.settings.device_plugin_dir, self._watcher.active_mode)
         return True
 
+    def _await_folder(self) -> None:
+        """The folder is missing or was replaced: watch it again as soon as it is back."""
+        if self._watcher is not None:
+            self._watcher.stop()
+        self._folder_id = None
+        if not self._folder_waiting:
+            self._folder_waiting = True
+            self._spawn(self._wait_for_folder(), "folder-wait")
+
     async def _wait_for_folder(self) -> None:
-        logger.warning("%s is missing; waiting for it", self.settings.device_plugin_dir)
-        while not self._arm_watcher():
-            await asyncio.sleep(FOLDER_RETRY_SECONDS)
+        logger.warning("%s is missing or was replaced; waiting for it", self.settings.device_plugin_dir)
+        try:
+            while not self._arm_watcher():
+                await asyncio.sleep(FOLDER_RETRY_SECONDS)
+        finally:
+            self._folder_waiting = False
         self.trigger()
 
     def _folder_replaced(self) -> bool:
@@ -196,10 +211,7 @@ class Sidecar:
         s = self.settings
         if event.kind == "folder-gone":
             self._kubelet_gone("the device-plugins folder was removed")
-            if self._watcher is not None:
-                self._watcher.stop()
-            self._folder_id = None
-            self._spawn(self._wait_for_folder(), "folder-wait")
+            self._await_folder()
         elif event.name == s.kubelet_socket:
             if event.kind == "deleted":
                 self._kubelet_gone(f"{s.kubelet_socket} was deleted")
@@ -314,9 +326,8 @@ class Sidecar:
 
     async def probe_round(self) -> None:
         s = self.settings
-        if self._watcher is not None and self._folder_id is not None and self._folder_replaced():
-            logger.info("%s was replaced; watching it again", s.device_plugin_dir)
-            self._arm_watcher()
+        if self._folder_id is not None and self._folder_replaced():
+            self._await_folder()
         kubelet, *plugins = await asyncio.gather(
             probe_kubelet(s.kubelet_path, s.probe_timeout),
             *(probe_plugin(s.plugin_path(p), s.probe_timeout) for p in s.plugins),
@@ -324,15 +335,15 @@ class Sidecar:
         self._observe_probe("kubelet", kubelet)
         self._judge_kubelet(kubelet)
         assert self._reader is not None
-        checkpoint = await read_checkpoint_async(os.path.join(s.device_plugin_dir, CHECKPOINT_NAME), self._reader)
+        checkpoint = await read_checkpoint_async(
+            os.path.join(s.device_plugin_dir, CHECKPOINT_NAME), self._reader
+        )
         pod_resources = await allocatable_devices(s.pod_resources_socket, s.probe_timeout)
         host_devices = len(glob.glob(s.device_glob)) if s.expect_devices == -1 else None
-        kubelet_id = kubelet.identity if kubelet.ok else None
         for plugin, result in zip(s.plugins, plugins, strict=True):
             self._observe_probe(plugin.socket, result)
             self._judge_plugin(plugin, result)
-            plugin_id = result.identity if result.ok else None
-            evidence = registration_evidence(checkpoint, plugin.resource, kubelet_id, plugin_id)
+            evidence = registration_evidence(checkpoint, plugin.resource, kubelet.identity, result.identity)
             self._judge_registration(plugin, evidence)
             self._count_devices(plugin, evidence, pod_resources, host_devices)
         self.rounds += 1
@@ -351,7 +362,7 @@ class Sidecar:
             self._kubelet_id = k.identity
         elif k.state in ("absent", "refused"):
             self._kubelet_gone(k.reason)
-        self.state.report(KUBELET_CHECK, k.ok, k.reason, k.latency)
+        self.state.report(KUBELET_CHECK, k.ok, k.reason, k.latency, definitive=k.definitive)
 
     def _judge_plugin(self, plugin: PluginSpec, result: ProbeResult) -> None:
         name = plugin_check(plugin.resource)
@@ -363,7 +374,7 @@ class Sidecar:
             # Gone since the last round, and its deletion event is not here yet: same verdict path.
             self._start_vanish_judge(plugin)
             return
-        self.state.report(name, result.ok, result.reason, result.latency)
+        self.state.report(name, result.ok, result.reason, result.latency, definitive=result.definitive)
 
     def _judge_registration(self, plugin: PluginSpec, evidence: Evidence) -> None:
         name = registered_check(plugin.resource)
@@ -444,7 +455,11 @@ class Sidecar:
                     "since": _iso(c.since),
                     "reason": c.reason,
                     "last_probe_latency_seconds": c.latency,
-                    **({"grace_left_seconds": round(self.state.grace_left(c), 3)} if c.status is Status.PENDING else {}),
+                    **(
+                        {"grace_left_seconds": round(self.state.grace_left(c), 3)}
+                        if c.status is Status.PENDING
+                        else {}
+                    ),
                 }
                 for c in self.state.checks.values()
             },

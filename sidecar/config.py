@@ -64,7 +64,9 @@ def _seconds(value: str) -> float:
 def _plugin(value: str) -> PluginSpec:
     resource, sep, sock = value.partition("=")
     if not sep or "/" not in resource or not sock or "/" in sock:
-        raise argparse.ArgumentTypeError(f"expected RESOURCE=SOCKET (nvidia.com/gpu=nvidia-gpu.sock), got {value!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected RESOURCE=SOCKET (nvidia.com/gpu=nvidia-gpu.sock), got {value!r}"
+        )
     return PluginSpec(resource, sock)
 
 
@@ -99,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the variable takes a comma-separated list",
     )
     p.add_argument("--pod-resources-socket", default=DEFAULT_POD_RESOURCES, help="used only if present")
-    p.add_argument("--listen", type=_listen, default=("0.0.0.0", 9395), help="ADDR:PORT (default 0.0.0.0:9395)")
+    p.add_argument(
+        "--listen", type=_listen, default=("0.0.0.0", 9395), help="ADDR:PORT (default 0.0.0.0:9395)"
+    )
     p.add_argument("--probe-interval", type=_seconds, default=10.0)
     p.add_argument("--probe-timeout", type=_seconds, default=2.0)
     p.add_argument("--registration-grace", type=_seconds, default=60.0)
@@ -107,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-glob", default=DEFAULT_DEVICE_GLOB)
     p.add_argument("--plugin-label", default="hami", help="the `plugin` label of the metrics")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
-    p.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO", type=str.upper)
+    p.add_argument(
+        "--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO", type=str.upper
+    )
     p.add_argument("--watch-mode", choices=("auto", "inotify", "polling"), default="auto")
     p.add_argument("--polling-interval", type=_seconds, default=1.0, help="period of the polling fallback")
     return p

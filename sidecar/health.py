@@ -36,6 +36,7 @@ class Check:
     since: float  # wall clock of the last transition
     latency: float | None = None  # of the last probe, seconds
     last_ok: bool | None = None  # the last raw outcome; None before the first
+    definitive: bool = False
     passed_since_reset: bool = False
     reset_at: float = 0.0  # monotonic
 
@@ -61,9 +62,14 @@ class HealthState:
     def add(self, name: str) -> None:
         self.checks[name] = Check(name, Status.PENDING, "not probed yet", self.wall(), reset_at=self.clock())
 
-    def report(self, name: str, ok: bool, reason: str = "", latency: float | None = None) -> None:
+    def report(
+        self, name: str, ok: bool, reason: str = "", latency: float | None = None, definitive: bool = False
+    ) -> None:
+        """A probe's outcome. `definitive`: a failure no waiting can mend (another service on the
+        socket, a file where a socket should be) fails at once, grace or not."""
         check = self.checks[name]
         check.last_ok = ok
+        check.definitive = definitive and not ok
         if latency is not None:
             check.latency = latency
         if ok:
@@ -105,7 +111,11 @@ class HealthState:
     def _settle(self, check: Check, reason: str) -> None:
         if check.last_ok:
             status = Status.OK
-        elif not check.passed_since_reset and self.clock() - check.reset_at < self.grace:
+        elif (
+            not check.definitive
+            and not check.passed_since_reset
+            and self.clock() - check.reset_at < self.grace
+        ):
             status = Status.PENDING
         elif check.last_ok is None:
             status, reason = Status.FAILED, "no probe answered within the registration grace"

@@ -48,8 +48,13 @@ class ProbeResult:
     def ok(self) -> bool:
         return self.state == "alive"
 
+    @property
+    def definitive(self) -> bool:
+        """No waiting mends it: another service answers, or the file is not a socket."""
+        return self.state in ("wrong-service", "not-socket")
 
-def socket_identity(path: str) -> SocketId | None | Literal["not-socket"]:
+
+def socket_identity(path: str) -> SocketId | Literal["not-socket"] | None:
     try:
         st = os.stat(path)
     except OSError:

@@ -70,12 +70,14 @@ class FolderWatcher:
             return False
         handler = _Forwarder(self)
         if self._mode in ("auto", "inotify"):
-            observer: Any = InotifyObserver()
+            observer: Any = None
             try:
+                observer = InotifyObserver()  # opens the inotify instance: may fail here
                 observer.schedule(handler, self.folder, recursive=False, event_filter=_INOTIFY_EVENTS)
                 observer.start()
             except OSError as e:
-                _stop_quietly(observer)
+                if observer is not None:
+                    _stop_quietly(observer)
                 if self._mode == "inotify":
                     raise
                 logger.warning(

@@ -75,9 +75,17 @@ class SocketFront:
             await self._flowing.wait()
             b_reader, b_writer = await asyncio.open_unix_connection(self.backend)
             self._writers.add(b_writer)
+            pumps = [
+                asyncio.ensure_future(self._pump(reader, b_writer)),
+                asyncio.ensure_future(self._pump(b_reader, writer)),
+            ]
             try:
-                await asyncio.gather(self._pump(reader, b_writer), self._pump(b_reader, writer))
+                # Either side closing ends the connection, as a process closing its socket does.
+                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
             finally:
+                for p in pumps:
+                    p.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
                 self._writers.discard(b_writer)
                 b_writer.close()
         except (OSError, asyncio.IncompleteReadError):
@@ -87,12 +95,8 @@ class SocketFront:
             writer.close()
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
+        with contextlib.suppress(OSError):
             while data := await reader.read(65536):
                 await self._flowing.wait()
                 writer.write(data)
                 await writer.drain()
-        finally:
-            if writer.can_write_eof():
-                with contextlib.suppress(OSError):
-                    writer.write_eof()

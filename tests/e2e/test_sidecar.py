@@ -1,0 +1,528 @@
+"""The sidecar's scenarios (issue 4), each end to end: simulator, real sidecar, real HTTP client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import aiohttp
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar.config import PluginSpec
+from sidecar.rpc import GoStyleUnimplemented, unix_target
+from sidecar.testing import FakeDevicePlugin, FakeKubelet
+from tests.conftest import wait_for
+from tests.e2e.conftest import GPU, Node, NodeFactory, free_port, sidecar_running
+
+ASCEND = "huawei.com/Ascend910B3"
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    raise AssertionError(f"no sample {name}{labels}")
+
+
+async def metrics(node: Node) -> str:
+    code, body = await node.get("/metrics")
+    assert code == 200
+    return body
+
+
+class Watch:
+    """Polls /healthz in the background and records every status seen."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.seen: list[tuple[float, int, str]] = []
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            code, body = await self.node.get("/healthz?verbose")
+            self.seen.append((time.monotonic(), code, body))
+            await asyncio.sleep(0.003)
+
+    async def stop(self) -> list[int]:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        return [code for _, code, _ in self.seen]
+
+
+# 1
+async def test_healthy_node_answers_200_within_2s_with_every_check(make_node: NodeFactory) -> None:
+    started = time.monotonic()
+    async with make_node() as node:
+        body = await node.until("/healthz?verbose", 200, timeout=2.0)
+        assert time.monotonic() - started < 2.0 + 0.5  # node set-up included
+        assert body.splitlines() == [
+            "[+]kubelet ok",
+            "[+]plugin:nvidia.com/gpu ok",
+            "[+]registered:nvidia.com/gpu ok",
+            "healthz check passed",
+        ]
+        assert await node.get("/healthz") == (200, "ok")
+
+
+# 2
+async def test_removed_plugin_socket_fails_within_half_a_second_naming_it(make_node: NodeFactory) -> None:
+    async with make_node(probe_interval=30.0) as node:  # only the event can explain a fast verdict
+        await node.until("/healthz", 200)
+        removed = time.monotonic()
+        await node.plugin.crash()
+        body = await node.until("/healthz", 503, timeout=0.5)
+        assert time.monotonic() - removed < 0.5
+        assert (
+            f"[-]plugin:{GPU} failed: {node.plugin.socket_path} was removed while the kubelet kept running"
+            in body
+        )
+
+
+# 3
+async def test_hung_plugin_fails_within_interval_plus_timeout(make_node: NodeFactory) -> None:
+    async with make_node() as node:
+        await node.until("/healthz", 200)
+        node.plugin.hung = True
+        s = node.settings
+        body = await node.until("/healthz?verbose", 503, timeout=s.probe_interval + s.probe_timeout + 0.5)
+        assert f"[-]plugin:{GPU} failed: timeout: no answer on {node.plugin.socket_path} within 0.3s" in body
+        node.plugin.hung = False
+        await node.until("/healthz", 200, timeout=s.probe_interval + 1)
+
+
+# 4
+async def test_kubelet_restart_with_reregistration_never_fails(node: Node) -> None:
+    before = await metrics(node)
+    watch = Watch(node)
+    await asyncio.sleep(0.05)
+    await node.kubelet.restart()
+    await wait_for(lambda: node.kubelet.healthy_devices(GPU), what="re-registration")
+    await wait_for(lambda: node.sidecar.history and node.sidecar.history[-1].outcome == "registered")
+    await asyncio.sleep(0.3)
+    codes = await watch.stop()
+    assert codes
+    assert set(codes) == {200}, [b for _, c, b in watch.seen if c != 200][:1]
+    assert any("[~]" in body for _, _, body in watch.seen), "the transition was never seen as pending"
+    after = await metrics(node)
+    labels = {"plugin": "hami", "resource": GPU}
+    for name in ("device_plugin_registration_attempt_total", "device_plugin_registration_success_total"):
+        assert metric(after, name, **labels) - metric(before, name, **labels) == 1, name
+    hist = "device_plugin_listandwatch_latency_seconds_count"
+    assert metric(after, hist, **labels) - metric(before, hist, **labels) == 1
+    assert metric(after, "device_plugin_kubelet_restarts_total") == 1
+    assert node.sidecar.history[-1].latency is not None
+    assert node.sidecar.history[-1].latency < 2.0
+
+
+# 5
+async def test_kubelet_restart_without_reregistration_fails_when_the_grace_runs_out(
+    make_node: NodeFactory,
+) -> None:
+    async with make_node(registration_grace=1.0) as node:
+        await node.until("/healthz", 200)
+        before = await metrics(node)
+        node.plugin.register_enabled = False
+        restarted = time.monotonic()
+        await node.kubelet.restart()
+        body = await node.until("/healthz?verbose", 200, contains=f"[~]registered:{GPU} pending:")
+        assert time.monotonic() - restarted < 1.0
+        await node.until("/healthz", 503, timeout=2.0)
+        elapsed = time.monotonic() - restarted
+        assert 1.0 <= elapsed < 2.0, elapsed
+        _, body = await node.get("/healthz?verbose")
+        assert f"[-]registered:{GPU} failed: " in body
+        after = await metrics(node)
+        labels = {"plugin": "hami", "resource": GPU}
+        assert (
+            metric(after, "device_plugin_registration_attempt_total", **labels)
+            - metric(before, "device_plugin_registration_attempt_total", **labels)
+            == 1
+        )
+        assert metric(after, "device_plugin_registration_success_total", **labels) == metric(
+            before, "device_plugin_registration_success_total", **labels
+        )
+        assert node.sidecar.history[-1].outcome == "not registered within the grace"
+
+
+# 6
+async def test_kubelet_socket_without_the_registration_service_fails_with_unknown_service(
+    dp_dir: str, short_tmp: str
+) -> None:
+    from dataclasses import replace
+
+    from tests.e2e.conftest import FAST
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([GoStyleUnimplemented({})])  # a gRPC server serving something else
+    server.add_insecure_port(unix_target(os.path.join(dp_dir, "kubelet.sock")))
+    await server.start()
+    settings = replace(FAST, device_plugin_dir=dp_dir, pod_resources_socket="/nonexistent", port=free_port())
+    try:
+        async with sidecar_running(settings) as (sidecar, _):
+            check = sidecar.state.checks["kubelet"]
+            assert check.status.value == "failed"
+            assert "unknown service v1beta1.Registration" in check.reason
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(f"http://127.0.0.1:{settings.port}/healthz?verbose") as r,
+            ):
+                assert r.status == 503
+                assert "[-]kubelet failed: something else listens on" in await r.text()
+    finally:
+        await server.stop(None)
+
+
+# 7
+async def test_the_sidecar_never_registers_nor_opens_listandwatch_nor_allocates(node: Node) -> None:
+    await node.kubelet.restart()
+    await wait_for(lambda: node.plugin.registrations == 2)
+    for _ in range(5):
+        node.sidecar.trigger()
+        await asyncio.sleep(0.02)
+    await node.until("/healthz", 200)
+    calls = node.plugin.calls
+    assert calls["GetDevicePluginOptions"] > node.plugin.registrations  # the sidecar's probes
+    assert calls["ListAndWatch"] == node.plugin.registrations  # only the kubelet's streams
+    assert calls["Allocate"] == calls["PreStartContainer"] == calls["GetPreferredAllocation"] == 0
+    assert node.kubelet.register_calls[GPU] == node.plugin.register_attempts == 2
+
+
+# 8
+BAD_CHECKPOINTS = {
+    "corrupt": (b"{\x00\xff not json", "not valid JSON"),
+    "truncated": (
+        b'{"Data":{"PodDeviceEntries":null,"RegisteredDevices":{"nvidia.com/gpu":["GPU-0"',
+        "not valid JSON",
+    ),
+    "empty": (b"", "empty"),
+    "null-laden": (
+        b'{"Data":{"PodDeviceEntries":null,"RegisteredDevices":{"nvidia.com/gpu":null}},"Checksum":null}',
+        "lists no healthy device",
+    ),
+    "null": (b"null", "no Data object"),
+    "Data null": (b'{"Data":null,"Checksum":1}', "no Data object"),
+    "wrong types": (b'{"Data":{"RegisteredDevices":["nvidia.com/gpu"]}}', "not an object"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_CHECKPOINTS))
+async def test_bad_checkpoint_is_a_failed_check_with_its_reason(node: Node, kind: str) -> None:
+    content, reason = BAD_CHECKPOINTS[kind]
+    await node.until("/healthz", 200)
+    write_checkpoint_bytes(node.kubelet.checkpoint_path, content)
+    body = await node.until("/healthz?verbose", 503, contains=reason, timeout=2)
+    assert f"[-]registered:{GPU} failed: " in body
+    assert "[+]kubelet ok" in body  # nothing else is affected
+
+
+def write_checkpoint_bytes(path: str, content: bytes) -> None:
+    tmp = os.path.join(os.path.dirname(path), ".test-checkpoint")
+    with open(tmp, "wb") as f:
+        f.write(content)
+    os.replace(tmp, path)
+
+
+async def test_huge_checkpoint_is_refused_unread(node: Node) -> None:
+    await node.until("/healthz", 200)
+    tmp = node.kubelet.checkpoint_path + ".big"
+    with open(tmp, "wb") as f:
+        f.truncate(50 * 1024 * 1024)
+    os.replace(tmp, node.kubelet.checkpoint_path)
+    body = await node.until("/healthz?verbose", 503, contains="over the", timeout=2)
+    assert f"the checkpoint is {50 * 1024 * 1024} bytes" in body
+
+
+async def test_checkpoint_replaced_by_a_folder(node: Node) -> None:
+    await node.until("/healthz", 200)
+    os.unlink(node.kubelet.checkpoint_path)
+    os.mkdir(node.kubelet.checkpoint_path)
+    await node.until("/healthz?verbose", 503, contains="not a regular file", timeout=2)
+
+
+async def test_pre_1_20_checkpoint_is_read(node: Node) -> None:
+    """Before 1.20, DeviceIDs was a plain list; RegisteredDevices is unchanged, so the verdict stands."""
+    await node.until("/healthz", 200)
+    old = {
+        "Data": {
+            "PodDeviceEntries": [
+                {
+                    "PodUID": "u",
+                    "ContainerName": "c",
+                    "ResourceName": GPU,
+                    "DeviceIDs": ["GPU-0"],
+                    "AllocResp": "",
+                }
+            ],
+            "RegisteredDevices": {GPU: ["GPU-0", "GPU-1"]},
+        },
+        "Checksum": 1,
+    }
+    write_checkpoint_bytes(node.kubelet.checkpoint_path, json.dumps(old).encode())
+    await asyncio.sleep(0.1)
+    assert await node.get("/healthz") == (200, "ok")
+    assert node.sidecar.devices[GPU]["checkpoint"] == 2
+
+
+# 9
+async def test_folder_deleted_and_recreated_is_watched_again(make_node: NodeFactory) -> None:
+    async with make_node(probe_interval=30.0) as node:
+        await node.until("/healthz", 200)
+        shutil.rmtree(node.dir)
+        await node.until("/healthz", 503, timeout=node.settings.registration_grace + 1)
+        os.mkdir(node.dir, 0o750)
+        await node.kubelet.restart()
+        await node.plugin.restart()  # its own watch died with the folder
+        await node.until("/healthz?verbose", 200, timeout=3, contains=f"[+]registered:{GPU} ok")
+        assert node.sidecar.watch_mode == "inotify"
+        removed = time.monotonic()
+        await node.plugin.crash()
+        await node.until("/healthz", 503, timeout=0.5)
+        assert time.monotonic() - removed < 0.5
+
+
+@contextlib.contextmanager
+def inotify_exhausted() -> Iterator[None]:
+    """Use up this user's inotify instances, as a node at its fs.inotify.max_user_instances does."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fds: list[int] = []
+    try:
+        while len(fds) < 100_000:
+            fd = libc.inotify_init1(os.O_CLOEXEC)
+            if fd < 0:
+                break
+            fds.append(fd)
+        else:
+            pytest.fail("could not exhaust inotify instances")
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+async def test_polling_fallback_detects_a_removed_socket_within_its_period(make_node: NodeFactory) -> None:
+    with inotify_exhausted():
+        async with make_node(probe_interval=30.0, polling_interval=0.2) as node:
+            assert node.sidecar.watch_mode == "polling"
+            await node.until("/healthz?verbose", 200, contains=f"[+]registered:{GPU} ok")
+            removed = time.monotonic()
+            await node.plugin.crash()
+            await node.until("/healthz", 503, timeout=0.2 + 0.5)
+            assert time.monotonic() - removed < 0.7
+
+
+# 10
+async def test_two_plugins_one_failing(dp_dir: str, short_tmp: str) -> None:
+    from dataclasses import replace
+
+    from tests.e2e.conftest import FAST
+
+    settings = replace(
+        FAST,
+        device_plugin_dir=dp_dir,
+        pod_resources_socket="/nonexistent",
+        port=free_port(),
+        plugins=(PluginSpec(GPU, "nvidia-gpu.sock"), PluginSpec(ASCEND, "Ascend910B3.sock")),
+    )
+    async with (
+        FakeKubelet(dp_dir, dial_timeout=0.5) as kubelet,
+        FakeDevicePlugin(dp_dir, register_timeout=5),
+        FakeDevicePlugin(dp_dir, ASCEND, "Ascend910B3.sock", ["npu-0"], register_timeout=5) as ascend,
+    ):
+        await wait_for(lambda: kubelet.healthy_devices(GPU) and kubelet.healthy_devices(ASCEND))
+        async with sidecar_running(settings), aiohttp.ClientSession() as http:
+            node = Node(dp_dir, kubelet, ascend, None, settings, http)  # type: ignore[arg-type]
+            await node.until("/healthz", 200)
+            ascend.hung = True
+            body = await node.until("/healthz?verbose", 503, timeout=2)
+            assert f"[-]plugin:{ASCEND} failed: timeout" in body
+            assert f"[+]plugin:{GPU} ok" in body
+            assert f"[+]registered:{ASCEND} ok" in body
+            assert await node.get(f"/healthz?exclude=plugin:{ASCEND}") == (200, "ok")
+            assert await node.get(f"/healthz/plugin:{GPU}") == (200, "ok")
+            code, text = await node.get(f"/healthz/plugin:{ASCEND}")
+            assert code == 503
+            assert text.startswith(f"[-]plugin:{ASCEND} failed: timeout")
+            m = await metrics(node)
+            assert metric(m, "device_plugin_check_up", check=f"plugin:{ASCEND}") == 0
+            assert metric(m, "device_plugin_check_up", check=f"plugin:{GPU}") == 1
+            assert metric(m, "device_plugin_devices", resource=ASCEND, source="checkpoint") == 1
+            ascend.hung = False
+
+
+# 11
+SPEC_METRICS = {
+    "device_plugin_registration_attempt",
+    "device_plugin_registration_success",
+    "device_plugin_listandwatch_latency_seconds",
+    "device_plugin_probe_duration_seconds",
+    "device_plugin_check_up",
+    "device_plugin_devices",
+    "device_plugin_kubelet_restarts",
+}
+
+
+async def test_metrics_status_readyz_and_errors(node: Node) -> None:
+    await node.kubelet.restart()
+    await wait_for(lambda: node.sidecar.history and node.sidecar.history[-1].outcome == "registered")
+    text = await metrics(node)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert set(families) >= SPEC_METRICS
+    labels = {"plugin": "hami", "resource": GPU}
+    assert metric(text, "device_plugin_registration_attempt_total", **labels) == 1
+    assert metric(text, "device_plugin_registration_success_total", **labels) == 1
+    assert metric(text, "device_plugin_listandwatch_latency_seconds_count", **labels) == 1
+    assert metric(text, "device_plugin_kubelet_restarts_total") == 1
+    assert metric(text, "device_plugin_check_up", check=f"registered:{GPU}") == 1
+    assert metric(text, "device_plugin_devices", resource=GPU, source="checkpoint") == 2
+    assert metric(text, "device_plugin_devices", resource=GPU, source="pod_resources") == 2
+    assert metric(text, "device_plugin_probe_duration_seconds_count", socket="kubelet") >= 1
+
+    code, body = await node.get("/status")
+    assert code == 200
+    doc = json.loads(body)
+    assert set(doc) >= {
+        "version",
+        "uptime_seconds",
+        "checks",
+        "sockets",
+        "kubelet_restarts",
+        "registration_history",
+        "devices",
+    }
+    assert set(doc["checks"][f"registered:{GPU}"]) >= {
+        "state",
+        "since",
+        "reason",
+        "last_probe_latency_seconds",
+    }
+    assert set(doc["sockets"]["kubelet.sock"]) >= {"path", "exists", "mode", "owner", "created"}
+    assert doc["sockets"]["nvidia-gpu.sock"]["exists"] is True
+    assert doc["kubelet_restarts"] == 1
+    assert doc["registration_history"][-1]["outcome"] == "registered"
+    assert doc["devices"][GPU] == {"checkpoint": 2, "pod_resources": 2}
+
+    assert (await node.get("/nope"))[0] == 404
+    assert (await node.get("/healthz/no-such-check"))[0] == 404
+    for method in ("POST", "PUT", "DELETE"):
+        async with node.http.request(method, node.url + "/healthz") as r:
+            assert r.status == 405
+    async with node.http.head(node.url + "/healthz") as r:
+        assert r.status == 200
+
+
+async def test_readyz_is_503_until_the_first_round_finishes(make_node: NodeFactory, dp_dir: str) -> None:
+    from dataclasses import replace
+
+    from tests.e2e.conftest import FAST
+
+    async with FakeKubelet(dp_dir, dial_timeout=0.5), FakeDevicePlugin(dp_dir) as plugin:
+        plugin.hung = True  # the first round waits for its probe timeout
+        settings = replace(
+            FAST, device_plugin_dir=dp_dir, pod_resources_socket="/none", port=free_port(), probe_timeout=0.5
+        )
+        stop = asyncio.Event()
+        from sidecar.cli import serve
+
+        task = asyncio.get_running_loop().create_task(serve(settings, stop))
+        url = f"http://127.0.0.1:{settings.port}/readyz"
+        async with aiohttp.ClientSession() as http:
+            codes = []
+            for _ in range(200):
+                with contextlib.suppress(aiohttp.ClientConnectionError):
+                    async with http.get(url) as r:
+                        codes.append(r.status)
+                        if r.status == 200:
+                            break
+                await asyncio.sleep(0.01)
+        stop.set()
+        await task
+        plugin.hung = False
+    assert codes[0] == 503
+    assert codes[-1] == 200
+
+
+# 12
+def test_sigterm_exits_0_within_2s(dp_dir: str) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "--device-plugin-dir",
+            dp_dir,
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--pod-resources-socket",
+            "/nonexistent",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        import urllib.request
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the sidecar did not become ready"
+            time.sleep(0.05)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=5)
+        assert time.monotonic() - sent < 2.0
+        assert proc.returncode == 0
+        assert proc.stderr is not None
+        log = proc.stderr.read()
+        assert "Traceback" not in log
+        assert "stopped" in log
+    finally:
+        proc.kill()
+
+
+async def test_stop_leaves_no_thread_nor_task(dp_dir: str) -> None:
+    from dataclasses import replace
+
+    from tests.e2e.conftest import FAST
+
+    async with FakeKubelet(dp_dir, dial_timeout=0.5), FakeDevicePlugin(dp_dir):
+        threads_before = set(threading.enumerate())
+        tasks_before = asyncio.all_tasks()
+        settings = replace(FAST, device_plugin_dir=dp_dir, pod_resources_socket="/none", port=free_port())
+        async with sidecar_running(settings) as (sidecar, _):
+            await wait_for(lambda: sidecar.rounds >= 1)
+            assert set(threading.enumerate()) - threads_before  # the observer, the checkpoint reader
+        await asyncio.sleep(0)
+        leaked_threads = [t.name for t in set(threading.enumerate()) - threads_before]
+        assert leaked_threads == []
+        # The simulator's gRPC servers finish their side of the sidecar's last calls by themselves.
+        await wait_for(
+            lambda: not [t for t in asyncio.all_tasks() - tasks_before if not _grpc_server_task(t)]
+        )
+        leaked = [t.get_name() for t in asyncio.all_tasks() - tasks_before if not _grpc_server_task(t)]
+        assert leaked == []
+
+
+def _grpc_server_task(task: asyncio.Task[object]) -> bool:
+    """grpcio's own server tasks, which the simulator's servers keep for their next request."""
+    return "grpc/_cython" in repr(task)
