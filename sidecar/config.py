@@ -123,9 +123,8 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
     parser = build_parser()
     args = parse_with_env(parser, argv, environ)
     if args.probe_timeout >= args.probe_interval:
-        parser.error(
-            f"--probe-timeout ({args.probe_timeout:g}s) must be below --probe-interval ({args.probe_interval:g}s)"
-        )
+        timeout, interval = args.probe_timeout, args.probe_interval
+        parser.error(f"--probe-timeout ({timeout:g}s) must be below --probe-interval ({interval:g}s)")
     plugins = tuple(args.plugin or [_plugin(DEFAULT_PLUGIN)])
     resources = [p.resource for p in plugins]
     if len(set(resources)) != len(resources):
