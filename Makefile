@@ -25,8 +25,7 @@ pytest: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	@echo 'The sidecar demo comes with hami-sidecar; until then this runs the kubelet simulator (type quit to stop).'
-	$(PY) -m sidecar.testing
+	$(PY) -m sidecar.demo
 
 # Regenerate the protobuf code from sidecar/proto/*.proto (tests/test_proto.py checks it is current).
 proto: $(STAMP)

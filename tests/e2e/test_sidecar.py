@@ -526,3 +526,64 @@ async def test_stop_leaves_no_thread_nor_task(dp_dir: str) -> None:
 def _grpc_server_task(task: asyncio.Task[object]) -> bool:
     """grpcio's own server tasks, which the simulator's servers keep for their next request."""
     return "grpc/_cython" in repr(task)
+
+
+async def test_one_log_line_per_transition_none_per_probe(
+    make_node: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="sidecar")
+    async with make_node(probe_interval=0.1, probe_timeout=0.05) as node:
+        await node.until("/healthz?verbose", 200, contains=f"[+]registered:{GPU} ok")
+        rounds = node.sidecar.rounds
+        await wait_for(lambda: node.sidecar.rounds >= rounds + 5)
+        lines = [
+            r.getMessage() for r in caplog.records if r.name == "sidecar.app" and "check " in r.getMessage()
+        ]
+        assert sorted(lines) == sorted(
+            [
+                "check kubelet: pending -> ok: serving v1beta1.Registration",
+                f"check plugin:{GPU}: pending -> ok: GetDevicePluginOptions answered",
+                f"check registered:{GPU}: pending -> ok: the kubelet lists 2 device(s)",
+            ]
+        )
+
+
+async def test_expected_devices_check_counts_what_the_kubelet_lists(
+    make_node: NodeFactory, short_tmp: str
+) -> None:
+    host = os.path.join(short_tmp, "dev")
+    os.mkdir(host)
+    for i in range(3):  # nvidia-smi would see three GPUs
+        open(os.path.join(host, f"nvidia{i}"), "w").close()
+    open(os.path.join(host, "nvidiactl"), "w").close()
+    async with make_node(expect_devices=-1, device_glob=os.path.join(host, "nvidia[0-9]*")) as node:
+        body = await node.until("/healthz?verbose", 503, timeout=3)
+        assert f"[-]devices:{GPU} failed: the kubelet lists 2 device(s) by pod-resources, 3 expected" in body
+        node.plugin.set_devices(["GPU-0", "GPU-1", "GPU-2"])
+        await node.until("/healthz", 200, timeout=3)
+        m = await metrics(node)
+        assert metric(m, "device_plugin_devices", resource=GPU, source="host") == 3
+
+
+def test_demo_tour_runs_and_exits() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar.demo"],
+        env={**os.environ, "DEMO_TOUR_ONLY": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for step in (
+        "1. a healthy node",
+        "2. the kubelet restarts",
+        "3. the plugin hangs",
+        "4. the plugin answers",
+    ):
+        assert step in out
+    assert out.count("-> HTTP 200") == 3
+    assert out.count("-> HTTP 503") == 1
+    assert 'device_plugin_registration_success_total{plugin="hami",resource="nvidia.com/gpu"} 1.0' in out
+    assert "Traceback" not in result.stderr
