@@ -110,6 +110,7 @@ class Sidecar:
         self._kubelet_id: SocketId | None = None  # kubelet.sock as last seen answering
         self._kubelet_recreated = False
         self._judging: set[str] = set()  # plugins whose vanished socket awaits its verdict
+        self._vanished: dict[str, str] = {}  # the verdict on a vanished socket, until it is back
         self._by_socket = {p.socket: p for p in settings.plugins}
         self._trigger: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -244,6 +245,7 @@ class Sidecar:
 
     def _plugin_socket_created(self, plugin: PluginSpec) -> None:
         self._judging.discard(plugin.resource)
+        self._vanished.pop(plugin.resource, None)
         self.state.reset(n for n in self._plugin_checks(plugin) if n in self.state.checks)
         self._open_attempt(plugin.resource, "new plugin socket")
 
@@ -298,14 +300,13 @@ class Sidecar:
             restart = f"{self.settings.kubelet_socket} refuses connections"
         else:
             restart = ""
-        name = plugin_check(plugin.resource)
         if restart:
             self._kubelet_gone(f"{plugin.socket} was removed and {restart}")
-            self.state.report(name, False, f"{path} was removed by a kubelet restart; waiting for the plugin")
+            verdict = f"{path} was removed by a kubelet restart; waiting for the plugin"
         else:
-            self.state.report(
-                name, False, f"{path} was removed while the kubelet kept running: the plugin stopped serving"
-            )
+            verdict = f"{path} was removed while the kubelet kept running: the plugin stopped serving"
+        self._vanished[plugin.resource] = verdict
+        self.state.report(plugin_check(plugin.resource), False, verdict)
         self._schedule_refresh()
 
     def _plugin_checks(self, plugin: PluginSpec) -> tuple[str, ...]:
@@ -370,10 +371,14 @@ class Sidecar:
             return  # the vanished socket's verdict is being reached
         if result.ok and socket_identity(self.settings.plugin_path(plugin)) != result.identity:
             return  # removed or replaced while probed: its events decide
-        if result.state == "absent" and self.state.checks[name].status is Status.OK:
-            # Gone since the last round, and its deletion event is not here yet: same verdict path.
-            self._start_vanish_judge(plugin)
-            return
+        if result.state == "absent":
+            if self.state.checks[name].status is Status.OK:
+                # Gone since the last round, and its deletion event is not here yet: same verdict path.
+                self._start_vanish_judge(plugin)
+                return
+            if plugin.resource in self._vanished:
+                self.state.report(name, False, self._vanished[plugin.resource])  # keep the verdict's why
+                return
         self.state.report(name, result.ok, result.reason, result.latency, definitive=result.definitive)
 
     def _judge_registration(self, plugin: PluginSpec, evidence: Evidence) -> None:
