@@ -4,13 +4,22 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest demo proto bench soak clean
+TOOLS  := .venv-tools/.installed
+
+.PHONY: test lint typecheck pytest demo proto bench soak clean lock
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# checkov and kubernetes-validate live apart: their pins must not bend the project's.
+$(TOOLS): requirements/tools.txt
+	test -x .venv-tools/bin/python || $(PYTHON) -m venv .venv-tools
+	.venv-tools/bin/python -m pip install --quiet --upgrade pip
+	.venv-tools/bin/python -m pip install --quiet -r requirements/tools.txt
+	touch $(TOOLS)
 
 test: lint typecheck pytest
 
@@ -21,7 +30,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-pytest: $(STAMP)
+pytest: $(STAMP) $(TOOLS)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
@@ -31,5 +40,14 @@ demo: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. sidecar/proto/*.proto
 
+# Re-pin the images' dependencies (requirements/*.txt) from a clean install of the project.
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install --quiet .
+	{ head -2 requirements/sidecar.txt; .venv-lock/bin/pip freeze --exclude hami-guard; } > requirements/sidecar.txt.new
+	mv requirements/sidecar.txt.new requirements/sidecar.txt
+	{ head -1 requirements/init.txt; grep '^psutil==' requirements/sidecar.txt; } > requirements/init.txt.new
+	mv requirements/init.txt.new requirements/init.txt
+	rm -rf .venv-lock
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-tools build *.egg-info .pytest_cache .mypy_cache .ruff_cache
