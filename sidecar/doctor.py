@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import glob
 import json
 import os
@@ -192,8 +193,8 @@ def protocol_cause(k: ProbeResult) -> Cause:
             "problem",
             [k.reason],
             [
-                "point the plugin at the kubelet's real device-plugins folder (HAMi chart: devicePlugin.pluginPath); "
-                "find who listens on the socket:",
+                "point the plugin at the kubelet's real device-plugins folder (HAMi chart: "
+                "devicePlugin.pluginPath); find who listens on the socket:",
                 "$ ss -xlp | grep kubelet.sock",
             ],
         )
@@ -340,7 +341,7 @@ def growth_cause(name: str, interval: float, rss_mib: float) -> Cause:
         if grown >= rss_mib or b[1] - a[1] >= 100 or b[2] - a[2] >= 20:
             cause.verdict = "problem"
             cause.fix += [
-                f"a leak in the plugin: watch it, report it upstream with this evidence, restart it:",
+                "a leak in the plugin: watch it, report it upstream with this evidence, restart it:",
                 f"$ ps -o rss,nlwp -p {p.pid}",
                 RESTART_PLUGIN,
             ]
@@ -354,10 +355,8 @@ def plan_repairs(args: argparse.Namespace, states: list[PluginState]) -> list[Re
     repairs = []
     seen = set()
     candidates = [s.path for s in states if s.stale]
-    try:
+    with contextlib.suppress(OSError):
         candidates += [e.path for e in os.scandir(args.device_plugin_dir) if e.name.endswith(".sock")]
-    except OSError:
-        pass
     for path in candidates:
         name = os.path.basename(path)
         if name in protected or path in seen:
@@ -438,8 +437,8 @@ async def diagnose(args: argparse.Namespace) -> Report:
             "plugin-log",
             plugin_logs,
             [
-                "the plugin could not register: start it only once the kubelet listens (the hami-initcheck init "
-                "container with --wait 60), then restart it:",
+                "the plugin could not register: start it only once the kubelet listens (the hami-initcheck "
+                "init container with --wait 60), then restart it:",
                 RESTART_PLUGIN,
             ],
         ),
