@@ -469,9 +469,8 @@ def print_text(report: Report, fixing: bool, out: TextIO) -> None:
         initial_indent=" " * 4,
         subsequent_indent=" " * 6,
         break_on_hyphens=False,
-        break_long_words=False,
     )
-    room = WIDTH - 44
+    room = WIDTH - 45  # after "NN  CAUSE (31) VERDICT (8) "
     for i, c in enumerate(report.causes, 1):
         verdict = "PROBLEM" if c.verdict == "problem" else c.verdict
         summary = "; ".join(c.evidence)
