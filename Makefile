@@ -36,6 +36,18 @@ pytest: $(STAMP) $(TOOLS)
 demo: $(STAMP)
 	$(PY) -m sidecar.demo
 
+# Figures for BENCHMARKS.md (each script prints medians and ratios from one run).
+bench: $(STAMP)
+	$(PY) bench/initcheck_startup.py
+	$(PY) -m bench.healthz_load
+	$(PY) -m bench.probe_cost
+	$(PY) -m bench.fault_latency
+	$(PY) -m bench.resources
+	$(PY) bench/doctor_log.py
+
+soak: $(STAMP)
+	$(PY) -m bench.soak
+
 # Regenerate the protobuf code from sidecar/proto/*.proto (tests/test_proto.py checks it is current).
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. sidecar/proto/*.proto

@@ -35,8 +35,10 @@ def percentile(values: Sequence[float], p: float) -> float:
 
 
 def summary(values: Sequence[float], unit: float = 1000.0, name: str = "ms") -> str:
-    return (f"p50 {statistics.median(values) * unit:.1f} {name}, p99 {percentile(values, 99) * unit:.1f} {name}, "
-            f"max {max(values) * unit:.1f} {name} (n={len(values)})")
+    return (
+        f"p50 {statistics.median(values) * unit:.1f} {name}, p99 {percentile(values, 99) * unit:.1f} {name}, "
+        f"max {max(values) * unit:.1f} {name} (n={len(values)})"
+    )
 
 
 @dataclass
@@ -44,7 +46,7 @@ class Node:
     dir: str
     kubelet: FakeKubelet
     plugin: FakeDevicePlugin
-    sidecar: subprocess.Popen[bytes]
+    sidecar: asyncio.subprocess.Process
     url: str
     http: aiohttp.ClientSession
 
@@ -68,13 +70,25 @@ class Node:
 
 
 @contextlib.asynccontextmanager
-async def node(*sidecar_args: str, cpu: int | None = None, log: str | None = None) -> AsyncIterator[Node]:
+async def node(
+    *sidecar_args: str, cpu: int | None = None, log: str | None = None, keepalive: bool = True
+) -> AsyncIterator[Node]:
     root = tempfile.mkdtemp(prefix="hg-bench-")
     folder = os.path.join(root, "device-plugins")
     pod_resources = os.path.join(root, "pod-resources", "kubelet.sock")
     port = free_port()
-    argv = [sys.executable, "-m", "sidecar", "--device-plugin-dir", folder, "--pod-resources-socket", pod_resources,
-            "--listen", f"127.0.0.1:{port}", *sidecar_args]
+    argv = [
+        sys.executable,
+        "-m",
+        "sidecar",
+        "--device-plugin-dir",
+        folder,
+        "--pod-resources-socket",
+        pod_resources,
+        "--listen",
+        f"127.0.0.1:{port}",
+        *sidecar_args,
+    ]
     if cpu is not None and shutil.which("taskset"):
         argv = ["taskset", "-c", str(cpu), *argv]
     try:
@@ -83,9 +97,10 @@ async def node(*sidecar_args: str, cpu: int | None = None, log: str | None = Non
             FakeDevicePlugin(folder, register_timeout=5, retry_interval=3600) as plugin,
         ):
             stderr = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
-            proc = subprocess.Popen(argv, stderr=stderr)
+            proc = await asyncio.create_subprocess_exec(*argv, stderr=stderr)
             try:
-                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4)) as http:
+                connector = aiohttp.TCPConnector(limit=4, force_close=not keepalive)
+                async with aiohttp.ClientSession(connector=connector) as http:
                     n = Node(folder, kubelet, plugin, proc, f"http://127.0.0.1:{port}", http)
                     for _ in range(300):
                         with contextlib.suppress(aiohttp.ClientError):
@@ -96,7 +111,7 @@ async def node(*sidecar_args: str, cpu: int | None = None, log: str | None = Non
                     yield n
             finally:
                 proc.terminate()
-                proc.wait(10)
+                await asyncio.wait_for(proc.wait(), 10)
                 if log:
                     stderr.close()  # type: ignore[union-attr]
     finally:

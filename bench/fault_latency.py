@@ -71,12 +71,16 @@ async def main() -> None:
     r = await removed()
     print(f"plugin socket removed:                 {summary(r)}  (goal p99 <= 20 ms)")
     h = await hung()
-    print(f"plugin hung (interval {INTERVAL:g} s, timeout {TIMEOUT:g} s): {summary(h)}  "
-          f"(goal <= {(INTERVAL + TIMEOUT) * 1000 + 50:.0f} ms)")
+    print(
+        f"plugin hung (interval {INTERVAL:g} s, timeout {TIMEOUT:g} s): {summary(h)}  "
+        f"(goal <= {(INTERVAL + TIMEOUT) * 1000 + 50:.0f} ms)"
+    )
     k = await restart_without_registration()
     print(f"kubelet restart, no re-registration (grace {GRACE:g} s): {summary(k)}  (goal <= {GRACE + 1:g} s)")
-    print("probe-only design at Kubernetes defaults (exec probe every 10 s, 3 failures): 20-30 s to notice any "
-          "of these, and never the lost registration unless the probe itself reads the kubelet's records")
+    print(
+        "probe-only design at Kubernetes defaults (exec probe every 10 s, 3 failures): 20-30 s to notice any "
+        "of these, and never the lost registration unless the probe itself reads the kubelet's records"
+    )
 
 
 if __name__ == "__main__":

@@ -32,12 +32,16 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print
 """
 
 
-def wrk(url: str) -> tuple[float, float, float]:
-    """Requests per second, p50 and p99 latency (ms) from `wrk -t1 -c16 --latency`."""
-    out = subprocess.run(
-        ["taskset", "-c", "1", "wrk", "-t1", "-c16", f"-d{DURATION}s", "--latency", url],
-        capture_output=True, text=True, check=True,
-    ).stdout
+async def wrk(url: str) -> tuple[float, float, float]:
+    """Requests per second, p50 and p99 latency (ms) from `wrk -t1 -c16 --latency`.
+
+    Run without blocking this loop: the simulated kubelet and plugin live in it and must keep
+    answering the sidecar's probes, or /healthz would turn 503 under load.
+    """
+    argv = ["taskset", "-c", "1", "wrk", "-t1", "-c16", f"-d{DURATION}s", "--latency", url]
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE)
+    out = (await proc.communicate())[0].decode()
+    assert "Non-2xx" not in out, out
 
     def ms(label: str) -> float:
         m = re.search(rf"^\s+{label}%\s+([\d.]+)(us|ms|s)", out, re.MULTILINE)
@@ -64,7 +68,7 @@ async def paced(url: str, rate: float = 100.0) -> tuple[float, float]:
 
 async def measure(name: str, url: str) -> None:
     if shutil.which("wrk"):
-        rps, p50, p99 = wrk(url)
+        rps, p50, p99 = await wrk(url)
         print(f"{name:22s} saturation (wrk -t1 -c16): {rps:8.0f} req/s, p50 {p50:.2f} ms, p99 {p99:.2f} ms")
     else:
         print(f"{name:22s} saturation: wrk not installed (apt-get install wrk)")
@@ -75,17 +79,18 @@ async def measure(name: str, url: str) -> None:
 async def main() -> None:
     print(f"{os.cpu_count()} cores; servers pinned to core 0, load to core 1; {DURATION} s per figure")
     port = free_port()
-    bare = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", BARE, str(port)])
+    bare = await asyncio.create_subprocess_exec("taskset", "-c", "0", sys.executable, "-c", BARE, str(port))
     try:
         for _ in range(100):
             with contextlib.suppress(OSError):
-                with __import__("socket").create_connection(("127.0.0.1", port), timeout=0.1):
-                    break
-            time.sleep(0.05)
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                break
+            await asyncio.sleep(0.05)
         await measure("bare aiohttp handler", f"http://127.0.0.1:{port}/healthz")
     finally:
         bare.terminate()
-        bare.wait()
+        await bare.wait()
     async with node(cpu=0) as n:
         await measure("hami-sidecar /healthz", f"{n.url}/healthz")
     print("goals: >= 15,000 req/s; p99 <= 1 ms at 100 req/s and <= 3 ms at saturation")

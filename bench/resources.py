@@ -17,9 +17,14 @@ SECONDS = float(os.environ.get("IDLE_SECONDS", "60"))
 
 
 def imports_rss() -> float:
-    code = ("import grpc, aiohttp, watchdog.observers, psutil, prometheus_client, google.protobuf, resource;"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
-    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout) / 1024
+    code = (
+        "import grpc, aiohttp, watchdog.observers, psutil, prometheus_client, google.protobuf, resource;"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    return (
+        int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+        / 1024
+    )
 
 
 async def main() -> None:
@@ -33,8 +38,10 @@ async def main() -> None:
         cpu = (after.user + after.system) - (before.user + before.system)
         rss = p.memory_info().rss / 2**20
         fds, threads = p.num_fds(), p.num_threads()
-    print(f"idle over {SECONDS:g} s (interval 10 s): {cpu:.3f} CPU s = {cpu / SECONDS * 100:.3f} % of a core "
-          "(goal <= 0.1 %)")
+    print(
+        f"idle over {SECONDS:g} s (interval 10 s): {cpu:.3f} CPU s = {cpu / SECONDS * 100:.3f} % of a core "
+        "(goal <= 0.1 %)"
+    )
     print(f"steady-state RSS: {rss:.1f} MiB (goal <= 55 MiB); fds {fds}, threads {threads}")
     print(f"importing the dependencies alone: {imports_rss():.1f} MiB peak RSS")
 

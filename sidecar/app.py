@@ -11,6 +11,7 @@ import glob
 import logging
 import os
 import stat
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -214,9 +215,13 @@ class Sidecar:
             self._kubelet_gone("the device-plugins folder was removed")
             self._await_folder()
         elif event.name == s.kubelet_socket:
-            if event.kind == "deleted":
+            # Events trail the files by a few ms: when kubelet.sock is the one last seen answering,
+            # the event is about an older file, and a probe has already judged the change.
+            current = socket_identity(s.kubelet_path)
+            stale = self._kubelet_id is not None and current == self._kubelet_id
+            if event.kind == "deleted" and not stale:
                 self._kubelet_gone(f"{s.kubelet_socket} was deleted")
-            elif event.kind == "created":
+            elif event.kind == "created" and not stale:
                 self._kubelet_recreated = True
         elif event.name in self._by_socket:
             plugin = self._by_socket[event.name]
@@ -474,6 +479,8 @@ class Sidecar:
                 "pod-resources": _socket_info(s.pod_resources_socket),
             },
             "kubelet_restarts": self.kubelet_restarts,
+            "probe_rounds": self.rounds,
+            "runtime": _runtime(),
             "registration_history": [a.as_dict() for a in self.history],
             "devices": self.devices,
             "settings": {
@@ -484,6 +491,19 @@ class Sidecar:
                 "plugins": {p.resource: p.socket for p in s.plugins},
             },
         }
+
+
+def _runtime() -> dict[str, Any]:
+    """What a leak would show: tasks by coroutine, threads by name."""
+    tasks: dict[str, int] = {}
+    for t in asyncio.all_tasks():
+        name = getattr(t.get_coro(), "__qualname__", "?")
+        tasks[name] = tasks.get(name, 0) + 1
+    return {
+        "tasks": sum(tasks.values()),
+        "task_kinds": dict(sorted(tasks.items())),
+        "threads": sorted(t.name for t in threading.enumerate()),
+    }
 
 
 def _socket_info(path: str) -> dict[str, Any]:

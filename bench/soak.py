@@ -1,0 +1,212 @@
+"""`make soak`: faults against the simulator while /healthz is polled at 20 req/s (issue 7).
+
+200 kubelet restarts with re-registration, 100 plugin crashes and re-registrations, 50 hangs,
+corrupt checkpoints, and at least 1,000 probe rounds. Passes only if every verdict was right
+(no 503 during a healthy re-registration, a 503 within its bound for each real fault), the log
+has no exception, open fds are back to their count, RSS grew <= 2 MiB after warm-up, and no
+thread or task leaked. Bounded: it stops by itself within 10 minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from bench.common import GPU, Node, node
+
+DEADLINE = time.monotonic() + 600
+INTERVAL, TIMEOUT, GRACE = 0.2, 0.1, 1.0
+RESTARTS = int(os.environ.get("SOAK_RESTARTS", "200"))
+CRASHES = int(os.environ.get("SOAK_CRASHES", "100"))
+HANGS = int(os.environ.get("SOAK_HANGS", "50"))
+CORRUPTIONS = int(os.environ.get("SOAK_CORRUPTIONS", "20"))
+ROUNDS = int(os.environ.get("SOAK_ROUNDS", "1000"))
+CORRUPT = [
+    b"",
+    b"{not json",
+    b"null",
+    b'{"Data":null}',
+    b'{"Data":{"RegisteredDevices":{"nvidia.com/gpu":null}}}',
+]
+
+
+class Poller:
+    """GET /healthz 20 times a second, each answer tagged with the phase it fell in."""
+
+    def __init__(self, n: Node) -> None:
+        self.n, self.phase = n, "warm-up"
+        self.samples: list[tuple[str, int]] = []
+        self.task = asyncio.get_running_loop().create_task(self.run())
+
+    async def run(self) -> None:
+        while True:
+            self.samples.append((self.phase, await self.n.status()))
+            await asyncio.sleep(0.05)
+
+
+async def registered(n: Node) -> None:
+    """The kubelet has the plugin's devices and the sidecar has seen every check pass."""
+    while not n.kubelet.healthy_devices(GPU) or not n.kubelet.connected(GPU):
+        await asyncio.sleep(0.005)
+    while True:
+        async with n.http.get(n.url + "/healthz?verbose") as r:
+            if r.status == 200 and "[~]" not in await r.text():
+                return
+        await asyncio.sleep(0.005)
+
+
+async def status(n: Node) -> dict[str, object]:
+    async with n.http.get(n.url + "/status") as r:
+        doc: dict[str, object] = json.loads(await r.read())
+        return doc
+
+
+@dataclass
+class Footprint:
+    """20 samples of the sidecar: a probe in flight holds sockets and tasks for a moment, a leak holds
+    them in every sample. So the end's least must not exceed the baseline's most."""
+
+    fds: tuple[int, int]  # least, most
+    rss: int  # least
+    threads: tuple[int, int]
+    tasks: dict[str, tuple[int, int]]  # per coroutine
+
+
+async def footprint(n: Node) -> Footprint:
+    p = n.process
+    fds, rss, threads, kinds = [], [], [], []
+    for _ in range(20):
+        kinds.append((await status(n))["runtime"]["task_kinds"])  # type: ignore[index]
+        fds.append(p.num_fds())
+        rss.append(p.memory_info().rss)
+        threads.append(p.num_threads())
+        await asyncio.sleep(0.037)
+    names = {k for sample in kinds for k in sample}
+    tasks = {k: (min(s.get(k, 0) for s in kinds), max(s.get(k, 0) for s in kinds)) for k in names}
+    return Footprint((min(fds), max(fds)), min(rss), (min(threads), max(threads)), tasks)
+
+
+def check(ok: bool, what: str, failures: list[str]) -> None:
+    if not ok:
+        failures.append(what)
+        print(f"FAIL: {what}", flush=True)
+
+
+async def main() -> int:
+    log = tempfile.mktemp(prefix="hami-soak-", suffix=".log")
+    failures: list[str] = []
+    args = (
+        "--probe-interval",
+        str(INTERVAL),
+        "--probe-timeout",
+        str(TIMEOUT),
+        "--registration-grace",
+        str(GRACE),
+        "--log-format",
+        "json",
+    )
+    # No keep-alive: every poll opens and closes its connection, so that the server's fds and tasks
+    # at the end can be compared with the baseline's.
+    async with node(*args, log=log, keepalive=False) as n:
+        poll = Poller(n)
+        # Warm-up: a few cycles of everything, then the baseline.
+        for _ in range(10):
+            await n.kubelet.restart()
+            await registered(n)
+        await asyncio.sleep(1)
+        base = await footprint(n)
+
+        poll.phase = "restarts"
+        for _ in range(RESTARTS):
+            await n.kubelet.restart()
+            await registered(n)
+            if time.monotonic() > DEADLINE:
+                break
+        print(f"{RESTARTS} kubelet restarts with re-registration", flush=True)
+
+        for i in range(CRASHES):
+            poll.phase = "crash"
+            await n.plugin.crash()
+            t = await n.until(503, timeout=5)
+            check(t <= 0.5, f"crash {i}: 503 after {t:.3f} s (bound 0.5 s)", failures)
+            poll.phase = "recovering"
+            await n.plugin.restart()
+            await registered(n)
+        print(f"{CRASHES} plugin crashes and re-registrations", flush=True)
+
+        for i in range(HANGS):
+            poll.phase = "hang"
+            n.plugin.hung = True
+            t = await n.until(503, timeout=5)
+            check(t <= INTERVAL + TIMEOUT + 0.5, f"hang {i}: 503 after {t:.3f} s", failures)
+            poll.phase = "recovering"
+            n.plugin.hung = False
+            await registered(n)
+        print(f"{HANGS} hangs", flush=True)
+
+        for i in range(CORRUPTIONS):
+            poll.phase = "corrupt"
+            tmp = n.kubelet.checkpoint_path + ".soak"
+            with open(tmp, "wb") as f:
+                f.write(CORRUPT[i % len(CORRUPT)])
+            os.replace(tmp, n.kubelet.checkpoint_path)
+            t = await n.until(503, timeout=5)
+            check(t <= 0.5, f"corrupt checkpoint {i}: 503 after {t:.3f} s", failures)
+            poll.phase = "recovering"
+            n.plugin.set_health("GPU-0", True)  # any update makes the kubelet rewrite its checkpoint
+            await registered(n)
+        print(f"{CORRUPTIONS} corrupt checkpoints", flush=True)
+
+        poll.phase = "steady"
+        while (rounds := int((await status(n))["probe_rounds"])) < ROUNDS and time.monotonic() < DEADLINE:  # type: ignore[call-overload]
+            await asyncio.sleep(1)
+        print(f"{rounds} probe rounds", flush=True)
+        check(rounds >= ROUNDS, f"only {rounds} probe rounds", failures)
+        await asyncio.sleep(2)
+        poll.task.cancel()
+
+        end = await footprint(n)
+        bad = [ph for ph, code in poll.samples if code != 200 and ph in ("restarts", "steady", "warm-up")]
+        check(not bad, f"{len(bad)} answers of 503 during healthy phases ({set(bad)})", failures)
+        check(end.fds[0] <= base.fds[1], f"open fds {base.fds} -> {end.fds} (least, most)", failures)
+        check(end.threads[0] <= base.threads[1], f"threads {base.threads} -> {end.threads}", failures)
+        leaked = {
+            k: (base.tasks.get(k), v) for k, v in end.tasks.items() if v[0] > base.tasks.get(k, (0, 0))[1]
+        }
+        check(not leaked, f"tasks leaked: {leaked}", failures)
+        growth = (end.rss - base.rss) / 2**20
+        check(growth <= 2.0, f"RSS grew {growth:.2f} MiB after warm-up", failures)
+        tasks = (sum(v[0] for v in base.tasks.values()), sum(v[0] for v in end.tasks.values()))
+        print(
+            f"polled /healthz {len(poll.samples)} times; fds {base.fds}->{end.fds}, threads {base.threads}->"
+            f"{end.threads}, tasks {tasks[0]}->{tasks[1]}, "
+            f"RSS {base.rss / 2**20:.1f}->{end.rss / 2**20:.1f} MiB"
+            f" ({growth:+.2f})"
+        )
+    with open(log) as f:
+        text = f.read()
+    check(
+        "Traceback" not in text and '"level": "error"' not in text,
+        "an exception or error in the log",
+        failures,
+    )
+    transitions = text.count('"check":')
+    print(
+        f"log: {len(text.splitlines())} lines, {transitions} check transitions, no exception: "
+        f"{'Traceback' not in text}"
+    )
+    if not failures:
+        os.unlink(log)
+    else:
+        print(f"log kept: {log}")
+    print("soak: " + ("PASSED" if not failures else f"FAILED ({len(failures)} failures)"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
