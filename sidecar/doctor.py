@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
 
-from initcheck.checks import DEFAULT_DIR, DEFAULT_SOCKET, Finding, Options, run_checks, try_connect
-from initcheck.cli import _id, _octal
+from initcheck.checks import DEFAULT_DIR, DEFAULT_SOCKET, Finding, run_checks, try_connect
+from initcheck.cli import _id, _octal, options_from
 from initcheck.envflags import parse_with_env
 from sidecar.checkpoint import CHECKPOINT_NAME, CheckpointError, read_checkpoint
 from sidecar.config import DEFAULT_DEVICE_GLOB, DEFAULT_PLUGIN, DEFAULT_POD_RESOURCES, PluginSpec, _plugin
@@ -389,18 +389,7 @@ def apply_repairs(repairs: list[Repair], out: TextIO) -> None:
 
 async def diagnose(args: argparse.Namespace) -> Report:
     plugins: list[PluginSpec] = args.plugin or [_plugin(DEFAULT_PLUGIN)]
-    socket_path = os.path.abspath(os.path.join(args.device_plugin_dir, args.kubelet_socket))
-    own = args.plugin_uid is None and args.plugin_gid is None
-    options = Options(
-        socket_path=socket_path,
-        plugin_uid=os.geteuid() if args.plugin_uid is None else args.plugin_uid,
-        plugin_gid=os.getegid() if args.plugin_gid is None else args.plugin_gid,
-        plugin_groups=tuple(os.getgroups()) if own else (),
-        expect_owner=args.expect_owner,
-        expect_group=args.expect_group,
-        expect_mode=args.expect_mode,
-        kubelet_process=args.kubelet_process_name,
-    )
+    options = options_from(args)  # initcheck's own reading of the same flags
     path_cause, perm_cause = initcheck_causes(run_checks(options))
     kubelet, states = await gather_plugins(args, plugins)
     pod_resources = await allocatable_devices(args.pod_resources_socket, args.probe_timeout)
@@ -553,6 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", choices=("text", "json"), default="text")
     p.add_argument("--fix", action="store_true", help="apply the safe repairs the report lists")
     p.add_argument("--npd", action="store_true", help="one line and node-problem-detector's exit codes")
+    p.set_defaults(connect=True, strict=False)  # initcheck's checks, as the init container runs them
     return p
 
 

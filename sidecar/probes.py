@@ -69,14 +69,22 @@ def socket_refuses(path: str) -> bool:
     return try_connect(path, timeout=0.05) is not None
 
 
+def _socket_or_result(path: str, absent: str) -> SocketId | ProbeResult:
+    """The socket's identity, or the probe's result when there is no socket to call."""
+    identity = socket_identity(path)
+    if identity is None:
+        return ProbeResult("absent", absent, 0.0)
+    if identity == "not-socket":
+        return ProbeResult("not-socket", f"{path} is not a socket", 0.0)
+    return identity
+
+
 async def probe_kubelet(path: str, timeout: float) -> ProbeResult:
     """Call an unknown method of `v1beta1.Registration`: "unknown method" proves the service is there."""
     started = time.perf_counter()
-    identity = socket_identity(path)
-    if identity is None:
-        return ProbeResult("absent", f"{path} does not exist", 0.0)
-    if identity == "not-socket":
-        return ProbeResult("not-socket", f"{path} is not a socket", 0.0)
+    identity = _socket_or_result(path, f"{path} does not exist")
+    if isinstance(identity, ProbeResult):
+        return identity
     async with insecure_channel(path) as channel:
         try:
             await unary_path(channel, KUBELET_PROBE_METHOD, dp.Empty)(dp.Empty(), timeout=timeout)
@@ -102,11 +110,9 @@ async def probe_kubelet(path: str, timeout: float) -> ProbeResult:
 async def probe_plugin(path: str, timeout: float) -> ProbeResult:
     """`GetDevicePluginOptions`: side-effect free, answered by every v1beta1 plugin."""
     started = time.perf_counter()
-    identity = socket_identity(path)
-    if identity is None:
-        return ProbeResult("absent", f"{path} does not exist: the plugin is not serving", 0.0)
-    if identity == "not-socket":
-        return ProbeResult("not-socket", f"{path} is not a socket", 0.0)
+    identity = _socket_or_result(path, f"{path} does not exist: the plugin is not serving")
+    if isinstance(identity, ProbeResult):
+        return identity
     async with insecure_channel(path) as channel:
         call = unary(channel, DEVICE_PLUGIN, "GetDevicePluginOptions", dp.DevicePluginOptions)
         try:
