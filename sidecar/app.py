@@ -130,7 +130,7 @@ class Sidecar:
             self.settings.device_plugin_dir,
             self._on_fs_event,
             loop,
-            mode=self.settings.watch_mode,  # type: ignore[arg-type]
+            mode=self.settings.watch_mode,
             polling_interval=self.settings.polling_interval,
         )
         if not self._arm_watcher():

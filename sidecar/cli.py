@@ -7,6 +7,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from collections.abc import Sequence
 
 from aiohttp import web
@@ -40,7 +41,7 @@ def setup_logging(fmt: str, level: str) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler.formatter.converter = __import__("time").gmtime  # type: ignore[union-attr]
+    handler.formatter.converter = time.gmtime  # type: ignore[union-attr]
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

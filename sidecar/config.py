@@ -6,9 +6,13 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from initcheck.checks import DEFAULT_DIR, DEFAULT_SOCKET
 from initcheck.envflags import parse_with_env
+
+if TYPE_CHECKING:
+    from sidecar.watcher import WatchMode
 
 # HAMi's real names (KUBELET-FACTS.md section 5).
 DEFAULT_PLUGIN = "nvidia.com/gpu=nvidia-gpu.sock"
@@ -38,7 +42,7 @@ class Settings:
     plugin_label: str = "hami"
     log_format: str = "text"
     log_level: str = "INFO"
-    watch_mode: str = "auto"
+    watch_mode: WatchMode = "auto"
     polling_interval: float = 1.0
     # How long a vanished plugin socket waits for kubelet.sock's events before the verdict.
     vanish_settle: float = 0.005
