@@ -307,6 +307,9 @@ class Sidecar:
             restart = ""
         if restart:
             self._kubelet_gone(f"{plugin.socket} was removed and {restart}")
+            # The restart removed the socket: the plugin's checks wait for it again, even where a probe
+            # saw the plugin answer between the restart's first sign and this removal.
+            self.state.reset(n for n in self._plugin_checks(plugin) if n in self.state.checks)
             verdict = f"{path} was removed by a kubelet restart; waiting for the plugin"
         else:
             verdict = f"{path} was removed while the kubelet kept running: the plugin stopped serving"

@@ -587,3 +587,25 @@ def test_demo_tour_runs_and_exits() -> None:
     assert out.count("-> HTTP 503") == 1
     assert 'device_plugin_registration_success_total{plugin="hami",resource="nvidia.com/gpu"} 1.0' in out
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("order", ["plugin socket first, kubelet.sock dead", "kubelet.sock unlinked first"])
+async def test_restart_in_any_removal_order_is_pending_not_failed(node: Node, order: str) -> None:
+    """KUBELET-FACTS.md section 3: a restart removes the sockets in no guaranteed order."""
+    await node.until("/healthz?verbose", 200, contains=f"[+]registered:{GPU} ok")
+    watch = Watch(node)
+    if order.startswith("plugin"):
+        await node.kubelet.stop()  # the old kubelet dies; kubelet.sock stays as a dead file
+        os.unlink(node.plugin.socket_path)  # the new kubelet's cleanup reaches the plugin socket first
+        await asyncio.sleep(0.3)  # far longer than the verdict takes
+    else:
+        await node.kubelet.stop(unlink_socket=True)  # a graceful stop unlinks kubelet.sock first
+        await asyncio.sleep(0.05)
+        os.unlink(node.plugin.socket_path)
+        await asyncio.sleep(0.3)
+    await node.kubelet.start()
+    await wait_for(lambda: node.kubelet.healthy_devices(GPU), what="re-registration")
+    await node.until("/healthz?verbose", 200, contains=f"[+]registered:{GPU} ok")
+    codes = await watch.stop()
+    assert set(codes) == {200}, [b for _, c, b in watch.seen if c != 200][:1]
+    assert node.sidecar.kubelet_restarts == 1
