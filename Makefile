@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 TOOLS  := .venv-tools/.installed
 
-.PHONY: test lint typecheck pytest demo proto bench soak clean lock
+.PHONY: test lint typecheck pytest demo proto bench soak clean lock manifests
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ soak: $(STAMP)
 # Regenerate the protobuf code from sidecar/proto/*.proto (tests/test_proto.py checks it is current).
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. sidecar/proto/*.proto
+
+# Regenerate the standalone DaemonSet from HAMi's shape and the patch (tests/test_manifests.py compares them).
+manifests:
+	{ cat manifests/standalone/header.yaml.in; kubectl kustomize manifests/example-hami; } \
+		> manifests/standalone/hami-device-plugin.yaml
 
 # Re-pin the images' dependencies (requirements/*.txt) from a clean install of the project.
 lock:

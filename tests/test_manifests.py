@@ -122,8 +122,11 @@ def test_patch_adds_exactly_hami_guard_and_keeps_everything_else() -> None:
         sc = c["securityContext"]
         assert sc["readOnlyRootFilesystem"] is True
         assert sc["allowPrivilegeEscalation"] is False
-        assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["capabilities"]["drop"] == ["ALL"]
         assert set(c["resources"]) == {"requests", "limits"}
+    assert "add" not in sidecar["securityContext"]["capabilities"]
+    # Only what reading the kubelet's sockets from /proc/<pid>/fd needs.
+    assert init["hami-initcheck"]["securityContext"]["capabilities"]["add"] == ["SYS_PTRACE"]
     assert sidecar["ports"][0]["containerPort"] == 9395
 
     volumes = by_name(spec["volumes"])
