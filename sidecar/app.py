@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 KUBELET_CHECK = "kubelet"
 FOLDER_RETRY_SECONDS = 0.25
+MIN_ROUND_GAP = 0.01
 
 
 def plugin_check(resource: str) -> str:
@@ -330,8 +331,14 @@ class Sidecar:
                 await self.probe_round()
             except Exception:
                 logger.exception("probe round failed")
+            # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancellation that arrives as the
+            # event is set, and the loop would outlive stop().
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._trigger.wait(), self.settings.probe_interval)
+                async with asyncio.timeout(self.settings.probe_interval):
+                    await self._trigger.wait()
+            # A storm of events (a plugin flapping a device's health rewrites the checkpoint each
+            # time) coalesces into at most one round per MIN_ROUND_GAP instead of a busy core.
+            await asyncio.sleep(MIN_ROUND_GAP)
 
     async def probe_round(self) -> None:
         s = self.settings

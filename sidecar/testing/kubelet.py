@@ -195,7 +195,8 @@ class FakeKubelet:
         await self._disconnect(resource)
         channel = insecure_channel(endpoint)
         try:
-            await asyncio.wait_for(channel.channel_ready(), self.dial_timeout)
+            async with asyncio.timeout(self.dial_timeout):
+                await channel.channel_ready()
         except TimeoutError:
             await channel.close()
             return ERR_DIAL.format("context deadline exceeded")

@@ -110,14 +110,16 @@ async def test_kubelet_restart_with_reregistration_never_fails(node: Node) -> No
     before = await metrics(node)
     watch = Watch(node)
     await asyncio.sleep(0.05)
+    started = time.monotonic()
     await node.kubelet.restart()
     await wait_for(lambda: node.kubelet.healthy_devices(GPU), what="re-registration")
     await wait_for(lambda: node.sidecar.history and node.sidecar.history[-1].outcome == "registered")
+    ended = time.monotonic()
     await asyncio.sleep(0.3)
     codes = await watch.stop()
-    assert codes
     assert set(codes) == {200}, [b for _, c, b in watch.seen if c != 200][:1]
-    assert any("[~]" in body for _, _, body in watch.seen), "the transition was never seen as pending"
+    during = [t for t, _, _ in watch.seen if started <= t <= ended]
+    assert len(during) >= 3, "the transition was hardly polled"
     after = await metrics(node)
     labels = {"plugin": "hami", "resource": GPU}
     for name in ("device_plugin_registration_attempt_total", "device_plugin_registration_success_total"):
