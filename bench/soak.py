@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from bench.common import GPU, Node, node
 
-DEADLINE = time.monotonic() + 600
+START = time.monotonic()
+DEADLINE = START + 600
 INTERVAL, TIMEOUT, GRACE = 0.2, 0.1, 1.0
 RESTARTS = int(os.environ.get("SOAK_RESTARTS", "200"))
 CRASHES = int(os.environ.get("SOAK_CRASHES", "100"))
@@ -127,7 +128,9 @@ async def main() -> int:
             await registered(n)
             if time.monotonic() > DEADLINE:
                 break
-        print(f"{RESTARTS} kubelet restarts with re-registration", flush=True)
+        print(
+            f"{RESTARTS} kubelet restarts with re-registration ({time.monotonic() - START:.0f} s)", flush=True
+        )
 
         for i in range(CRASHES):
             poll.phase = "crash"
@@ -137,7 +140,7 @@ async def main() -> int:
             poll.phase = "recovering"
             await n.plugin.restart()
             await registered(n)
-        print(f"{CRASHES} plugin crashes and re-registrations", flush=True)
+        print(f"{CRASHES} plugin crashes and re-registrations ({time.monotonic() - START:.0f} s)", flush=True)
 
         for i in range(HANGS):
             poll.phase = "hang"
@@ -147,7 +150,7 @@ async def main() -> int:
             poll.phase = "recovering"
             n.plugin.hung = False
             await registered(n)
-        print(f"{HANGS} hangs", flush=True)
+        print(f"{HANGS} hangs ({time.monotonic() - START:.0f} s)", flush=True)
 
         for i in range(CORRUPTIONS):
             poll.phase = "corrupt"
@@ -160,12 +163,12 @@ async def main() -> int:
             poll.phase = "recovering"
             n.plugin.set_health("GPU-0", True)  # any update makes the kubelet rewrite its checkpoint
             await registered(n)
-        print(f"{CORRUPTIONS} corrupt checkpoints", flush=True)
+        print(f"{CORRUPTIONS} corrupt checkpoints ({time.monotonic() - START:.0f} s)", flush=True)
 
         poll.phase = "steady"
         while (rounds := int((await status(n))["probe_rounds"])) < ROUNDS and time.monotonic() < DEADLINE:  # type: ignore[call-overload]
             await asyncio.sleep(1)
-        print(f"{rounds} probe rounds", flush=True)
+        print(f"{rounds} probe rounds ({time.monotonic() - START:.0f} s)", flush=True)
         check(rounds >= ROUNDS, f"only {rounds} probe rounds", failures)
         await asyncio.sleep(2)
         poll.task.cancel()

@@ -112,7 +112,8 @@ class Sidecar:
         self._kubelet_id: SocketId | None = None  # kubelet.sock as last seen answering
         self._kubelet_recreated = False
         self._judging: set[str] = set()  # plugins whose vanished socket awaits its verdict
-        self._vanished: dict[str, str] = {}  # the verdict on a vanished socket, until it is back
+        self._vanished: dict[str, tuple[str, bool]] = {}  # a vanished socket's verdict and whether a crash
+        self._plugin_ids: dict[str, SocketId | None] = {}  # each plugin socket as last seen answering
         self._by_socket = {p.socket: p for p in settings.plugins}
         self._trigger: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -249,7 +250,12 @@ class Sidecar:
         for p in self.settings.plugins:
             self._open_attempt(p.resource, "kubelet restart")
 
-    def _plugin_socket_created(self, plugin: PluginSpec) -> None:
+    def _plugin_socket_created(self, plugin: PluginSpec, identity: SocketId | None = None) -> None:
+        """A new plugin socket: a new registration cycle, whichever saw it first, event or probe."""
+        identity = identity or _known(socket_identity(self.settings.plugin_path(plugin)))
+        if identity is not None and identity == self._plugin_ids.get(plugin.resource):
+            return  # already accounted for: the event trails a probe that saw this socket first
+        self._plugin_ids[plugin.resource] = identity
         self._judging.discard(plugin.resource)
         self._vanished.pop(plugin.resource, None)
         self.state.reset(n for n in self._plugin_checks(plugin) if n in self.state.checks)
@@ -284,8 +290,8 @@ class Sidecar:
     async def _judge_vanished(self, plugin: PluginSpec) -> None:
         """A plugin socket vanished: a kubelet restart (pending) or a plugin crash (failed)?
 
-        kubelet.sock's identity tells (SPEC.md): a crash leaves the same kubelet.sock
-        answering; a restart leaves it gone, dead, or a new file.
+        kubelet.sock tells (SPEC.md): a crash leaves the same kubelet.sock answering; a restart
+        leaves it gone, dead, or a new file.
         """
         await asyncio.sleep(self.settings.vanish_settle)  # let kubelet.sock's own events land first
         if plugin.resource not in self._judging:
@@ -294,18 +300,7 @@ class Sidecar:
         path = self.settings.plugin_path(plugin)
         if socket_identity(path) is not None:
             return
-        kubelet = self.settings.kubelet_path
-        kid = socket_identity(kubelet)
-        if self._kubelet_down:
-            restart = "a kubelet restart is under way"
-        elif not isinstance(kid, SocketId):
-            restart = f"{self.settings.kubelet_socket} is gone"
-        elif self._kubelet_id is not None and kid != self._kubelet_id:
-            restart = f"{self.settings.kubelet_socket} is a new file"
-        elif socket_refuses(kubelet):
-            restart = f"{self.settings.kubelet_socket} refuses connections"
-        else:
-            restart = ""
+        restart = self._restart_removed(plugin)
         if restart:
             self._kubelet_gone(f"{plugin.socket} was removed and {restart}")
             # The restart removed the socket: the plugin's checks wait for it again, even where a probe
@@ -314,9 +309,32 @@ class Sidecar:
             verdict = f"{path} was removed by a kubelet restart; waiting for the plugin"
         else:
             verdict = f"{path} was removed while the kubelet kept running: the plugin stopped serving"
-        self._vanished[plugin.resource] = verdict
-        self.state.report(plugin_check(plugin.resource), False, verdict)
+        # A crash is not a registration still under way: it fails at once, grace or not.
+        self._vanished[plugin.resource] = (verdict, not restart)
+        self.state.report(plugin_check(plugin.resource), False, verdict, definitive=not restart)
         self._schedule_refresh()
+
+    def _restart_removed(self, plugin: PluginSpec) -> str:
+        """Why a kubelet restart explains the plugin socket's removal, or "" (the plugin crashed).
+
+        A new kubelet deletes the sockets before it listens: while it does, kubelet.sock is gone or
+        a dead file. A plugin socket created after the kubelet.sock that answers now was not
+        removed by that kubelet's cleanup, whatever else is under way.
+        """
+        name, path = self.settings.kubelet_socket, self.settings.kubelet_path
+        kid = socket_identity(path)
+        if not isinstance(kid, SocketId):
+            return f"{name} is gone"
+        if socket_refuses(path):
+            return f"{name} refuses connections"
+        known = self._plugin_ids.get(plugin.resource)
+        if known is not None and known.mtime_ns >= kid.mtime_ns:
+            return ""
+        if self._kubelet_down:
+            return "a kubelet restart is under way"
+        if self._kubelet_id is not None and kid != self._kubelet_id:
+            return f"{name} is a new file"
+        return ""
 
     def _plugin_checks(self, plugin: PluginSpec) -> tuple[str, ...]:
         r = plugin.resource
@@ -392,8 +410,14 @@ class Sidecar:
                 self._start_vanish_judge(plugin)
                 return
             if plugin.resource in self._vanished:
-                self.state.report(name, False, self._vanished[plugin.resource])  # keep the verdict's why
+                verdict, crashed = self._vanished[plugin.resource]  # keep the verdict and its why
+                self.state.report(name, False, verdict, definitive=crashed)
                 return
+        if result.ok and result.identity != self._plugin_ids.get(plugin.resource):
+            if plugin.resource in self._plugin_ids:
+                self._plugin_socket_created(plugin, result.identity)  # seen before its event
+            else:
+                self._plugin_ids[plugin.resource] = result.identity  # at start: the start's grace holds
         self.state.report(name, result.ok, result.reason, result.latency, definitive=result.definitive)
 
     def _judge_registration(self, plugin: PluginSpec, evidence: Evidence) -> None:
@@ -501,6 +525,10 @@ class Sidecar:
                 "plugins": {p.resource: p.socket for p in s.plugins},
             },
         }
+
+
+def _known(identity: SocketId | str | None) -> SocketId | None:
+    return identity if isinstance(identity, SocketId) else None
 
 
 def _runtime() -> dict[str, Any]:
