@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -61,3 +63,23 @@ def require_tool(name: str) -> str:
             pytest.fail(f"{name} is required in CI (.ci/run installs it)")
         pytest.skip(f"{name} not installed")
     return path
+
+
+@pytest.fixture
+def kubelet_elsewhere(short_tmp: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A real process named `kubelet` listening on a socket of its own, away from the checked path."""
+    exe = os.path.join(short_tmp, "kubelet")
+    os.symlink(os.path.realpath(sys.executable), exe)
+    where = os.path.join(short_tmp, "elsewhere.sock")
+    code = (
+        "import socket,sys,time; s=socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([exe, "-c", code, where], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == b"ready\n"
+    try:
+        yield proc, where
+    finally:
+        proc.kill()
+        proc.wait()

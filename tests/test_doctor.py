@@ -122,30 +122,15 @@ async def test_socket_permission(
     assert (code, doc["most_likely"]) == (1, "socket-permission")
 
 
-@pytest.fixture
-def kubelet_elsewhere(short_tmp: str) -> Iterator[str]:
-    exe = os.path.join(short_tmp, "kubelet")
-    os.symlink(os.path.realpath(PY), exe)
-    where = os.path.join(short_tmp, "elsewhere.sock")
-    code = (
-        "import socket,sys,time; s=socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); "
-        "print(1, flush=True); time.sleep(60)"
-    )
-    proc = subprocess.Popen([exe, "-c", code, where], stdout=subprocess.PIPE)
-    assert proc.stdout is not None and proc.stdout.readline()
-    yield where
-    proc.kill()
-    proc.wait()
-
-
 async def test_socket_path_mismatch(
-    doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin], kubelet_elsewhere: str
+    doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin], kubelet_elsewhere: tuple[object, str]
 ) -> None:
+    _, where = kubelet_elsewhere
     code, out = await doctor.run()
     assert code == 1
     first = out.splitlines()[3]
     assert first.split()[1:4] == ["socket", "path", "mismatch"]
-    assert kubelet_elsewhere in out
+    assert where in out
     code, doc = await doctor.report()
     assert doc["most_likely"] == "socket-path"
 

@@ -191,37 +191,17 @@ def test_failure_line_has_id_path_found_expected_and_fix(folder: str) -> None:
     assert "; fix: " in line
 
 
-@pytest.fixture
-def fake_kubelet_process(short_tmp: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """A real process named `kubelet` listening on a socket of its own."""
-    exe = os.path.join(short_tmp, "kubelet")
-    os.symlink(os.path.realpath(PY), exe)
-    where = os.path.join(short_tmp, "elsewhere.sock")
-    code = (
-        "import socket,sys,time; s=socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); "
-        "print('ready', flush=True); time.sleep(60)"
-    )
-    proc = subprocess.Popen([exe, "-c", code, where], stdout=subprocess.PIPE)
-    assert proc.stdout is not None
-    assert proc.stdout.readline() == b"ready\n"
-    try:
-        yield proc, where
-    finally:
-        proc.kill()
-        proc.wait()
-
-
 def test_path_mismatch_names_where_the_kubelet_listens(
-    folder: str, listener: socket.socket, fake_kubelet_process: tuple[subprocess.Popen[bytes], str]
+    folder: str, listener: socket.socket, kubelet_elsewhere: tuple[subprocess.Popen[bytes], str]
 ) -> None:
-    proc, where = fake_kubelet_process
+    proc, where = kubelet_elsewhere
     code, out = check(folder)
     assert (code, failure_ids(out)) == (100, ["PATH_MISMATCH"])
     assert f"kubelet pid {proc.pid} listens on: {where}" in out
 
 
 def test_path_matches_where_the_kubelet_listens(
-    short_tmp: str, fake_kubelet_process: tuple[subprocess.Popen[bytes], str]
+    short_tmp: str, kubelet_elsewhere: tuple[subprocess.Popen[bytes], str]
 ) -> None:
     code, out = check(short_tmp, "--kubelet-socket", "elsewhere.sock", "--output", "json")
     assert code == 0
@@ -328,7 +308,7 @@ def test_environment_twins_and_a_flag_wins(folder: str, short_tmp: str, listener
 
 
 def test_only_the_standard_library_and_psutil_are_imported(
-    folder: str, listener: socket.socket, fake_kubelet_process: tuple[subprocess.Popen[bytes], str]
+    folder: str, listener: socket.socket, kubelet_elsewhere: tuple[subprocess.Popen[bytes], str]
 ) -> None:
     code = (
         "import sys\nfrom initcheck.cli import main\n"
