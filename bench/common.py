@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -17,16 +16,9 @@ from dataclasses import dataclass
 import aiohttp
 import psutil
 
-from sidecar.testing import FakeDevicePlugin, FakeKubelet
+from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
 
 GPU = "nvidia.com/gpu"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def percentile(values: Sequence[float], p: float) -> float:

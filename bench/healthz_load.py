@@ -18,7 +18,8 @@ import time
 
 import aiohttp
 
-from bench.common import free_port, node, percentile
+from bench.common import node, percentile
+from sidecar.testing import free_port
 
 DURATION = int(os.environ.get("LOAD_SECONDS", "10"))
 BARE = """

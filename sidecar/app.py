@@ -258,7 +258,7 @@ class Sidecar:
         self._plugin_ids[plugin.resource] = identity
         self._judging.discard(plugin.resource)
         self._vanished.pop(plugin.resource, None)
-        self.state.reset(n for n in self._plugin_checks(plugin) if n in self.state.checks)
+        self.state.reset(self._plugin_checks(plugin))
         self._open_attempt(plugin.resource, "new plugin socket")
 
     def _open_attempt(self, resource: str, cause: str) -> None:
@@ -305,7 +305,7 @@ class Sidecar:
             self._kubelet_gone(f"{plugin.socket} was removed and {restart}")
             # The restart removed the socket: the plugin's checks wait for it again, even where a probe
             # saw the plugin answer between the restart's first sign and this removal.
-            self.state.reset(n for n in self._plugin_checks(plugin) if n in self.state.checks)
+            self.state.reset(self._plugin_checks(plugin))
             verdict = f"{path} was removed by a kubelet restart; waiting for the plugin"
         else:
             verdict = f"{path} was removed while the kubelet kept running: the plugin stopped serving"
@@ -336,9 +336,10 @@ class Sidecar:
             return f"{name} is a new file"
         return ""
 
-    def _plugin_checks(self, plugin: PluginSpec) -> tuple[str, ...]:
+    def _plugin_checks(self, plugin: PluginSpec) -> list[str]:
+        """The plugin's checks that exist (devices: only with --expect-devices)."""
         r = plugin.resource
-        return plugin_check(r), registered_check(r), devices_check(r)
+        return [n for n in (plugin_check(r), registered_check(r), devices_check(r)) if n in self.state.checks]
 
     # -- probing ------------------------------------------------------------------------
     async def _probe_loop(self) -> None:

@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -20,16 +19,9 @@ import aiohttp
 
 from sidecar.cli import serve, setup_logging
 from sidecar.config import Settings
-from sidecar.testing import FakeDevicePlugin, FakeKubelet
+from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
 
 GPU = "nvidia.com/gpu"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def _tour(tour_only: bool) -> int:
@@ -40,7 +32,7 @@ async def _tour(tour_only: bool) -> int:
         device_plugin_dir=folder,
         pod_resources_socket=pod_resources,
         host="127.0.0.1",
-        port=_free_port(),
+        port=free_port(),
         probe_interval=2.0,
         probe_timeout=0.5,
         registration_grace=10.0,

@@ -14,6 +14,7 @@ import glob
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 import textwrap
@@ -249,7 +250,7 @@ def registration_cause(
     kubelet: ProbeResult,
     states: list[PluginState],
     pod_resources: dict[str, int] | str,
-) -> tuple[Cause, Cause, dict[str, int]]:
+) -> tuple[Cause, Cause]:
     try:
         checkpoint: Any = read_checkpoint(os.path.join(args.device_plugin_dir, CHECKPOINT_NAME))
     except CheckpointError as e:
@@ -286,7 +287,7 @@ def registration_cause(
             devices.evidence.append(f"{resource}: the kubelet lists {n} of {want}")
     registered.fix = list(dict.fromkeys(registered.fix))
     devices.fix = list(dict.fromkeys(devices.fix))
-    return registered, devices, listed
+    return registered, devices
 
 
 def log_cause(cause_id: str, findings: list[LogFindings], fix: list[str]) -> Cause:
@@ -362,8 +363,6 @@ def plan_repairs(args: argparse.Namespace, states: list[PluginState]) -> list[Re
         if name in protected or path in seen:
             continue
         seen.add(path)
-        import stat
-
         try:
             if not stat.S_ISSOCK(os.lstat(path).st_mode):
                 continue
@@ -393,7 +392,7 @@ async def diagnose(args: argparse.Namespace) -> Report:
     path_cause, perm_cause = initcheck_causes(run_checks(options))
     kubelet, states = await gather_plugins(args, plugins)
     pod_resources = await allocatable_devices(args.pod_resources_socket, args.probe_timeout)
-    registered, devices, _ = registration_cause(args, kubelet, states, pod_resources)
+    registered, devices = registration_cause(args, kubelet, states, pod_resources)
     since = args.since
     kubelet_logs = (
         [scan_journal("kubelet", KUBELET_ERRORS, since)]

@@ -61,11 +61,12 @@ def read_tail(path: str, max_bytes: int = MAX_BYTES) -> bytes:
 def scan(data: bytes, patterns: tuple[str, ...], source: str, since: float | None, now: float) -> LogFindings:
     found = LogFindings(source, read=True)
     alternation = re.compile(b"|".join(re.escape(p.encode()) for p in patterns))
+    cutoff = None if since is None else time.localtime(now - since)
     for m in alternation.finditer(data):
         start = data.rfind(b"\n", 0, m.start()) + 1
         end = data.find(b"\n", m.end())
         line = data[start : end if end >= 0 else len(data)]
-        if since is not None and _older(line, now - since):
+        if cutoff is not None and _older(line, cutoff):
             continue
         key = m.group().decode()
         found.counts[key] = found.counts.get(key, 0) + 1
@@ -73,9 +74,8 @@ def scan(data: bytes, patterns: tuple[str, ...], source: str, since: float | Non
     return found
 
 
-def _older(line: bytes, cutoff: float) -> bool:
-    """True when the line's own timestamp (klog or RFC 3339, as CRI logs have) is before cutoff."""
-    lt = time.localtime(cutoff)
+def _older(line: bytes, lt: time.struct_time) -> bool:
+    """True when the line's own timestamp (klog or RFC 3339, as CRI logs have) is before `lt`."""
     if m := _KLOG_TIME.match(line):
         month, day, hh, mm, ss = (int(x) for x in m.groups())
         stamp = (lt.tm_year, month, day, hh, mm, ss)

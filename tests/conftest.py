@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
@@ -53,6 +54,23 @@ async def wait_for(predicate: Callable[[], object], timeout: float = 5.0, what: 
         if loop.time() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}")
         await asyncio.sleep(0.005)
+
+
+def wait_ready(url: str, proc: subprocess.Popen[str], timeout: float) -> None:
+    """Poll a sidecar process's /readyz until it answers 200; fail with its log if it exits first."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else "the sidecar exited"
+        assert time.monotonic() < deadline, "the sidecar did not become ready"
+        time.sleep(0.05)
 
 
 def require_tool(name: str) -> str:

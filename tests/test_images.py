@@ -12,12 +12,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from sidecar.testing import free_port
+from tests.conftest import wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "/opt/hami-guard"
@@ -112,25 +114,14 @@ def test_init_image_runs_initcheck_with_psutil_only(wheel: Path, tmp_path: Path,
 def test_sidecar_image_serves(wheel: Path, tmp_path: Path, listening: str) -> None:
     argv, reqs = dockerfile("Dockerfile.sidecar")
     venv = image_venv(tmp_path, wheel, reqs)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [*entry(argv, venv), "--device-plugin-dir", listening, "--listen", f"127.0.0.1:{port}"],
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
-                    assert r.status == 200
-                    break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        wait_ready(f"http://127.0.0.1:{port}", proc, timeout=15)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
             assert b"device_plugin_check_up" in r.read()
         proc.send_signal(signal.SIGTERM)

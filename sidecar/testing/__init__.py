@@ -14,6 +14,17 @@ from sidecar.testing.kubelet import (
 )
 from sidecar.testing.plugin import FakeDevicePlugin
 
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (as aiohttp.test_utils.unused_port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
 __all__ = [
     "ERR_DIAL",
     "ERR_INVALID_RESOURCE_NAME",
@@ -22,5 +33,6 @@ __all__ = [
     "KUBELET_SOCKET",
     "FakeDevicePlugin",
     "FakeKubelet",
+    "free_port",
     "is_extended_resource_name",
 ]

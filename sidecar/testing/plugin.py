@@ -64,6 +64,7 @@ class FakeDevicePlugin:
         self.options_error: str | None = None
         self.api_version = API_VERSION
         self.register_resource_name = resource
+        self._hung = False
         # What happened.
         self.calls: Counter[str] = Counter()
         self.register_attempts = 0  # Register calls made
@@ -105,7 +106,6 @@ class FakeDevicePlugin:
     # -- lifecycle --------------------------------------------------------------
     async def start(self) -> None:
         """Serve first, then register (the kubelet dials back during Register)."""
-        self._hung = False
         loop = asyncio.get_running_loop()
         self._watcher = FolderWatcher(self.dir, self._on_event, loop, polling_interval=0.05)
         self._watcher.start()

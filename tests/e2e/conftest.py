@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -16,19 +15,12 @@ import pytest
 from sidecar.app import Sidecar
 from sidecar.cli import serve
 from sidecar.config import PluginSpec, Settings
-from sidecar.testing import FakeDevicePlugin, FakeKubelet
+from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
 from tests.conftest import wait_for
 
 GPU = "nvidia.com/gpu"
 # Short settings so that every scenario runs in a second or two.
 FAST = Settings(probe_interval=1.0, probe_timeout=0.3, registration_grace=2.0, host="127.0.0.1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -102,4 +94,4 @@ async def node(make_node: NodeFactory) -> AsyncIterator[Node]:
         yield n
 
 
-__all__ = ["FAST", "GPU", "Node", "NodeFactory", "PluginSpec", "free_port", "sidecar_running"]
+__all__ = ["FAST", "GPU", "Node", "NodeFactory", "PluginSpec", "sidecar_running"]

@@ -22,9 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.config import PluginSpec
 from sidecar.rpc import GoStyleUnimplemented, unix_target
-from sidecar.testing import FakeDevicePlugin, FakeKubelet
-from tests.conftest import wait_for
-from tests.e2e.conftest import GPU, Node, NodeFactory, free_port, sidecar_running
+from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
+from tests.conftest import wait_for, wait_ready
+from tests.e2e.conftest import GPU, Node, NodeFactory, sidecar_running
 
 ASCEND = "huawei.com/Ascend910B3"
 
@@ -477,18 +477,7 @@ def test_sigterm_exits_0_within_2s(dp_dir: str) -> None:
         text=True,
     )
     try:
-        import urllib.request
-
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the sidecar did not become ready"
-            time.sleep(0.05)
+        wait_ready(f"http://127.0.0.1:{port}", proc, timeout=10)
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=5)
