@@ -1,4 +1,4 @@
-"""The kubelet's device manager checkpoint, `kubelet_internal_checkpoint` (KUBELET-FACTS.md section 4).
+"""The kubelet's device manager checkpoint, `kubelet_internal_checkpoint` (docs/kubelet.md#checkpoint).
 
 Read defensively: whatever is on the node, the reader returns a `Checkpoint` or
 raises `CheckpointError` with a reason an operator can act on.
@@ -6,15 +6,11 @@ raises `CheckpointError` with a reason an operator can act on.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import stat
-import tempfile
-import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 CHECKPOINT_NAME = "kubelet_internal_checkpoint"
 # A real checkpoint holds one entry per allocated container: well under 1 MiB on a full node.
@@ -77,29 +73,3 @@ def parse_registered(raw: bytes) -> dict[str, tuple[str, ...]]:
         for resource, ids in registered.items()
         if ids is None or isinstance(ids, list)
     }
-
-
-def write_checkpoint(
-    path: str,
-    registered: Mapping[str, Iterable[str]],
-    pod_entries: list[dict[str, Any]] | None = None,
-) -> None:
-    """Write the checkpoint as the kubelet does: a `.`-prefixed temporary file, fsync, rename."""
-    data = {
-        "PodDeviceEntries": pod_entries,
-        "RegisteredDevices": {r: list(ids) for r, ids in registered.items()},
-    }
-    # The real checksum is a Go-specific hash of the Go struct; nothing verifies it.
-    body = json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
-    doc = {"Data": data, "Checksum": zlib.crc32(body)}
-    fd, tmp = tempfile.mkstemp(prefix=".", dir=os.path.dirname(path) or ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(json.dumps(doc, separators=(",", ":")).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

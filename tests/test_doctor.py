@@ -18,8 +18,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from sidecar.rpc import GoStyleUnimplemented, unix_target
+from sidecar.rpc import unix_target
 from sidecar.testing import FakeDevicePlugin, FakeKubelet
+from sidecar.testing.grpcserve import GoStyleUnimplemented
 from tests.conftest import wait_for
 
 GPU = "nvidia.com/gpu"

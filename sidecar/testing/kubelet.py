@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from sidecar.checkpoint import CHECKPOINT_NAME, CheckpointError, read_checkpoint, write_checkpoint
+from sidecar.checkpoint import CHECKPOINT_NAME, CheckpointError, read_checkpoint
 from sidecar.proto import deviceplugin_v1beta1_pb2 as dp
 from sidecar.proto import podresources_v1_pb2 as pr
 from sidecar.rpc import (
@@ -23,14 +23,13 @@ from sidecar.rpc import (
     DEVICE_PLUGIN,
     POD_RESOURCES,
     REGISTRATION,
-    GoStyleUnimplemented,
     insecure_channel,
-    server_stream,
-    service_handler,
     unary,
     unix_target,
 )
+from sidecar.testing.checkpointfile import write_checkpoint
 from sidecar.testing.front import SocketFront
+from sidecar.testing.grpcserve import GoStyleUnimplemented, server_stream, service_handler
 
 logger = logging.getLogger(__name__)
 

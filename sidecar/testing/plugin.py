@@ -20,11 +20,11 @@ from sidecar.rpc import (
     DEVICE_PLUGIN,
     REGISTRATION,
     insecure_channel,
-    service_handler,
     unary,
     unix_target,
 )
 from sidecar.testing.front import SocketFront
+from sidecar.testing.grpcserve import service_handler
 from sidecar.testing.kubelet import KUBELET_SOCKET
 from sidecar.watcher import FolderWatcher, FsEvent
 

@@ -21,8 +21,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.config import PluginSpec
-from sidecar.rpc import GoStyleUnimplemented, unix_target
+from sidecar.rpc import unix_target
 from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
+from sidecar.testing.grpcserve import GoStyleUnimplemented
 from tests.conftest import wait_for, wait_ready
 from tests.e2e.conftest import GPU, Node, NodeFactory, sidecar_running
 
