@@ -1,8 +1,11 @@
 """The health vocabulary: checks, their status, transitions and the registration grace.
 
 Pure and clock-injected: probes and events report outcomes here; the HTTP views
-and the metrics only read. Grace (SPEC.md): a check that has not passed since the
-last event that resets it is *pending*, not failed, until the grace has run out.
+and the metrics only read. Grace (docs/design.md, "Grace"): a check that has not passed
+since the last event that resets it is *pending*, not failed, until the grace has run out.
+
+Liveness and readiness read the same checks differently: a failure fails liveness only
+when it `restarts` (a plugin restart is its remedy); readiness wants every check ok.
 """
 
 from __future__ import annotations
@@ -11,6 +14,27 @@ import enum
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+
+class Kind(enum.Enum):
+    """What a check is about; with a resource, the check's key."""
+
+    KUBELET = "kubelet"
+    CHECKPOINT = "checkpoint"
+    PLUGIN = "plugin"
+    REGISTERED = "registered"
+    DEVICES = "devices"
+
+
+@dataclass(frozen=True)
+class CheckKey:
+    kind: Kind
+    resource: str = ""
+
+    @property
+    def name(self) -> str:
+        """The public spelling: `kubelet`, `registered:nvidia.com/gpu`."""
+        return f"{self.kind.value}:{self.resource}" if self.resource else self.kind.value
 
 
 class Status(enum.Enum):
@@ -30,7 +54,7 @@ class Status(enum.Enum):
 
 @dataclass
 class Check:
-    name: str
+    key: CheckKey
     status: Status
     reason: str
     since: float  # wall clock of the last transition
@@ -39,6 +63,20 @@ class Check:
     definitive: bool = False
     passed_since_reset: bool = False
     reset_at: float = 0.0  # monotonic
+    restarts: bool = True  # a failure of this check fails liveness (restarting the plugin helps)
+
+    @property
+    def name(self) -> str:
+        return self.key.name
+
+    @property
+    def live_failed(self) -> bool:
+        return self.status is Status.FAILED and self.restarts
+
+    @property
+    def mark(self) -> str:
+        """`[-]` fails liveness, `[!]` a failure that restarts nothing, `[~]` pending, `[+]` ok."""
+        return "!" if self.status is Status.FAILED and not self.restarts else self.status.mark
 
 
 Transition = Callable[[Check, Status], None]
@@ -57,19 +95,33 @@ class HealthState:
         self.wall = wall
         self.on_transition = on_transition
         self.checks: dict[str, Check] = {}
-        self._failed: set[str] = set()
+        self._failed: set[str] = set()  # failing liveness
+        self._not_ok: set[str] = set()  # failed or pending: not ready
 
-    def add(self, name: str) -> None:
-        self.checks[name] = Check(name, Status.PENDING, "not probed yet", self.wall(), reset_at=self.clock())
+    def add(self, key: CheckKey | str) -> None:
+        key = key if isinstance(key, CheckKey) else _parse_key(key)
+        self.checks[key.name] = Check(
+            key, Status.PENDING, "not probed yet", self.wall(), reset_at=self.clock()
+        )
+        self._not_ok.add(key.name)
 
     def report(
-        self, name: str, ok: bool, reason: str = "", latency: float | None = None, definitive: bool = False
+        self,
+        name: str,
+        ok: bool,
+        reason: str = "",
+        latency: float | None = None,
+        *,
+        definitive: bool = False,
+        restarts: bool = True,
     ) -> None:
         """A probe's outcome. `definitive`: a failure no waiting can mend (another service on the
-        socket, a file where a socket should be) fails at once, grace or not."""
+        socket, a file where a socket should be) fails at once, grace or not. `restarts`: whether
+        this failure fails liveness."""
         check = self.checks[name]
         check.last_ok = ok
         check.definitive = definitive and not ok
+        check.restarts = restarts
         if latency is not None:
             check.latency = latency
         if ok:
@@ -99,14 +151,25 @@ class HealthState:
         return max(0.0, check.reset_at + self.grace - self.clock())
 
     def healthy(self, exclude: Iterable[str] = ()) -> bool:
-        """True when no check (but the excluded ones) has failed: pending ones pass."""
+        """Liveness: no check (but the excluded ones) fails in a way a plugin restart mends."""
         if not self._failed:
             return True
         return not (self._failed - set(exclude))
 
+    def all_ok(self, exclude: Iterable[str] = ()) -> bool:
+        """Readiness: every check (but the excluded ones) passes; pending ones do not."""
+        if not self._not_ok:
+            return True
+        return not (self._not_ok - set(exclude))
+
     @property
     def failed(self) -> set[str]:
+        """The checks that fail liveness."""
         return set(self._failed)
+
+    @property
+    def not_ok(self) -> set[str]:
+        return set(self._not_ok)
 
     def _settle(self, check: Check, reason: str) -> None:
         if check.last_ok:
@@ -121,14 +184,24 @@ class HealthState:
             status, reason = Status.FAILED, "no probe answered within the registration grace"
         else:
             status = Status.FAILED
-        old = check.status
+        old, was_live = check.status, check.name in self._failed
         check.reason = reason
-        if status is not old:
-            check.status = status
-            check.since = self.wall()
-            if status is Status.FAILED:
-                self._failed.add(check.name)
-            else:
-                self._failed.discard(check.name)
+        check.status = status
+        if check.live_failed:
+            self._failed.add(check.name)
+        else:
+            self._failed.discard(check.name)
+        if status is Status.OK:
+            self._not_ok.discard(check.name)
+        else:
+            self._not_ok.add(check.name)
+        if status is not old or check.live_failed != was_live:
+            if status is not old:
+                check.since = self.wall()
             if self.on_transition is not None:
                 self.on_transition(check, old)
+
+
+def _parse_key(name: str) -> CheckKey:
+    kind, _, resource = name.partition(":")
+    return CheckKey(Kind(kind), resource)

@@ -1,4 +1,4 @@
-"""Prometheus metrics (SPEC.md): names that make the runbook's SLIs work verbatim."""
+"""Prometheus metrics: names that make the runbook's SLIs work verbatim (docs/design.md, "Metrics")."""
 
 from __future__ import annotations
 
@@ -54,9 +54,41 @@ class Metrics:
             buckets=PROBE_BUCKETS,
             registry=r,
         )
-        self.check_up = Gauge("device_plugin_check_up", "1 pass, 0 fail, 0.5 pending", ["check"], registry=r)
+        self.check_up = Gauge(
+            "device_plugin_check_up",
+            "1 pass, 0 fail, 0.5 pending",
+            ["check", "resource", "plugin"],
+            registry=r,
+        )
+        self.check_restarts = Gauge(
+            "device_plugin_check_fails_liveness",
+            "1 while the check's failure fails /healthz (a plugin restart is its remedy)",
+            ["check", "resource", "plugin"],
+            registry=r,
+        )
         self.devices = Gauge(
-            "device_plugin_devices", "Devices per resource and source", ["resource", "source"], registry=r
+            "device_plugin_devices",
+            "Healthy physical devices per resource and source (pod_resources, checkpoint, host)",
+            ["plugin", "resource", "source"],
+            registry=r,
+        )
+        self.kubelet_connected = Gauge(
+            "device_plugin_kubelet_connected",
+            "1 while the kubelet holds a connection to the plugin socket; absent when it cannot be seen",
+            ["plugin", "resource"],
+            registry=r,
+        )
+        self.restart_requests = Counter(
+            "device_plugin_liveness_restart_requests",
+            "Liveness failure episodes for a plugin the kubelet does not hold (each asks for a restart)",
+            ["plugin", "resource"],
+            registry=r,
+        )
+        self.budget_spent = Gauge(
+            "device_plugin_restart_budget_spent",
+            "1 when plugin restarts did not bring registration back and liveness stopped asking for more",
+            ["plugin", "resource"],
+            registry=r,
         )
         self.kubelet_restarts = Counter("device_plugin_kubelet_restarts", "Kubelet restarts seen", registry=r)
 

@@ -1,4 +1,4 @@
-"""Live probes over gRPC and the kubelet's records, each side-effect free (KUBELET-FACTS.md sections 3 and 5).
+"""Live probes over gRPC and the kubelet's records, each side-effect free (docs/kubelet.md).
 
 Never `Register` (it bumps the kubelet's registration metric and logs an attempt),
 never `ListAndWatch` (a second stream steals health events from the kubelet's),
@@ -13,7 +13,7 @@ import stat
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import grpc
 
@@ -27,6 +27,19 @@ from sidecar.rpc import DEVICE_PLUGIN, POD_RESOURCES, REGISTRATION, insecure_cha
 KUBELET_PROBE_METHOD = f"/{REGISTRATION.full_name}/HamiGuardProbe"
 
 SocketState = Literal["alive", "absent", "not-socket", "refused", "timeout", "wrong-service", "error"]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Reading(Generic[T]):
+    """What every reader returns: a value, or no value and why (the one error convention here)."""
+
+    value: T | None
+    error: str = ""
+
+    @classmethod
+    def failed(cls, error: str) -> Reading[T]:
+        return cls(None, error)
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,7 @@ class ProbeResult:
     reason: str
     latency: float
     identity: SocketId | None = None
+    verified: bool = False  # the kubelet's probe: the v1beta1 registration service itself answered
 
     @property
     def ok(self) -> bool:
@@ -54,14 +68,13 @@ class ProbeResult:
         return self.state in ("wrong-service", "not-socket")
 
 
-def socket_identity(path: str) -> SocketId | Literal["not-socket"] | None:
+def socket_identity(path: str) -> SocketId | None:
+    """The socket file at `path`, or None when there is none (absent, or another kind of file)."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    if not stat.S_ISSOCK(st.st_mode):
-        return "not-socket"
-    return SocketId(st.st_ino, st.st_mtime_ns)
+    return SocketId(st.st_ino, st.st_mtime_ns) if stat.S_ISSOCK(st.st_mode) else None
 
 
 def socket_refuses(path: str) -> bool:
@@ -72,11 +85,11 @@ def socket_refuses(path: str) -> bool:
 def _socket_or_result(path: str, absent: str) -> SocketId | ProbeResult:
     """The socket's identity, or the probe's result when there is no socket to call."""
     identity = socket_identity(path)
-    if identity is None:
-        return ProbeResult("absent", absent, 0.0)
-    if identity == "not-socket":
+    if identity is not None:
+        return identity
+    if os.path.lexists(path):
         return ProbeResult("not-socket", f"{path} is not a socket", 0.0)
-    return identity
+    return ProbeResult("absent", absent, 0.0)
 
 
 async def probe_kubelet(path: str, timeout: float) -> ProbeResult:
@@ -93,7 +106,7 @@ async def probe_kubelet(path: str, timeout: float) -> ProbeResult:
             code, details = e.code(), e.details() or ""
             if code == grpc.StatusCode.UNIMPLEMENTED:
                 if details.startswith("unknown method"):
-                    return ProbeResult("alive", "serving v1beta1.Registration", latency, identity)
+                    return ProbeResult("alive", "serving v1beta1.Registration", latency, identity, True)
                 if details.startswith("unknown service"):
                     return ProbeResult(
                         "wrong-service",
@@ -137,20 +150,31 @@ def _failure(
     return ProbeResult("error", f"{code.name} on {path}: {e.details()}", latency, identity)
 
 
-async def allocatable_devices(path: str, timeout: float) -> dict[str, int] | str:
-    """Device counts per resource from pod-resources `GetAllocatableResources`, or why there are none."""
+async def pod_resources_devices(path: str, timeout: float) -> Reading[dict[str, frozenset[str]]]:
+    """The kubelet's live view, pod-resources `GetAllocatableResources`: healthy device IDs per resource.
+
+    Distinct IDs: the kubelet lists a device once per NUMA node it spans.
+    """
     if socket_identity(path) is None:
-        return "pod-resources socket not mounted"
+        return Reading.failed("pod-resources socket not mounted")
     async with insecure_channel(path) as channel:
         call = unary(channel, POD_RESOURCES, "GetAllocatableResources", pr.AllocatableResourcesResponse)
         try:
             answer = await call(pr.AllocatableResourcesRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            return f"pod-resources: {e.code().name}: {e.details()}"
-    counts: dict[str, int] = {}
+            return Reading.failed(f"pod-resources: {e.code().name}: {e.details()}")
+    ids: dict[str, set[str]] = {}
     for d in answer.devices:
-        counts[d.resource_name] = counts.get(d.resource_name, 0) + len(d.device_ids)
-    return counts
+        ids.setdefault(d.resource_name, set()).update(d.device_ids)
+    return Reading({r: frozenset(v) for r, v in ids.items()})
+
+
+async def allocatable_devices(path: str, timeout: float) -> dict[str, int] | str:
+    """Distinct device IDs per resource from pod-resources, or why there are none (hami-doctor's view)."""
+    reading = await pod_resources_devices(path, timeout)
+    if reading.value is None:
+        return reading.error
+    return {r: len(ids) for r, ids in reading.value.items()}
 
 
 @dataclass(frozen=True)
@@ -187,9 +211,9 @@ def registration_evidence(
     return Evidence(True, f"the kubelet lists {len(devices)} device(s)", len(devices))
 
 
-async def read_checkpoint_async(path: str, executor: Executor) -> Checkpoint | CheckpointError:
+async def read_checkpoint_async(path: str, executor: Executor) -> Reading[Checkpoint]:
     """Off the loop: a checkpoint can be megabytes of JSON, and /healthz must not wait for it."""
     try:
-        return await asyncio.get_running_loop().run_in_executor(executor, read_checkpoint, path)
+        return Reading(await asyncio.get_running_loop().run_in_executor(executor, read_checkpoint, path))
     except CheckpointError as e:
-        return e
+        return Reading.failed(str(e))

@@ -73,6 +73,7 @@ async def test_healthy_node_answers_200_within_2s_with_every_check(make_node: No
         assert time.monotonic() - started < 2.0 + 0.5  # node set-up included
         assert body.splitlines() == [
             "[+]kubelet ok",
+            "[+]checkpoint ok",
             "[+]plugin:nvidia.com/gpu ok",
             "[+]registered:nvidia.com/gpu ok",
             "healthz check passed",
@@ -114,7 +115,7 @@ async def test_kubelet_restart_with_reregistration_never_fails(node: Node) -> No
     started = time.monotonic()
     await node.kubelet.restart()
     await wait_for(lambda: node.kubelet.healthy_devices(GPU), what="re-registration")
-    await wait_for(lambda: node.sidecar.history and node.sidecar.history[-1].outcome == "registered")
+    await wait_for(lambda: node.sidecar.registrar.history and node.sidecar.registrar.history[-1].outcome == "registered")
     ended = time.monotonic()
     await asyncio.sleep(0.3)
     codes = await watch.stop()
@@ -128,8 +129,8 @@ async def test_kubelet_restart_with_reregistration_never_fails(node: Node) -> No
     hist = "device_plugin_listandwatch_latency_seconds_count"
     assert metric(after, hist, **labels) - metric(before, hist, **labels) == 1
     assert metric(after, "device_plugin_kubelet_restarts_total") == 1
-    assert node.sidecar.history[-1].latency is not None
-    assert node.sidecar.history[-1].latency < 2.0
+    assert node.sidecar.registrar.history[-1].latency is not None
+    assert node.sidecar.registrar.history[-1].latency < 2.0
 
 
 # 5
@@ -159,7 +160,7 @@ async def test_kubelet_restart_without_reregistration_fails_when_the_grace_runs_
         assert metric(after, "device_plugin_registration_success_total", **labels) == metric(
             before, "device_plugin_registration_success_total", **labels
         )
-        assert node.sidecar.history[-1].outcome == "not registered within the grace"
+        assert node.sidecar.registrar.history[-1].outcome == "not registered within the grace"
 
 
 # 6
@@ -278,7 +279,7 @@ async def test_pre_1_20_checkpoint_is_read(node: Node) -> None:
     write_checkpoint_bytes(node.kubelet.checkpoint_path, json.dumps(old).encode())
     await asyncio.sleep(0.1)
     assert await node.get("/healthz") == (200, "ok")
-    assert node.sidecar.devices[GPU]["checkpoint"] == 2
+    assert node.sidecar.registrar.devices()[GPU]["checkpoint"] == 2
 
 
 # 9
@@ -381,7 +382,7 @@ SPEC_METRICS = {
 
 async def test_metrics_status_readyz_and_errors(node: Node) -> None:
     await node.kubelet.restart()
-    await wait_for(lambda: node.sidecar.history and node.sidecar.history[-1].outcome == "registered")
+    await wait_for(lambda: node.sidecar.registrar.history and node.sidecar.registrar.history[-1].outcome == "registered")
     text = await metrics(node)
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert set(families) >= SPEC_METRICS
@@ -600,4 +601,4 @@ async def test_restart_in_any_removal_order_is_pending_not_failed(node: Node, or
     await node.until("/healthz?verbose", 200, contains=f"[+]registered:{GPU} ok")
     codes = await watch.stop()
     assert set(codes) == {200}, [b for _, c, b in watch.seen if c != 200][:1]
-    assert node.sidecar.kubelet_restarts == 1
+    assert node.sidecar.registrar.kubelet_restarts == 1

@@ -1,0 +1,592 @@
+"""Registration truth, and what a plugin restart would mend: every verdict of the sidecar, pure.
+
+Inputs are observations (folder events, probe results, the kubelet's connections, pod-resources,
+the checkpoint); outputs are the checks of a `HealthState` and the registration cycles. No I/O and
+no sleeping here: `sidecar.app` gathers the observations and calls in; the clock is injected.
+The kubelet behaviour each rule rests on is in docs/kubelet.md; the rules in docs/design.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sidecar.checkpoint import Checkpoint
+from sidecar.health import Check, CheckKey, HealthState, Kind, Status
+from sidecar.probes import ProbeResult, Reading, SocketId
+
+logger = logging.getLogger(__name__)
+
+# Liveness failure episodes for "not registered" whose plugin restarts did not help, before giving up.
+RESTART_BUDGET = 3
+# HAMi advertises each GPU as `<GPU-UUID>-<n>`; NVIDIA's time-slicing as `<id>::<n>`.
+_HAMI_SPLIT = re.compile(r"^(GPU-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12})-\d+$")
+_REPLICA = re.compile(r"^(.+)::\d+$")
+
+
+def physical_devices(ids: Iterable[str]) -> set[str]:
+    """Devices as a user counts them: HAMi's split IDs and time-slicing replicas once per GPU.
+
+    Only those two forms are folded: other vendors' IDs may end in `-<n>` for distinct devices.
+    """
+    out = set()
+    for device in ids:
+        m = _HAMI_SPLIT.match(device) or _REPLICA.match(device)
+        out.add(m.group(1) if m else device)
+    return out
+
+
+@dataclass(frozen=True)
+class Plugin:
+    resource: str
+    socket: str  # file name in the device-plugins folder
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The settings the verdicts depend on."""
+
+    plugins: tuple[Plugin, ...]
+    grace: float
+    kubelet_socket: str = "kubelet.sock"
+    expect_devices: int | None = None  # None: no devices check; -1: count host device nodes
+    device_glob: str = ""
+    drop_confirm: float = 0.2  # a lost connection must stay lost this long to be a drop
+
+
+@dataclass(frozen=True)
+class PluginRound:
+    """One probe round's view of one plugin."""
+
+    probe: ProbeResult
+    identity_after: SocketId | None  # the socket file right after the probe (replaced while probed?)
+    connections: Reading[int]  # the kubelet's open connections to the listener of that file
+
+
+@dataclass(frozen=True)
+class Round:
+    kubelet: ProbeResult
+    plugins: Mapping[str, PluginRound]  # by resource
+    checkpoint: Reading[Checkpoint]
+    pod_resources: Reading[dict[str, frozenset[str]]]  # healthy device IDs by resource
+    host_devices: int | None = None
+
+
+@dataclass(frozen=True)
+class Vanish:
+    """What the folder shows a moment after a plugin socket was deleted."""
+
+    plugin: SocketId | None  # the plugin socket now (back already?)
+    kubelet: SocketId | None  # kubelet.sock now
+    kubelet_refuses: bool  # kubelet.sock is a dead file
+
+
+class Listener(Protocol):
+    """What the wiring publishes (metrics, logs) as the verdicts change."""
+
+    def attempt_opened(self, resource: str) -> None: ...
+    def attempt_closed(self, resource: str, latency: float | None) -> None: ...
+    def kubelet_restarted(self) -> None: ...
+    def transition(self, check: Check, old: Status) -> None: ...
+    def restart_requested(self, resource: str) -> None: ...
+    def budget(self, resource: str, spent: bool) -> None: ...
+    def devices(self, resource: str, source: str, count: int) -> None: ...
+    def connected(self, resource: str, count: int | None) -> None: ...
+
+
+@dataclass
+class Attempt:
+    resource: str
+    cause: str
+    opened_wall: float
+    opened: float  # monotonic
+    outcome: str = "open"  # open | registered | not registered within the grace
+    latency: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "resource": self.resource,
+            "cause": self.cause,
+            "opened": iso(self.opened_wall),
+            "outcome": self.outcome,
+            "latency_seconds": self.latency,
+        }
+
+
+@dataclass
+class _PluginState:
+    """What the verdicts remember of one plugin."""
+
+    identity: SocketId | None = None  # its socket as last seen answering (or created)
+    kubelet_then: SocketId | None = None  # kubelet.sock as last seen answering when `identity` was set
+    known: bool = False  # seen at all since start
+    judging: bool = False  # a deleted socket awaits its verdict
+    vanished: tuple[str, bool] | None = None  # a vanished socket's verdict and whether it restarts
+    connected_pair: tuple[SocketId | None, SocketId | None] | None = None  # (plugin, kubelet) seen held
+    connected_since: float | None = None  # wall
+    lost_at: float | None = None  # monotonic: the connection was first seen lost
+    attempt: Attempt | None = None
+    episode: bool = False  # failing liveness for "not registered" since the last plugin restart
+    restarts_in_vain: int = 0
+    devices: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def budget_spent(self) -> bool:
+        return self.restarts_in_vain >= RESTART_BUDGET
+
+
+def check_key(kind: Kind, resource: str = "") -> CheckKey:
+    return CheckKey(kind, resource)
+
+
+KUBELET = CheckKey(Kind.KUBELET)
+CHECKPOINT = CheckKey(Kind.CHECKPOINT)
+
+
+class Registrar:
+    """The node's registration state: kubelet restarts, plugin crashes, registration cycles."""
+
+    def __init__(
+        self,
+        rules: Rules,
+        listener: Listener,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.rules = rules
+        self.listener = listener
+        self.clock = clock
+        self.wall = wall
+        self.state = HealthState(rules.grace, clock, wall, self._on_transition)
+        self.state.add(KUBELET)
+        self.state.add(CHECKPOINT)
+        self._plugins: dict[str, _PluginState] = {}
+        for p in rules.plugins:
+            for key in self._keys(p.resource):
+                self.state.add(key)
+            self._plugins[p.resource] = _PluginState()
+        self._by_socket = {p.socket: p for p in rules.plugins}
+        self.kubelet_restarts = 0
+        self.history: deque[Attempt] = deque(maxlen=50)
+        self._kubelet_down = False  # a kubelet restart is under way
+        self._kubelet_id: SocketId | None = None  # kubelet.sock as last seen answering
+        self._kubelet_recreated = False
+
+    # -- what the views read ------------------------------------------------------------
+    def plugin(self, socket: str) -> Plugin | None:
+        return self._by_socket.get(socket)
+
+    def devices(self) -> dict[str, dict[str, int]]:
+        return {r: dict(p.devices) for r, p in self._plugins.items()}
+
+    def registration(self) -> dict[str, dict[str, Any]]:
+        """Per resource: connection, budget and the open cycle, for /status."""
+        out = {}
+        for r, p in self._plugins.items():
+            out[r] = {
+                "kubelet_connected_since": iso(p.connected_since) if p.connected_since else None,
+                "restarts_without_registration": p.restarts_in_vain,
+                "restart_budget_spent": p.budget_spent,
+                "open_attempt": p.attempt.as_dict() if p.attempt else None,
+            }
+        return out
+
+    def wake_at(self) -> float | None:
+        """When a round must run to confirm a lost connection (monotonic), if one must."""
+        times = [p.lost_at + self.rules.drop_confirm for p in self._plugins.values() if p.lost_at is not None]
+        return min(times, default=None)
+
+    def _keys(self, resource: str) -> list[CheckKey]:
+        kinds = [Kind.PLUGIN, Kind.REGISTERED]
+        if self.rules.expect_devices is not None:
+            kinds.append(Kind.DEVICES)
+        return [CheckKey(k, resource) for k in kinds]
+
+    def _names(self, resource: str) -> list[str]:
+        return [k.name for k in self._keys(resource)]
+
+    # -- folder events ------------------------------------------------------------------
+    def folder_gone(self) -> None:
+        self._kubelet_gone("the device-plugins folder was removed")
+
+    def kubelet_socket_event(self, kind: str, current: SocketId | None) -> None:
+        """kubelet.sock was deleted or created; `current` is the file there now.
+
+        Events trail the files by a few ms: when kubelet.sock is the one last seen answering, the
+        event is about an older file, and a probe has already judged the change.
+        """
+        if self._kubelet_id is not None and current == self._kubelet_id:
+            return
+        if kind == "deleted":
+            self._kubelet_gone(f"{self.rules.kubelet_socket} was deleted")
+        elif kind == "created":
+            self._kubelet_recreated = True
+
+    def plugin_socket_created(self, resource: str, identity: SocketId | None) -> None:
+        """A new plugin socket: a new registration cycle, whichever saw it first, event or probe."""
+        p = self._plugins[resource]
+        if identity is not None and identity == p.identity:
+            return  # already accounted for: the event trails a probe that saw this socket first
+        p.identity, p.kubelet_then, p.known = identity, self._kubelet_id, True
+        p.judging, p.vanished, p.lost_at = False, None, None
+        if p.episode:  # the plugin restarted after liveness failed for "not registered"
+            p.episode = False
+            p.restarts_in_vain += 1
+            if p.restarts_in_vain == RESTART_BUDGET:
+                logger.warning(
+                    "restart budget spent for %s: %d plugin restarts did not bring registration back; "
+                    "liveness no longer fails for it until it registers (this node needs a person)",
+                    resource,
+                    RESTART_BUDGET,
+                )
+                self.listener.budget(resource, True)
+        self.state.reset(self._names(resource))
+        self._open_attempt(resource, "new plugin socket")
+
+    def plugin_socket_deleted(self, resource: str) -> None:
+        """Mark the plugin's verdict as under way; the caller observes, then calls `judge_vanished`."""
+        self._plugins[resource].judging = True
+
+    def judge_vanished(self, resource: str, seen: Vanish, restart_window_over: bool) -> bool:
+        """A deleted plugin socket: a kubelet restart (pending) or the plugin gone (failed)?
+
+        kubelet.sock tells: a kubelet restart leaves it gone, dead, or a new file; the plugin's own
+        stop leaves the same kubelet.sock answering. A plugin that removed its socket to serve a new
+        one (HAMi does on every kubelet.sock creation) gets until the restart window is over.
+        Returns True when the verdict must wait for the window.
+        """
+        p = self._plugins[resource]
+        if not p.judging:
+            return False  # the socket is back already
+        if seen.plugin is not None:
+            p.judging = False
+            self.plugin_socket_created(resource, seen.plugin)
+            return False
+        plugin = self._by_socket_of(resource)
+        restart = self._restart_removed(p, seen)
+        if not restart and not restart_window_over:
+            return True
+        p.judging = False
+        name = CheckKey(Kind.PLUGIN, resource).name
+        if restart:
+            self._kubelet_gone(f"{plugin.socket} was removed and {restart}")
+            # The restart removed the socket: the plugin's checks wait for it again, even where a probe
+            # saw the plugin answer between the restart's first sign and this removal.
+            self.state.reset(self._names(resource))
+            verdict = f"{plugin.socket} was removed by a kubelet restart; waiting for the plugin"
+        else:
+            verdict = (
+                f"{plugin.socket} was removed while the kubelet kept running: the plugin stopped serving"
+            )
+        # A plugin gone is not a registration under way: it fails at once, grace or not.
+        p.vanished = (verdict, not restart)
+        self.state.report(name, False, verdict, definitive=not restart, restarts=not self._kubelet_down)
+        return False
+
+    def _restart_removed(self, p: _PluginState, seen: Vanish) -> str:
+        """Why a kubelet restart explains the plugin socket's removal, or "" (it does not).
+
+        A new kubelet deletes the sockets before it listens: while it does, kubelet.sock is gone or a
+        dead file. A plugin socket created after the kubelet.sock that answers now was not removed by
+        that kubelet's cleanup, whatever else is under way.
+        """
+        name = self.rules.kubelet_socket
+        if seen.kubelet is None:
+            return f"{name} is gone"
+        if seen.kubelet_refuses:
+            return f"{name} refuses connections"
+        if p.identity is not None and p.identity.mtime_ns >= seen.kubelet.mtime_ns:
+            return ""
+        if self._kubelet_down:
+            return "a kubelet restart is under way"
+        # The kubelet.sock of the plugin socket's time, not the last one probed: a probe may have
+        # seen the new kubelet answer before this deletion's event was handled.
+        then = p.kubelet_then or self._kubelet_id
+        if then is not None and seen.kubelet != then:
+            return f"{name} is a new file"
+        return ""
+
+    def _by_socket_of(self, resource: str) -> Plugin:
+        return next(p for p in self.rules.plugins if p.resource == resource)
+
+    # -- kubelet restarts, registration cycles --------------------------------------------
+    def _kubelet_gone(self, why: str) -> None:
+        """A kubelet restart (or stop) is under way: every plugin must register again."""
+        if self._kubelet_down:
+            return
+        self._kubelet_down = True
+        for p in self._plugins.values():
+            p.lost_at = None
+        if self._kubelet_id is None:
+            return  # never seen answering: nothing to restart from
+        self.kubelet_restarts += 1
+        self.listener.kubelet_restarted()
+        logger.info("kubelet restart detected: %s", why)
+        self.state.reset(list(self.state.checks))
+        for r in self._plugins:
+            self._open_attempt(r, "kubelet restart")
+
+    def _open_attempt(self, resource: str, cause: str) -> None:
+        p = self._plugins[resource]
+        if p.attempt is not None:
+            return  # an open cycle absorbs what follows: restart + new socket is one attempt
+        p.attempt = Attempt(resource, cause, self.wall(), self.clock())
+        self.history.append(p.attempt)
+        self.listener.attempt_opened(resource)
+
+    def _close_attempt(self, resource: str, registered: bool) -> None:
+        p = self._plugins[resource]
+        attempt, p.attempt = p.attempt, None
+        if attempt is None:
+            return
+        if registered:
+            attempt.outcome = "registered"
+            attempt.latency = max(0.0, self.clock() - attempt.opened)
+            self.listener.attempt_closed(resource, attempt.latency)
+        else:
+            attempt.outcome = "not registered within the grace"
+            self.listener.attempt_closed(resource, None)
+
+    # -- probe rounds -------------------------------------------------------------------------
+    def round(self, seen: Round) -> list[str]:
+        """Judge one probe round; returns the resources whose socket vanished unannounced (the caller
+        observes the folder and calls `judge_vanished` for each)."""
+        self._judge_kubelet(seen.kubelet)
+        self._judge_checkpoint(seen.checkpoint)
+        vanished = []
+        for plugin in self.rules.plugins:
+            obs = seen.plugins[plugin.resource]
+            if self._judge_plugin(plugin, obs):
+                vanished.append(plugin.resource)
+            self._judge_registration(plugin, obs, seen)
+            self._count_devices(plugin, seen)
+        return vanished
+
+    def _judge_kubelet(self, k: ProbeResult) -> None:
+        if k.ok:
+            if self._kubelet_recreated or (self._kubelet_id is not None and k.identity != self._kubelet_id):
+                self._kubelet_gone(f"a new {self.rules.kubelet_socket} answers")
+            self._kubelet_down = False
+            self._kubelet_recreated = False
+            self._kubelet_id = k.identity
+        elif k.state in ("absent", "refused"):
+            self._kubelet_gone(k.reason)
+        # A kubelet fault is never mended by restarting the plugin: HAMi registers again by itself
+        # when kubelet.sock is created, and a restart would only add CrashLoopBackOff's delay.
+        self.state.report(KUBELET.name, k.ok, k.reason, k.latency, definitive=k.definitive, restarts=False)
+
+    def _judge_checkpoint(self, checkpoint: Reading[Checkpoint]) -> None:
+        """Lost evidence, never a liveness verdict: the live signals decide."""
+        cp = checkpoint.value
+        if cp is not None:
+            self.state.report(
+                CHECKPOINT.name, True, f"read: {len(cp.registered)} resource(s)", restarts=False
+            )
+        elif checkpoint.error.startswith("no checkpoint"):
+            self.state.report(CHECKPOINT.name, True, checkpoint.error, restarts=False)
+        else:
+            self.state.report(CHECKPOINT.name, False, checkpoint.error, definitive=True, restarts=False)
+
+    def _judge_plugin(self, plugin: Plugin, obs: PluginRound) -> bool:
+        """The plugin check; True when its socket vanished unannounced and awaits `judge_vanished`."""
+        p, result = self._plugins[plugin.resource], obs.probe
+        name = CheckKey(Kind.PLUGIN, plugin.resource).name
+        if p.judging:
+            return False  # the deleted socket's verdict is being reached
+        if result.ok and obs.identity_after != result.identity:
+            return False  # removed or replaced while probed: its events decide
+        if result.state == "absent":
+            if self.state.checks[name].status is Status.OK:
+                # Gone since the last round, and its deletion event is not here yet: the same verdict.
+                p.judging = True
+                return True
+            if p.vanished is not None:
+                verdict, gone = p.vanished  # keep the verdict and its why
+                self.state.report(name, False, verdict, definitive=gone, restarts=not self._kubelet_down)
+                return False
+        if result.ok and result.identity != p.identity:
+            if p.known:
+                self.plugin_socket_created(plugin.resource, result.identity)  # seen before its event
+            else:
+                p.identity, p.kubelet_then, p.known = result.identity, self._kubelet_id, True  # at start
+        # While the kubelet is away its cleanup explains a missing socket: a restart would not help.
+        restarts = not (self._kubelet_down and result.state == "absent")
+        self.state.report(
+            name, result.ok, result.reason, result.latency, definitive=result.definitive, restarts=restarts
+        )
+        return False
+
+    def _judge_registration(self, plugin: Plugin, obs: PluginRound, seen: Round) -> None:
+        r = plugin.resource
+        p, name = self._plugins[r], CheckKey(Kind.REGISTERED, r).name
+        if self._kubelet_down:
+            p.lost_at = None
+            self.listener.connected(r, None)
+            why = "the kubelet is restarting; the plugin must register again"
+            self.state.report(name, False, why, restarts=False)
+            return
+        held, why, definitive = self._held(plugin, p, obs, seen)
+        if held is None:
+            return  # a lost connection waits for its confirmation
+        if held:
+            p.episode = False
+            if p.restarts_in_vain:
+                if p.budget_spent:
+                    logger.info("%s registered again: the restart budget is restored", r)
+                    self.listener.budget(r, False)
+                p.restarts_in_vain = 0
+            self._close_attempt(r, registered=True)
+        # Restarting the plugin registers it again, unless the kubelet cannot take it or the plugin is
+        # not serving (its own check says so) or restarts have already failed to help.
+        restarts = seen.kubelet.verified and obs.probe.ok and not p.budget_spent
+        if not held and p.budget_spent:
+            why = f"{why}; restart budget spent: {RESTART_BUDGET} plugin restarts did not register it"
+        self.state.report(name, held, why, definitive=definitive, restarts=restarts)
+
+    def _held(
+        self, plugin: Plugin, p: _PluginState, obs: PluginRound, seen: Round
+    ) -> tuple[bool | None, str, bool]:
+        """Does the kubelet hold the plugin now? (held, why, whether waiting cannot mend it)."""
+        r, sock = plugin.resource, plugin.socket
+        conns = obs.connections.value
+        self.listener.connected(r, conns)
+        pair = (obs.identity_after, self._kubelet_id)
+        if conns is not None:
+            if conns > 0:
+                if p.connected_pair != pair:
+                    p.connected_pair, p.connected_since = pair, self.wall()
+                p.lost_at = None
+                return True, f"the kubelet holds a connection to {sock}{self._device_note(r, seen)}", False
+            if p.connected_pair == pair and obs.probe.ok:
+                # It held this plugin and let go while both sockets stayed: a drop, which no waiting
+                # mends (kubernetes issues 121994, 131013). Confirmed once, so that a kubelet on its
+                # way out (it disconnects before its socket goes) is not taken for one.
+                now = self.clock()
+                if p.lost_at is None:
+                    p.lost_at = now
+                if now - p.lost_at < self.rules.drop_confirm:
+                    return None, "", False
+                since = iso(p.connected_since) if p.connected_since else "?"
+                return (
+                    False,
+                    f"the kubelet is no longer connected to {sock} (held it from {since}): it dropped the "
+                    "plugin, which keeps serving; a plugin restart registers it again",
+                    True,
+                )
+            p.lost_at = None
+            return False, f"the kubelet holds no connection to {sock}: {self._not_held(r, seen, obs)}", False
+        # No view of the kubelet's connections: pod-resources is live, the checkpoint is history.
+        p.lost_at = None
+        live = seen.pod_resources.value
+        if live is not None and live.get(r):
+            return True, f"pod-resources lists {len(live[r])} device(s) of {r}", False
+        accepted = self._accepted(r, seen, obs)
+        if accepted is None:
+            return False, f"{self._not_held(r, seen, obs)} ({obs.connections.error})", False
+        if live is not None and accepted:
+            return (
+                False,
+                f"pod-resources lists no device of {r} although the kubelet recorded {accepted} healthy: "
+                "it dropped the plugin",
+                False,
+            )
+        # `[]` in a fresh checkpoint: registered with no healthy device, or dropped; a restart would not
+        # make a registered plugin more registered, so this passes, saying what cannot be told.
+        return True, f"the kubelet accepted the plugin ({accepted} healthy device(s) recorded)", False
+
+    def _accepted(self, r: str, seen: Round, obs: PluginRound) -> int | None:
+        """Healthy devices the checkpoint lists for `r`, if rewritten since both sockets were made."""
+        cp = seen.checkpoint.value
+        plugin, kubelet = obs.identity_after, self._kubelet_id
+        if cp is None or plugin is None or kubelet is None:
+            return None
+        devices = cp.devices(r)
+        if devices is None or cp.mtime_ns < max(plugin.mtime_ns, kubelet.mtime_ns):
+            return None
+        return len(physical_devices(devices))
+
+    def _not_held(self, r: str, seen: Round, obs: PluginRound) -> str:
+        cp = seen.checkpoint.value
+        if cp is None:
+            return f"not registered ({seen.checkpoint.error})"
+        if cp.devices(r) is None:
+            return f"never registered (the kubelet's checkpoint does not list {r})"
+        plugin = obs.identity_after
+        if plugin is not None and cp.mtime_ns < plugin.mtime_ns:
+            return "not registered since the plugin socket was created"
+        return "not registered now (the kubelet's checkpoint shows an earlier acceptance)"
+
+    def _device_note(self, r: str, seen: Round) -> str:
+        live = seen.pod_resources.value
+        if live is None:
+            return ""
+        n = len(physical_devices(live.get(r, ())))
+        return f"; pod-resources lists {n} healthy device(s)" if n else "; no healthy device listed"
+
+    def _count_devices(self, plugin: Plugin, seen: Round) -> None:
+        """Healthy physical devices the kubelet lists now; a stale checkpoint's count is never one."""
+        r = plugin.resource
+        p = self._plugins[r]
+        counts: dict[str, int] = {}
+        live = seen.pod_resources.value
+        if live is not None:
+            counts["pod_resources"] = len(physical_devices(live.get(r, ())))
+        cp = seen.checkpoint.value
+        devices = cp.devices(r) if cp is not None else None
+        fresh = (
+            cp is not None
+            and not self._kubelet_down
+            and self._kubelet_id is not None
+            and cp.mtime_ns >= self._kubelet_id.mtime_ns
+        )
+        if devices is not None and fresh:
+            counts["checkpoint"] = len(physical_devices(devices))
+        if seen.host_devices is not None:
+            counts["host"] = seen.host_devices
+        for source in ("pod_resources", "checkpoint", "host"):
+            if source in counts:
+                self.listener.devices(r, source, counts[source])
+        p.devices = counts
+        expect = self.rules.expect_devices
+        if expect is None:
+            return
+        name = CheckKey(Kind.DEVICES, r).name
+        want = seen.host_devices if expect == -1 else expect
+        source = "pod-resources" if "pod_resources" in counts else "checkpoint"
+        have = counts.get("pod_resources", counts.get("checkpoint"))
+        if have is None:
+            why = "the kubelet is restarting" if self._kubelet_down else "no current count"
+            self.state.report(name, False, f"{why}: the checkpoint predates kubelet.sock", restarts=False)
+        elif want is None or have >= want:
+            self.state.report(name, True, f"the kubelet lists {have} (want {want})", restarts=False)
+        else:
+            where = f" ({self.rules.device_glob} on the host)" if expect == -1 else ""
+            self.state.report(
+                name,
+                False,
+                f"the kubelet lists {have} healthy device(s) by {source}, {want} expected{where}",
+                restarts=False,
+            )
+
+    # -- transitions -------------------------------------------------------------------------------
+    def refresh(self) -> float | None:
+        """Fail pending checks whose grace ran out; when the next one will (monotonic)."""
+        return self.state.refresh()
+
+    def _on_transition(self, check: Check, old: Status) -> None:
+        if check.status is Status.FAILED and check.key.kind is Kind.REGISTERED:
+            p = self._plugins[check.key.resource]
+            self._close_attempt(check.key.resource, registered=False)
+            if check.live_failed and not p.episode:
+                p.episode = True
+                self.listener.restart_requested(check.key.resource)
+        self.listener.transition(check, old)
+
+
+def iso(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"

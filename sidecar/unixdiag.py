@@ -1,0 +1,223 @@
+"""Who holds a Unix socket: the kernel's table of Unix sockets, read without privileges.
+
+Two readers. `sock_diag` (netlink, man 7 sock_diag) answers for this process's network
+namespace with each socket's bound file (device and inode), its peer and its shutdown state:
+exact. `/proc/<pid>/net/unix` answers for the namespace of any visible process, with the
+path as the listener bound it and the state only. A connection's accepted end lives in the
+*connecting* process's network namespace, so the kubelet's connections to a plugin are seen
+where the kubelet runs, not in the plugin's pod (docs/kubelet.md, "Seeing the kubelet's
+connection").
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+UDIAG_SHOW_NAME, UDIAG_SHOW_VFS, UDIAG_SHOW_PEER = 0x1, 0x2, 0x4
+UNIX_DIAG_NAME, UNIX_DIAG_VFS, UNIX_DIAG_PEER, UNIX_DIAG_SHUTDOWN = 0, 1, 2, 6
+ESTABLISHED, LISTEN = 1, 10  # the kernel's TCP_* states, which Unix stream sockets reuse
+PROC_CONNECTED, PROC_UNCONNECTED = "03", "01"  # /proc/net/unix's SS_* states
+
+_NLMSG = struct.Struct("=IHHII")
+_REQ = struct.Struct("=BBHIII2I")
+_MSG = struct.Struct("=BBBBI2I")
+_RTA = struct.Struct("=HH")
+_VFS = struct.Struct("=II")
+
+
+class DiagUnavailable(Exception):
+    """The kernel does not answer sock_diag for Unix sockets here."""
+
+
+@dataclass(frozen=True)
+class UnixSocket:
+    ino: int  # the socket's own inode
+    state: int  # ESTABLISHED or LISTEN
+    path: str  # as bound ("" for unnamed), normalised
+    vfs: tuple[int, int] | None  # (st_dev, st_ino) of the bound file; accepted sockets share it
+    peer: int  # the peer socket's inode, 0 when none
+    shutdown: int  # 3 when the peer has closed: a connection that is over
+
+
+def normalise(path: str) -> str:
+    """grpcio binds `unix:///abs/path` as `///abs/path`; Go binds `/abs/path`."""
+    return "/" + path.lstrip("/") if path.startswith("/") else path
+
+
+def _kdev_to_st_dev(kdev: int) -> int:
+    """sock_diag reports the kernel's dev_t (major << 20 | minor), not stat's encoding."""
+    return os.makedev(kdev >> 20, kdev & 0xFFFFF)
+
+
+def diag_dump() -> list[UnixSocket]:
+    """Every listening and connected Unix socket of this network namespace."""
+    states = (1 << ESTABLISHED) | (1 << LISTEN)
+    show = UDIAG_SHOW_NAME | UDIAG_SHOW_VFS | UDIAG_SHOW_PEER
+    body = _REQ.pack(socket.AF_UNIX, 0, 0, states, 0, show, 0xFFFFFFFF, 0xFFFFFFFF)
+    header = _NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
+    try:
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
+    except OSError as e:
+        raise DiagUnavailable(f"netlink sock_diag: {e.strerror}") from None
+    with s:
+        s.settimeout(1.0)
+        try:
+            s.send(header + body)
+            out: list[UnixSocket] = []
+            while True:
+                data = s.recv(1 << 16)
+                for kind, payload in _messages(data):
+                    if kind == NLMSG_DONE:
+                        return out
+                    if kind == NLMSG_ERROR:
+                        code = -struct.unpack_from("=i", payload)[0]
+                        raise DiagUnavailable(f"sock_diag: {os.strerror(code or errno.EIO)}")
+                    if kind == SOCK_DIAG_BY_FAMILY:
+                        out.append(_parse(payload))
+        except OSError as e:
+            raise DiagUnavailable(f"sock_diag: {e.strerror or e}") from None
+
+
+def _messages(data: bytes) -> Iterator[tuple[int, bytes]]:
+    off = 0
+    while off + _NLMSG.size <= len(data):
+        length, kind, _flags, _seq, _pid = _NLMSG.unpack_from(data, off)
+        if length < _NLMSG.size:
+            return
+        yield kind, data[off + _NLMSG.size : off + length]
+        off += (length + 3) & ~3
+
+
+def _parse(payload: bytes) -> UnixSocket:
+    _family, _type, state, _pad, ino, _c0, _c1 = _MSG.unpack_from(payload)
+    path, vfs, peer, shutdown = "", None, 0, 0
+    off = _MSG.size
+    while off + _RTA.size <= len(payload):
+        length, kind = _RTA.unpack_from(payload, off)
+        if length < _RTA.size:
+            break
+        value = payload[off + _RTA.size : off + length]
+        if kind == UNIX_DIAG_NAME:
+            path = "" if value[:1] == b"\0" else normalise(value.rstrip(b"\0").decode(errors="replace"))
+        elif kind == UNIX_DIAG_VFS and len(value) >= _VFS.size:
+            vino, vdev = _VFS.unpack_from(value)
+            vfs = (_kdev_to_st_dev(vdev), vino)
+        elif kind == UNIX_DIAG_PEER and len(value) >= 4:
+            peer = struct.unpack_from("=I", value)[0]
+        elif kind == UNIX_DIAG_SHUTDOWN and value:
+            shutdown = value[0]
+        off += (length + 3) & ~3
+    return UnixSocket(ino, state, path, vfs, peer, shutdown)
+
+
+def proc_net_unix(proc: str = "/proc/self") -> list[UnixSocket]:
+    """The Unix sockets of `proc`'s network namespace, from `<proc>/net/unix` (paths, no inodes)."""
+    out: list[UnixSocket] = []
+    with open(os.path.join(proc, "net", "unix"), encoding="utf-8", errors="replace") as f:
+        next(f, None)  # the header
+        for line in f:
+            fields = line.split(None, 7)
+            if len(fields) < 7:
+                continue
+            state = {PROC_CONNECTED: ESTABLISHED, PROC_UNCONNECTED: LISTEN}.get(fields[5])
+            flags = int(fields[3], 16) if _hex(fields[3]) else 0
+            if state is None or (state == LISTEN and not flags & 0x10000):  # __SO_ACCEPTCON
+                continue
+            path = normalise(fields[7].rstrip("\n")) if len(fields) > 7 else ""
+            out.append(UnixSocket(int(fields[6]), state, path, None, 0, 0))
+    return out
+
+
+def _hex(s: str) -> bool:
+    try:
+        int(s, 16)
+    except ValueError:
+        return False
+    return True
+
+
+# The kubelet binds this path whatever its --root-dir (pkg/kubelet/apis/deviceplugin/v1beta1/constants.go).
+KUBELET_BOUND_PATH = "/var/lib/kubelet/device-plugins/kubelet.sock"
+KUBELET_PROCESS_NAMES = frozenset({"kubelet", "k3s-server", "k3s-agent", "k3s", "kubelite"})
+
+
+@dataclass(frozen=True)
+class Connections:
+    """A snapshot of the kubelet's network namespace: who is connected to which socket file."""
+
+    source: str
+    sockets: tuple[UnixSocket, ...]
+    exact: bool  # by the bound file's inode (sock_diag), else by path
+
+    def to(self, path: str, bound_as: tuple[str, ...] = ()) -> int:
+        """Open connections accepted on the listener that owns the socket file at `path` now."""
+        if self.exact:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return 0
+            vfs = (st.st_dev, st.st_ino)
+            return sum(1 for s in self.sockets if s.state == ESTABLISHED and s.vfs == vfs and not s.shutdown)
+        names = {normalise(path), *bound_as}
+        return sum(1 for s in self.sockets if s.state == ESTABLISHED and s.path in names)
+
+
+def kubelet_connections(kubelet_path: str, proc: str = "/proc") -> Connections | str:
+    """The Unix sockets of the kubelet's network namespace, or why they cannot be seen.
+
+    This process's namespace when the kubelet's listener on `kubelet_path` is in it (a pod
+    with the host network, or a test); else the namespace of a visible kubelet process
+    (`hostPID`), read from its `/proc/<pid>/net/unix`; else none can be seen.
+    """
+    why = ""
+    try:
+        st = os.stat(kubelet_path)
+        mine = diag_dump()
+    except OSError:
+        return f"{kubelet_path} is missing"
+    except DiagUnavailable as e:
+        why, mine = str(e), []
+    vfs = (st.st_dev, st.st_ino)
+    if any(s.state == LISTEN and s.vfs == vfs for s in mine):
+        return Connections("this network namespace (sock_diag)", tuple(mine), exact=True)
+    bound = {KUBELET_BOUND_PATH, normalise(kubelet_path)}
+    for pid in [*_kubelet_pids(proc), "1"]:
+        try:
+            theirs = proc_net_unix(os.path.join(proc, pid))
+        except OSError:
+            continue
+        if any(s.state == LISTEN and s.path in bound for s in theirs):
+            return Connections(
+                f"the kubelet's network namespace ({proc}/{pid}/net/unix)", tuple(theirs), False
+            )
+    return why or (
+        "the kubelet's network namespace is not visible from this pod (neither hostNetwork nor a "
+        "kubelet process under hostPID)"
+    )
+
+
+def _kubelet_pids(proc: str) -> list[str]:
+    pids = []
+    try:
+        entries = os.listdir(proc)
+    except OSError:
+        return []
+    for pid in entries:
+        if not pid.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc, pid, "comm"), encoding="utf-8", errors="replace") as f:
+                if f.read().strip() in KUBELET_PROCESS_NAMES:
+                    pids.append(pid)
+        except OSError:
+            continue
+    return pids
