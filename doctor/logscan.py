@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 MAX_BYTES = 10 * 1024 * 1024  # per log: the newest 10 MiB, whatever the file's size
 
-# KUBELET-FACTS.md section 3: the kubelet's own wording.
+# The kubelet's own wording (docs/kubelet.md#log-lines).
 KUBELET_ERRORS = (
     "Bad registration request from device plugin",
     "failed to dial device plugin",

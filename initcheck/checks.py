@@ -13,13 +13,17 @@ import stat
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
+from initcheck.proc import no_kubelet, process_visible
+
 if TYPE_CHECKING:
     from typing import Literal
 
     Status = Literal["pass", "fail", "warn", "skip"]
 
+# The kubelet's defaults (docs/kubelet.md#socket-path) and the name its process has.
 DEFAULT_DIR = "/var/lib/kubelet/device-plugins"
 DEFAULT_SOCKET = "kubelet.sock"
+DEFAULT_KUBELET_PROCESS = "kubelet"
 CAP_DAC_OVERRIDE = 1
 
 
@@ -52,11 +56,39 @@ class Options(NamedTuple):
     expect_mode: int | None = None
     connect: bool = True
     strict: bool = False
-    kubelet_process: str = "kubelet"
+    kubelet_process: str = DEFAULT_KUBELET_PROCESS
 
     @property
     def folder(self) -> str:
         return os.path.dirname(self.socket_path)
+
+
+def options_for(
+    socket_path: str,
+    *,
+    plugin_uid: int | None = None,
+    plugin_gid: int | None = None,
+    expect_owner: int | None = None,
+    expect_group: int | None = None,
+    expect_mode: int | None = None,
+    connect: bool = True,
+    strict: bool = False,
+    kubelet_process: str = DEFAULT_KUBELET_PROCESS,
+) -> Options:
+    """Options for the plugin's identity; absent, it is this process's (with its supplementary groups)."""
+    own_identity = plugin_uid is None and plugin_gid is None
+    return Options(
+        socket_path=os.path.abspath(socket_path),
+        plugin_uid=os.geteuid() if plugin_uid is None else plugin_uid,
+        plugin_gid=os.getegid() if plugin_gid is None else plugin_gid,
+        plugin_groups=tuple(os.getgroups()) if own_identity else (),
+        expect_owner=expect_owner,
+        expect_group=expect_group,
+        expect_mode=expect_mode,
+        connect=connect,
+        strict=strict,
+        kubelet_process=kubelet_process,
+    )
 
 
 def check_folder(o: Options) -> Finding:
@@ -284,30 +316,6 @@ def run_checks(o: Options) -> list[Finding]:
     findings += [step(o) for step in steps]
     findings.append(check_kubelet_path(o))
     return findings
-
-
-def process_visible(name: str) -> bool:
-    """Is any process named `name` visible? A cheap /proc scan, so psutil (about 13 ms of imports)
-    is loaded only when there is a kubelet to inspect."""
-    try:
-        pids = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
-    except OSError:
-        return True  # no /proc to scan: let psutil say
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().rstrip("\n") == name[:15]:  # the kernel keeps 15 characters
-                    return True
-        except OSError:
-            continue
-    return False
-
-
-def no_kubelet(name: str) -> str:
-    return (
-        f"no process named {name} is visible, so where it listens was not checked "
-        "(the pod needs hostPID: true; HAMi's DaemonSet has it)"
-    )
 
 
 def has_capability(bit: int) -> bool:

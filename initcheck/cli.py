@@ -7,15 +7,23 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TextIO
 
-from initcheck import exitcodes
-from initcheck.checks import DEFAULT_DIR, DEFAULT_SOCKET, Finding, Options, run_checks
+from initcheck import exitcodes, flags
+from initcheck.checks import (
+    DEFAULT_DIR,
+    DEFAULT_KUBELET_PROCESS,
+    DEFAULT_SOCKET,
+    Finding,
+    Options,
+    options_for,
+    run_checks,
+)
 from initcheck.envflags import parse_with_env
 
-POLL_SECONDS = 0.1  # --wait polls at this period (the spec allows up to 250 ms)
+POLL_SECONDS = 0.1  # --wait polls at this period: a starting kubelet is seen within 100 ms
 # Failures that a starting kubelet clears by itself: --wait waits these out.
 TRANSIENT = {"DIR_MISSING", "SOCKET_MISSING", "STALE_SOCKET"}
 
@@ -24,62 +32,35 @@ class Terminated(Exception):
     pass
 
 
-def _octal(value: str) -> int:
-    try:
-        mode = int(value, 8)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an octal mode: {value!r}") from None
-    if not 0 <= mode <= 0o7777:
-        raise argparse.ArgumentTypeError(f"mode out of range: {value!r}")
-    return mode
-
-
-def _id(value: str) -> int:
-    if not value.isdigit():
-        raise argparse.ArgumentTypeError(f"expected a numeric id, got {value!r}")
-    return int(value)
-
-
-def _seconds(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
-    if not 0 <= seconds < 86400:
-        raise argparse.ArgumentTypeError(f"out of range: {value!r}")
-    return seconds
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = flags.Parser(
         prog="hami-initcheck",
         description="Check the kubelet's registration socket before a device plugin starts. "
         "Every flag has a HAMI_GUARD_<FLAG> environment variable twin; a flag wins.",
         epilog="exit codes: 0 all checks passed, 100 a check failed, 2 usage error",
+        parents=[
+            flags.socket_flags(device_plugin_dir=DEFAULT_DIR, kubelet_socket=DEFAULT_SOCKET),
+            flags.identity_flags(),
+            flags.kubelet_process_flag(kubelet_process_name=DEFAULT_KUBELET_PROCESS),
+        ],
     )
-    p.add_argument("--kubelet-socket", default=DEFAULT_SOCKET, help="socket name in the folder, or a path")
-    p.add_argument("--device-plugin-dir", default=DEFAULT_DIR, help=f"default {DEFAULT_DIR}")
-    p.add_argument("--plugin-uid", type=_id, help="uid the plugin runs as (default: this process's)")
-    p.add_argument("--plugin-gid", type=_id, help="gid the plugin runs as (default: this process's)")
-    p.add_argument("--expect-owner", type=_id, help="fail unless the socket is owned by this uid")
-    p.add_argument("--expect-group", type=_id, help="fail unless the socket's group is this gid")
-    p.add_argument("--expect-mode", type=_octal, help="fail unless the socket's mode is this (octal)")
-    p.add_argument("--wait", type=_seconds, default=0.0, help="wait up to N s for the kubelet to listen")
+    p.add_argument(
+        "--wait",
+        type=flags.seconds(0.0, flags.DAY),
+        default=0.0,
+        help="wait up to N s for the kubelet to listen (default 0: no wait)",
+    )
     p.add_argument("--connect", action=argparse.BooleanOptionalAction, default=True, help="try a connect()")
     p.add_argument("--strict", action="store_true", help="a world-writable socket fails instead of warning")
-    p.add_argument("--kubelet-process-name", default="kubelet", help="process name of the kubelet")
     p.add_argument("--output", choices=("text", "json"), default="text")
     return p
 
 
 def options_from(args: argparse.Namespace) -> Options:
-    path = os.path.join(args.device_plugin_dir, args.kubelet_socket)
-    own_identity = args.plugin_uid is None and args.plugin_gid is None
-    return Options(
-        socket_path=os.path.abspath(path),
-        plugin_uid=os.geteuid() if args.plugin_uid is None else args.plugin_uid,
-        plugin_gid=os.getegid() if args.plugin_gid is None else args.plugin_gid,
-        plugin_groups=tuple(os.getgroups()) if own_identity else (),
+    return options_for(
+        os.path.join(args.device_plugin_dir, args.kubelet_socket),
+        plugin_uid=args.plugin_uid,
+        plugin_gid=args.plugin_gid,
         expect_owner=args.expect_owner,
         expect_group=args.expect_group,
         expect_mode=args.expect_mode,
@@ -89,10 +70,18 @@ def options_from(args: argparse.Namespace) -> Options:
     )
 
 
-def check_with_wait(options: Options, wait: float) -> list[Finding]:
+def check_with_wait(
+    options: Options, wait: float, on_round: Callable[[list[Finding]], object] | None = None
+) -> list[Finding]:
+    """Run the checks; while the only failures are TRANSIENT ones, run them again until `wait` is over.
+
+    `on_round` sees each round's findings (tests count rounds instead of sleeping).
+    """
     deadline = time.monotonic() + wait
     while True:
         findings = run_checks(options)
+        if on_round is not None:
+            on_round(findings)
         failed = {f.id for f in findings if f.status == "fail"}
         if not failed or not failed <= TRANSIENT or time.monotonic() >= deadline:
             return findings

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from initcheck.proc import no_kubelet
+
 
 class KubeletLookupError(Exception):
     """No kubelet process could be inspected; the path check is skipped, not failed."""
@@ -39,16 +41,14 @@ class KubeletSockets:
         return False
 
 
-def find_kubelet(name: str = "kubelet") -> psutil.Process:
+def find_kubelet(name: str) -> psutil.Process:
     for proc in psutil.process_iter(["name"]):
         if proc.info["name"] == name:
             return proc
-    from initcheck.checks import no_kubelet
-
     raise KubeletLookupError(no_kubelet(name))
 
 
-def listening_paths(name: str = "kubelet") -> KubeletSockets:
+def listening_paths(name: str) -> KubeletSockets:
     proc = find_kubelet(name)
     try:
         conns = proc.net_connections(kind="unix")

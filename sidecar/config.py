@@ -1,4 +1,9 @@
-"""Settings from flags and their HAMI_GUARD_* twins, checked before any I/O."""
+"""Settings from flags and their HAMI_GUARD_* twins, checked before any I/O.
+
+`Settings` holds every default; the parser takes its defaults from it, and the flags
+from the shared vocabulary (`initcheck.flags`), so hami-doctor reads the same flags the
+same way.
+"""
 
 from __future__ import annotations
 
@@ -8,36 +13,34 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from initcheck import flags
 from initcheck.checks import DEFAULT_DIR, DEFAULT_SOCKET
 from initcheck.envflags import parse_with_env
+from initcheck.flags import AUTO_DEVICES, PluginSpec
 
 if TYPE_CHECKING:
     from sidecar.watcher import WatchMode
 
-# HAMi's real names (KUBELET-FACTS.md section 5).
-DEFAULT_PLUGIN = "nvidia.com/gpu=nvidia-gpu.sock"
+__all__ = ["AUTO_DEVICES", "PluginSpec", "Settings", "build_parser", "parse_settings"]
+
+# HAMi's real names (docs/kubelet.md#hami).
+DEFAULT_PLUGIN = PluginSpec("nvidia.com/gpu", "nvidia-gpu.sock")
 DEFAULT_POD_RESOURCES = "/var/lib/kubelet/pod-resources/kubelet.sock"
 DEFAULT_DEVICE_GLOB = "/dev/nvidia[0-9]*"
-
-
-@dataclass(frozen=True)
-class PluginSpec:
-    resource: str
-    socket: str  # file name in the device-plugins folder
 
 
 @dataclass(frozen=True)
 class Settings:
     device_plugin_dir: str = DEFAULT_DIR
     kubelet_socket: str = DEFAULT_SOCKET
-    plugins: tuple[PluginSpec, ...] = (PluginSpec("nvidia.com/gpu", "nvidia-gpu.sock"),)
+    plugins: tuple[PluginSpec, ...] = (DEFAULT_PLUGIN,)
     pod_resources_socket: str = DEFAULT_POD_RESOURCES
     host: str = "0.0.0.0"
     port: int = 9395
     probe_interval: float = 10.0
     probe_timeout: float = 2.0
     registration_grace: float = 60.0
-    expect_devices: int | None = None  # None: no devices check; -1: auto (count host device nodes)
+    expect_devices: int | None = None  # None: no devices check; AUTO_DEVICES (-1): count host device nodes
     device_glob: str = DEFAULT_DEVICE_GLOB
     plugin_label: str = "hami"
     log_format: str = "text"
@@ -46,6 +49,12 @@ class Settings:
     polling_interval: float = 1.0
     # How long a vanished plugin socket waits for kubelet.sock's events before the verdict.
     vanish_settle: float = 0.005
+    # How long a plugin that removed its own socket has to serve a new one (HAMi does on every
+    # kubelet.sock creation) before it counts as stopped.
+    plugin_restart_window: float = 0.2
+    # How long the kubelet's connection to a plugin must stay lost to be a drop: a kubelet on its way
+    # out closes its plugin connections a few ms before its socket goes.
+    drop_confirm: float = 0.2
 
     @property
     def kubelet_path(self) -> str:
@@ -55,71 +64,56 @@ class Settings:
         return os.path.join(self.device_plugin_dir, plugin.socket)
 
 
-def _seconds(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
-    if not 0 < seconds <= 86400:
-        raise argparse.ArgumentTypeError(f"expected 0 < seconds <= 86400, got {value!r}")
-    return seconds
-
-
-def _plugin(value: str) -> PluginSpec:
-    resource, sep, sock = value.partition("=")
-    if not sep or "/" not in resource or not sock or "/" in sock:
-        raise argparse.ArgumentTypeError(
-            f"expected RESOURCE=SOCKET (nvidia.com/gpu=nvidia-gpu.sock), got {value!r}"
-        )
-    return PluginSpec(resource, sock)
-
-
-def _listen(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected ADDR:PORT (0.0.0.0:9395), got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
-def _expect(value: str) -> int:
-    if value == "auto":
-        return -1
-    if not value.isdigit():
-        raise argparse.ArgumentTypeError(f"expected a number or auto, got {value!r}")
-    return int(value)
+DEFAULTS = Settings()
+PERIOD = flags.seconds(flags.MIN_PERIOD, flags.DAY)  # a probe interval, grace or polling period
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    d = DEFAULTS
+    p = flags.Parser(
         prog="hami-sidecar",
         description="Registration health of device plugins for the livenessProbe, operators and Prometheus. "
         "Every flag has a HAMI_GUARD_<FLAG> environment variable twin; a flag wins.",
+        parents=[
+            flags.socket_flags(device_plugin_dir=d.device_plugin_dir, kubelet_socket=d.kubelet_socket),
+            flags.plugin_flags(
+                plugins=d.plugins,
+                pod_resources_socket=d.pod_resources_socket,
+                probe_timeout=d.probe_timeout,
+                device_glob=d.device_glob,
+            ),
+        ],
     )
-    p.add_argument("--device-plugin-dir", default=DEFAULT_DIR)
-    p.add_argument("--kubelet-socket", default=DEFAULT_SOCKET, help="name in the folder")
     p.add_argument(
-        "--plugin",
-        action="append",
-        type=_plugin,
-        help=f"RESOURCE=SOCKET, repeatable (default {DEFAULT_PLUGIN}); "
-        "the variable takes a comma-separated list",
+        "--listen",
+        type=flags.listen_address,
+        default=(d.host, d.port),
+        help=f"ADDR:PORT (default {d.host}:{d.port})",
     )
-    p.add_argument("--pod-resources-socket", default=DEFAULT_POD_RESOURCES, help="used only if present")
     p.add_argument(
-        "--listen", type=_listen, default=("0.0.0.0", 9395), help="ADDR:PORT (default 0.0.0.0:9395)"
+        "--probe-interval",
+        type=PERIOD,
+        default=d.probe_interval,
+        help=f"seconds between probe rounds (default {d.probe_interval:g})",
     )
-    p.add_argument("--probe-interval", type=_seconds, default=10.0)
-    p.add_argument("--probe-timeout", type=_seconds, default=2.0)
-    p.add_argument("--registration-grace", type=_seconds, default=60.0)
-    p.add_argument("--expect-devices", type=_expect, help="N, or auto: count --device-glob on the host")
-    p.add_argument("--device-glob", default=DEFAULT_DEVICE_GLOB)
-    p.add_argument("--plugin-label", default="hami", help="the `plugin` label of the metrics")
-    p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument(
-        "--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO", type=str.upper
+        "--registration-grace",
+        type=PERIOD,
+        default=d.registration_grace,
+        help=f"seconds a check may stay pending (default {d.registration_grace:g})",
     )
-    p.add_argument("--watch-mode", choices=("auto", "inotify", "polling"), default="auto")
-    p.add_argument("--polling-interval", type=_seconds, default=1.0, help="period of the polling fallback")
+    p.add_argument("--plugin-label", default=d.plugin_label, help="the `plugin` label of the metrics")
+    p.add_argument("--log-format", choices=("text", "json"), default=d.log_format)
+    p.add_argument(
+        "--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default=d.log_level, type=str.upper
+    )
+    p.add_argument("--watch-mode", choices=("auto", "inotify", "polling"), default=d.watch_mode)
+    p.add_argument(
+        "--polling-interval",
+        type=PERIOD,
+        default=d.polling_interval,
+        help=f"period of the polling fallback (default {d.polling_interval:g})",
+    )
     return p
 
 
@@ -129,7 +123,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
     if args.probe_timeout >= args.probe_interval:
         timeout, interval = args.probe_timeout, args.probe_interval
         parser.error(f"--probe-timeout ({timeout:g}s) must be below --probe-interval ({interval:g}s)")
-    plugins = tuple(args.plugin or [_plugin(DEFAULT_PLUGIN)])
+    plugins = tuple(args.plugin or DEFAULTS.plugins)
     resources = [p.resource for p in plugins]
     if len(set(resources)) != len(resources):
         parser.error(f"--plugin: a resource is named twice: {', '.join(resources)}")

@@ -45,7 +45,7 @@ def test_every_flag_has_an_environment_twin_and_a_flag_wins() -> None:
         (["--plugin", "gpu"], {}, "expected RESOURCE=SOCKET"),
         (["--plugin", "a.com/x=x.sock", "--plugin", "a.com/x=y.sock"], {}, "named twice"),
         (["--listen", "9395"], {}, "expected ADDR:PORT"),
-        (["--expect-devices", "many"], {}, "a number or auto"),
+        (["--expect-devices", "many"], {}, "expected a number from 1 to 65536 or auto"),
         ([], {"HAMI_GUARD_PROBE_INTERVAL": "soon"}, "HAMI_GUARD_PROBE_INTERVAL='soon'"),
         ([], {"HAMI_GUARD_LOG_FORMAT": "xml"}, "expected one of text, json"),
     ],

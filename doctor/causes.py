@@ -1,0 +1,263 @@
+"""The rules: each known root cause judged from `NodeEvidence` alone, with its evidence and its fix.
+
+Pure functions, no I/O: a test builds the evidence by hand and checks every branch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from doctor.evidence import KubeletProcess, NodeEvidence, PluginEvidence, PluginProcesses, SocketProbe
+from doctor.logscan import LogFindings
+from initcheck.checks import Finding
+from initcheck.flags import AUTO_DEVICES
+
+Verdict = Literal["problem", "ok", "unknown"]
+
+# Root causes, in the order a cause explains the ones after it: the most likely first.
+CAUSES = (
+    ("socket-path", "socket path mismatch"),
+    ("socket-permission", "socket permission"),
+    ("protocol", "API/protocol mismatch"),
+    ("plugin-not-serving", "plugin not serving"),
+    ("plugin-not-registered", "plugin not registered"),
+    ("devices-not-registered", "devices visible, not registered"),
+    ("kubelet-log", "kubelet registration errors"),
+    ("plugin-log", "plugin registration errors"),
+    ("plugin-growth", "plugin resource growth"),
+    ("kubelet-version", "kubelet version"),
+)
+TITLES = dict(CAUSES)
+ORDER = {cause: i for i, (cause, _) in enumerate(CAUSES)}
+# initcheck's checks that are about permission; the others are about the socket's path.
+PERMISSION_CHECKS = frozenset(
+    ("PERMISSION_DENIED", "OWNER_MISMATCH", "GROUP_MISMATCH", "MODE_MISMATCH", "MODE_TOO_OPEN")
+)
+# A fix line starting with "$ " is a command: printed so that it pastes (wrapped with backslashes).
+RESTART_PLUGIN = (
+    "$ kubectl -n kube-system delete pod -l app.kubernetes.io/component=hami-device-plugin "
+    "--field-selector spec.nodeName=$(hostname)"
+)
+KUBELET_LOG_FIX = (
+    "the kubelet rejected the plugin or could not dial it back; the newest lines say why:",
+    "$ journalctl -u kubelet --since -1h | grep -i 'device plugin'",
+)
+PLUGIN_LOG_FIX = (
+    "the plugin could not register: start it only once the kubelet listens (the hami-initcheck "
+    "init container with --wait 60), then restart it:",
+    RESTART_PLUGIN,
+)
+# Growth between two samples that no healthy plugin shows.
+FD_GROWTH = 100
+THREAD_GROWTH = 20
+
+
+@dataclass
+class Cause:
+    id: str
+    verdict: Verdict
+    evidence: list[str] = field(default_factory=list)
+    fix: list[str] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        return TITLES[self.id]
+
+    def problem(self, evidence: str, fix: Iterable[str] = ()) -> None:
+        self.verdict = "problem"
+        self.evidence.append(evidence)
+        self.fix += [f for f in fix if f not in self.fix]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "title": self.title,
+            "verdict": self.verdict,
+            "evidence": self.evidence,
+            "fix": self.fix,
+        }
+
+
+def diagnose(e: NodeEvidence) -> list[Cause]:
+    """One row per root cause: problems first, each group in causal order."""
+    path, permission = initcheck_causes(e.findings)
+    causes = [
+        path,
+        permission,
+        protocol_cause(e.kubelet_socket),
+        serving_cause(e.plugins),
+        registration_cause(e.plugins),
+        devices_cause(e.plugins, e.expect_devices, e.device_glob, e.host_devices),
+        log_cause("kubelet-log", e.kubelet_logs, KUBELET_LOG_FIX),
+        log_cause("plugin-log", e.plugin_logs, PLUGIN_LOG_FIX),
+        growth_cause(e.plugin_process, e.rss_growth_mib),
+        version_cause(e.kubelet),
+    ]
+    causes.sort(key=lambda c: (c.verdict != "problem", ORDER[c.id]))
+    return causes
+
+
+def initcheck_causes(findings: Iterable[Finding]) -> tuple[Cause, Cause]:
+    path = Cause("socket-path", "ok")
+    perm = Cause("socket-permission", "ok")
+    for f in findings:
+        target = perm if f.id in PERMISSION_CHECKS else path
+        if f.status == "fail":
+            target.problem(f"{f.id}: {f.path}: {f.found}", [f.remedy] if f.remedy else [])
+        elif f.status == "pass":
+            target.evidence.append(f.found)
+        elif f.status == "warn":
+            target.evidence.append(f"{f.id} (warning): {f.found}")
+        elif f.status == "skip" and f.id == "PATH_MISMATCH":
+            path.evidence.append(f"PATH_MISMATCH not checked: {f.found}")
+    return path, perm
+
+
+def protocol_cause(kubelet: SocketProbe) -> Cause:
+    if kubelet.state == "wrong-service":
+        return Cause(
+            "protocol",
+            "problem",
+            [kubelet.reason],
+            [
+                "point the plugin at the kubelet's real device-plugins folder (HAMi chart: "
+                "devicePlugin.pluginPath); find who listens on the socket:",
+                "$ ss -xlp | grep kubelet.sock",
+            ],
+        )
+    if kubelet.ok:
+        return Cause("protocol", "ok", [f"kubelet.sock: {kubelet.reason}"])
+    return Cause("protocol", "unknown", [f"kubelet.sock did not answer: {kubelet.reason}"])
+
+
+def serving_cause(plugins: Sequence[PluginEvidence]) -> Cause:
+    cause = Cause("plugin-not-serving", "ok")
+    for p in plugins:
+        line = f"{p.spec.socket}: {p.probe.reason}"
+        if p.probe.ok:
+            cause.evidence.append(line)
+            continue
+        stale = (
+            [
+                "the plugin died and left its socket behind (hami-doctor --fix removes it):",
+                f"$ rm {p.probe.path}",
+            ]
+            if p.probe.stale
+            else []
+        )
+        cause.problem(line, [*stale, "check the plugin's log, then restart it:", RESTART_PLUGIN])
+    return cause
+
+
+def registration_cause(plugins: Sequence[PluginEvidence]) -> Cause:
+    cause = Cause("plugin-not-registered", "ok")
+    for p in plugins:
+        line = f"{p.spec.resource}: {p.registration}"
+        if p.registered:
+            cause.evidence.append(line)
+        else:
+            cause.problem(line, ["restart the plugin so that it registers again:", RESTART_PLUGIN])
+    return cause
+
+
+def devices_cause(
+    plugins: Sequence[PluginEvidence], expect: int | None, device_glob: str, host: Sequence[str]
+) -> Cause:
+    """With --expect-devices (N, or auto: the host's device nodes), the kubelet lists at least that many."""
+    cause = Cause("devices-not-registered", "ok")
+    listed = "; ".join(f"{p.spec.resource}: the kubelet lists {p.listed}" for p in plugins)
+    if expect is None:
+        cause.verdict = "unknown"
+        cause.evidence.append(f"not checked: give --expect-devices N, or auto to count {device_glob}")
+        if listed:
+            cause.evidence.append(listed)
+        return cause
+    if expect == AUTO_DEVICES and not host:
+        cause.verdict = "unknown"
+        cause.evidence.append(f"no host device matches {device_glob}")
+        return cause
+    want = len(host) if expect == AUTO_DEVICES else expect
+    source = (
+        f"the host has {want} device node(s) ({device_glob})"
+        if expect == AUTO_DEVICES
+        else (f"{want} device(s) expected (--expect-devices)")
+    )
+    for p in plugins:
+        if p.listed < want:
+            cause.problem(
+                f"{p.spec.resource}: {source}, the kubelet lists {p.listed}",
+                [
+                    "the driver sees the GPUs, the kubelet does not: restart the plugin, and if that "
+                    "does not help, look in its log for devices it marks unhealthy:",
+                    RESTART_PLUGIN,
+                ],
+            )
+        else:
+            cause.evidence.append(f"{p.spec.resource}: the kubelet lists {p.listed} of {want}")
+    return cause
+
+
+def log_cause(cause_id: str, findings: Sequence[LogFindings], fix: Sequence[str]) -> Cause:
+    readable = [f for f in findings if f.read]
+    if not readable:
+        why = "; ".join(f.problem for f in findings) or "no log given"
+        return Cause(cause_id, "unknown", [why])
+    cause = Cause(cause_id, "ok")
+    for f in readable:
+        if not f.errors:
+            cause.evidence.append(f"{f.source}: no registration error")
+            continue
+        for pattern, n in sorted(f.counts.items(), key=lambda kv: -kv[1]):
+            cause.problem(f"{f.source}: {n} x '{pattern}', newest: {f.last[pattern]}", fix)
+    return cause
+
+
+def growth_cause(processes: PluginProcesses, rss_growth_mib: float) -> Cause:
+    if not processes.visible:
+        return Cause(
+            "plugin-growth", "unknown", [f"no process named {processes.name} is visible (run with hostPID)"]
+        )
+    cause = Cause("plugin-growth", "ok")
+    for g in processes.growth:
+        a, b = g.first, g.second
+        line = (
+            f"pid {g.pid}: RSS {b.rss / 2**20:.0f} MiB ({g.rss_mib:+.1f} in {g.interval:g}s), fds {b.fds} "
+            f"({b.fds - a.fds:+d}), threads {b.threads} ({b.threads - a.threads:+d}), "
+            f"up {g.uptime / 3600:.1f} h"
+        )
+        if (
+            g.rss_mib >= rss_growth_mib
+            or b.fds - a.fds >= FD_GROWTH
+            or b.threads - a.threads >= THREAD_GROWTH
+        ):
+            cause.problem(
+                line,
+                [
+                    "a leak in the plugin: watch it, report it upstream with this evidence, restart it:",
+                    f"$ ps -o rss,nlwp -p {g.pid}",
+                    RESTART_PLUGIN,
+                ],
+            )
+        else:
+            cause.evidence.append(line)
+    return cause
+
+
+def version_cause(kubelet: KubeletProcess) -> Cause:
+    """What really changed between kubelet versions for a device plugin (docs/kubelet.md#versions)."""
+    if not kubelet.version:
+        why = kubelet.why or "the kubelet binary did not print a Kubernetes version"
+        return Cause("kubelet-version", "unknown", [f"version unknown: {why}"])
+    major, minor, _ = (int(x) for x in kubelet.version.split("."))
+    notes = [f"kubelet v{kubelet.version}; device plugin API v1beta1 is the only one served"]
+    if (major, minor) >= (1, 25):
+        notes.append(
+            "Register is synchronous since 1.25: the plugin must serve its socket before it registers"
+        )
+    if (major, minor) < (1, 23):
+        notes.append(
+            "pod-resources GetAllocatableResources needs 1.23 (GA 1.28): device counts from the checkpoint"
+        )
+    return Cause("kubelet-version", "ok", notes)

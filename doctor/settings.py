@@ -1,0 +1,134 @@
+"""hami-doctor's settings: the sidecar's and initcheck's flags (the shared vocabulary), and its own.
+
+Defaults the doctor shares with the sidecar come from `sidecar.config.Settings`, so the two
+cannot drift; the rest are here, each once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from initcheck import flags
+from initcheck.checks import DEFAULT_KUBELET_PROCESS
+from initcheck.envflags import parse_with_env
+from initcheck.flags import PluginSpec
+from sidecar.config import DEFAULTS as SIDECAR
+
+Output = Literal["text", "json"]
+
+
+@dataclass(frozen=True)
+class DoctorSettings:
+    device_plugin_dir: str = SIDECAR.device_plugin_dir
+    kubelet_socket: str = SIDECAR.kubelet_socket
+    plugins: tuple[PluginSpec, ...] = SIDECAR.plugins
+    pod_resources_socket: str = SIDECAR.pod_resources_socket
+    probe_timeout: float = SIDECAR.probe_timeout
+    expect_devices: int | None = SIDECAR.expect_devices  # None: no devices check; AUTO_DEVICES: the glob
+    device_glob: str = SIDECAR.device_glob
+    plugin_uid: int | None = None  # None: this process's
+    plugin_gid: int | None = None
+    expect_owner: int | None = None  # None: not checked
+    expect_group: int | None = None
+    expect_mode: int | None = None
+    kubelet_log: str = "journal"  # a file, or journal (journalctl -u kubelet)
+    plugin_log: str = "auto"  # a file, or auto (the newest /var/log/pods/*device-plugin* log)
+    since: float = 3600.0
+    kubelet_process_name: str = DEFAULT_KUBELET_PROCESS
+    plugin_process_name: str = "nvidia-device-plugin"
+    sample_interval: float = 2.0
+    rss_growth_mib: float = 20.0
+    output: Output = "text"
+    fix: bool = False
+    npd: bool = False
+
+    @property
+    def kubelet_path(self) -> str:
+        return os.path.join(self.device_plugin_dir, self.kubelet_socket)
+
+    def plugin_path(self, plugin: PluginSpec) -> str:
+        return os.path.join(self.device_plugin_dir, plugin.socket)
+
+
+DEFAULTS = DoctorSettings()
+MAX_SINCE = 3650 * flags.DAY
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = DEFAULTS
+    p = flags.Parser(
+        prog="hami-doctor",
+        description="Diagnose why this node shows no GPU resource, and print the fix. "
+        "Every flag has a HAMI_GUARD_<FLAG> environment variable twin; a flag wins.",
+        epilog="exit codes: 0 healthy, 1 a problem was found, 2 usage error (with --npd: 2 unknown)",
+        parents=[
+            flags.socket_flags(device_plugin_dir=d.device_plugin_dir, kubelet_socket=d.kubelet_socket),
+            flags.plugin_flags(
+                plugins=d.plugins,
+                pod_resources_socket=d.pod_resources_socket,
+                probe_timeout=d.probe_timeout,
+                device_glob=d.device_glob,
+            ),
+            flags.identity_flags(),
+            flags.kubelet_process_flag(kubelet_process_name=d.kubelet_process_name),
+        ],
+    )
+    p.add_argument("--kubelet-log", default=d.kubelet_log, help="a file, or journal (journalctl -u kubelet)")
+    p.add_argument(
+        "--plugin-log", default=d.plugin_log, help="a file, or auto (/var/log/pods/*device-plugin*)"
+    )
+    p.add_argument(
+        "--since",
+        type=flags.duration(0.0, MAX_SINCE),
+        default=d.since,
+        help="log window: 90s, 30m, 2h, 7d (default 1h)",
+    )
+    p.add_argument("--plugin-process-name", default=d.plugin_process_name)
+    p.add_argument(
+        "--sample-interval",
+        type=flags.seconds(0.0, 3600.0),
+        default=d.sample_interval,
+        help=f"seconds between two samples of the plugin process (default {d.sample_interval:g})",
+    )
+    p.add_argument(
+        "--rss-growth-mib",
+        type=flags.number(0.1, 1024.0 * 1024.0),
+        default=d.rss_growth_mib,
+        help=f"RSS growth between the samples that is a problem (default {d.rss_growth_mib:g})",
+    )
+    p.add_argument("--output", choices=("text", "json"), default=d.output)
+    p.add_argument("--fix", action="store_true", help="apply the safe repairs the report lists")
+    p.add_argument("--npd", action="store_true", help="one line and node-problem-detector's exit codes")
+    return p
+
+
+def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> DoctorSettings:
+    args = parse_with_env(build_parser(), argv, environ)
+    return DoctorSettings(
+        device_plugin_dir=args.device_plugin_dir,
+        kubelet_socket=args.kubelet_socket,
+        plugins=tuple(args.plugin or DEFAULTS.plugins),
+        pod_resources_socket=args.pod_resources_socket,
+        probe_timeout=args.probe_timeout,
+        expect_devices=args.expect_devices,
+        device_glob=args.device_glob,
+        plugin_uid=args.plugin_uid,
+        plugin_gid=args.plugin_gid,
+        expect_owner=args.expect_owner,
+        expect_group=args.expect_group,
+        expect_mode=args.expect_mode,
+        kubelet_log=args.kubelet_log,
+        plugin_log=args.plugin_log,
+        since=args.since,
+        kubelet_process_name=args.kubelet_process_name,
+        plugin_process_name=args.plugin_process_name,
+        sample_interval=args.sample_interval,
+        rss_growth_mib=args.rss_growth_mib,
+        output=args.output,
+        fix=args.fix,
+        npd=args.npd,
+    )

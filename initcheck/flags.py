@@ -1,0 +1,248 @@
+"""The argument vocabulary of hami-initcheck, hami-sidecar and hami-doctor: value types and flag groups.
+
+Standard library only, because initcheck imports it at every plugin start and never
+imports `sidecar`. A value type raises `argparse.ArgumentTypeError` with what it
+expected; argparse puts the flag's name in front of it, and `initcheck.envflags` the
+variable's. Every numeric type has a range. A flag group is a parent parser built
+afresh on each call, with the defaults its caller passes: the defaults live with each
+program's settings, never here (docs/design.md#flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, NoReturn
+
+DAY = 86400.0
+# The shortest probe timeout or polling period worth asking for: below a few
+# milliseconds a probe cannot finish and a poll loop only burns a core.
+MIN_PERIOD = 0.005
+MAX_ID = 2**32 - 2  # uid_t and gid_t: (uid_t)-1 means "unchanged" to the kernel
+MAX_DEVICES = 65536
+AUTO_DEVICES = -1  # --expect-devices auto: count the host's --device-glob matches
+
+
+class PluginSpec(NamedTuple):
+    """One device plugin: the resource it registers and its socket's name in the device-plugins folder."""
+
+    resource: str
+    socket: str
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr, `prog: error: ...`, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# -- value types -------------------------------------------------------------------------------
+def _finite(value: str, what: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}") from None
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}")
+    return number
+
+
+def _in_range(number: float, low: float, high: float, what: str, value: str) -> None:
+    if not low <= number <= high:
+        raise argparse.ArgumentTypeError(f"expected {what} from {low:g} to {high:g}, got {value!r}")
+
+
+def seconds(low: float, high: float) -> Callable[[str], float]:
+    """Seconds, fractional allowed (`0.5`), from `low` to `high` inclusive; never nan, inf or negative."""
+    if not 0 <= low <= high:
+        raise ValueError(f"a range of seconds needs 0 <= low <= high, got {low}, {high}")
+
+    def parse(value: str) -> float:
+        number = _finite(value, "seconds")
+        _in_range(number, low, high, "seconds", value)
+        return number
+
+    parse.__name__ = "seconds"
+    return parse
+
+
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": DAY}
+
+
+def duration(low: float, high: float) -> Callable[[str], float]:
+    """A duration in seconds, with an optional unit (`90`, `90s`, `30m`, `2h`, `7d`), within [low, high]."""
+
+    def parse(value: str) -> float:
+        text = value.strip()
+        unit = text[-1:] if text[-1:] in ("s", "m", "h", "d") else ""
+        number = _finite(text[: len(text) - len(unit)], "a duration like 90s, 30m, 2h") * _UNITS[unit]
+        if number < 0:
+            raise argparse.ArgumentTypeError(f"expected a duration like 90s, 30m, 2h, got {value!r}")
+        _in_range(number, low, high, "a duration in seconds", value)
+        return number
+
+    parse.__name__ = "duration"
+    return parse
+
+
+def integer(low: int, high: int) -> Callable[[str], int]:
+    """A whole number from `low` to `high` inclusive (decimal digits only)."""
+
+    def parse(value: str) -> int:
+        text = value.strip()
+        if not text.isdigit() or not text.isascii():
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}")
+        number = int(text)
+        _in_range(number, low, high, "a whole number", value)
+        return number
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def number(low: float, high: float) -> Callable[[str], float]:
+    """A finite number (fractional allowed) from `low` to `high` inclusive."""
+
+    def parse(value: str) -> float:
+        result = _finite(value, "a number")
+        _in_range(result, low, high, "a number", value)
+        return result
+
+    parse.__name__ = "number"
+    return parse
+
+
+def numeric_id(value: str) -> int:
+    """A uid or gid: digits only (names would need the node's passwd, which the container lacks)."""
+    if not value.isdigit() or not value.isascii():
+        raise argparse.ArgumentTypeError(f"expected a numeric id, got {value!r}")
+    result = int(value)
+    if result > MAX_ID:
+        raise argparse.ArgumentTypeError(f"expected a numeric id from 0 to {MAX_ID}, got {value!r}")
+    return result
+
+
+def octal(value: str) -> int:
+    """A file mode in octal, `0755` or `755`, up to 7777."""
+    try:
+        mode = int(value, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an octal mode: {value!r}") from None
+    if not 0 <= mode <= 0o7777:
+        raise argparse.ArgumentTypeError(f"mode out of range: {value!r}")
+    return mode
+
+
+def plugin_spec(value: str) -> PluginSpec:
+    """`RESOURCE=SOCKET`: an extended resource name (with a domain) and a file name in the folder."""
+    resource, sep, sock = value.strip().partition("=")
+    if not sep or "/" not in resource or not sock or "/" in sock:
+        raise argparse.ArgumentTypeError(
+            f"expected RESOURCE=SOCKET (nvidia.com/gpu=nvidia-gpu.sock), got {value!r}"
+        )
+    return PluginSpec(resource, sock)
+
+
+def expect_devices(value: str) -> int:
+    """`auto` (AUTO_DEVICES: count the host's --device-glob matches) or a count from 1 to MAX_DEVICES."""
+    if value.strip() == "auto":
+        return AUTO_DEVICES
+    text = value.strip()
+    if not text.isdigit() or not text.isascii() or not 1 <= int(text) <= MAX_DEVICES:
+        raise argparse.ArgumentTypeError(f"expected a number from 1 to {MAX_DEVICES} or auto, got {value!r}")
+    return int(text)
+
+
+def listen_address(value: str) -> tuple[str, int]:
+    """`ADDR:PORT` (`0.0.0.0:9395`, `[::]:9395`); an empty address listens on every IPv4 address."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not port.isascii() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected ADDR:PORT (0.0.0.0:9395), got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+# -- flag groups (parent parsers) -------------------------------------------------------------------
+def _group() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(add_help=False)
+
+
+def socket_flags(*, device_plugin_dir: str, kubelet_socket: str) -> argparse.ArgumentParser:
+    """Where the kubelet's registration socket is: every program takes these two."""
+    p = _group()
+    p.add_argument("--device-plugin-dir", default=device_plugin_dir, help=f"default {device_plugin_dir}")
+    p.add_argument(
+        "--kubelet-socket",
+        default=kubelet_socket,
+        help=f"name in the folder, or a path (default {kubelet_socket})",
+    )
+    return p
+
+
+def identity_flags() -> argparse.ArgumentParser:
+    """Who the plugin runs as, and what `kubelet.sock` is expected to be (hami-initcheck, hami-doctor).
+
+    No defaults: an absent identity is this process's, an absent expectation is not checked.
+    """
+    p = _group()
+    p.add_argument("--plugin-uid", type=numeric_id, help="uid the plugin runs as (default: this process's)")
+    p.add_argument("--plugin-gid", type=numeric_id, help="gid the plugin runs as (default: this process's)")
+    p.add_argument("--expect-owner", type=numeric_id, help="fail unless the socket is owned by this uid")
+    p.add_argument("--expect-group", type=numeric_id, help="fail unless the socket's group is this gid")
+    p.add_argument("--expect-mode", type=octal, help="fail unless the socket's mode is this (octal)")
+    return p
+
+
+def kubelet_process_flag(*, kubelet_process_name: str) -> argparse.ArgumentParser:
+    """The kubelet's process name, to read where it listens (needs hostPID)."""
+    p = _group()
+    p.add_argument(
+        "--kubelet-process-name",
+        default=kubelet_process_name,
+        help=f"process name of the kubelet (default {kubelet_process_name})",
+    )
+    return p
+
+
+def plugin_flags(
+    *,
+    plugins: Sequence[PluginSpec],
+    pod_resources_socket: str,
+    probe_timeout: float,
+    device_glob: str,
+) -> argparse.ArgumentParser:
+    """The plugins to probe and how (hami-sidecar, hami-doctor).
+
+    `--plugin` has no default in the parser (an appended list would be added to, not
+    replaced): a caller takes `args.plugin or plugins`. `--expect-devices` has none
+    either: absent means no devices check.
+    """
+    shown = ",".join(f"{p.resource}={p.socket}" for p in plugins)
+    p = _group()
+    p.add_argument(
+        "--plugin",
+        action="append",
+        type=plugin_spec,
+        help=f"RESOURCE=SOCKET, repeatable (default {shown}); the variable takes a comma-separated list",
+    )
+    p.add_argument(
+        "--pod-resources-socket",
+        default=pod_resources_socket,
+        help=f"the kubelet's pod-resources socket, used only if present (default {pod_resources_socket})",
+    )
+    p.add_argument(
+        "--probe-timeout",
+        type=seconds(MIN_PERIOD, DAY),
+        default=probe_timeout,
+        help=f"seconds one gRPC probe may take (default {probe_timeout:g})",
+    )
+    p.add_argument(
+        "--expect-devices",
+        type=expect_devices,
+        help="N, or auto: count --device-glob on the host (absent: no devices check)",
+    )
+    p.add_argument(
+        "--device-glob", default=device_glob, help=f"the host's device nodes (default {device_glob})"
+    )
+    return p
