@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
+from doctor.settings import DoctorSettings
+from doctor.settings import build_parser as doctor_parser
+from doctor.settings import parse_settings as doctor_settings
+from initcheck import flags
+from initcheck.cli import build_parser as initcheck_parser
+from initcheck.envflags import env_name, parse_with_env
+from initcheck.flags import AUTO_DEVICES
 from sidecar.config import PluginSpec, Settings, parse_settings
+from sidecar.config import build_parser as sidecar_parser
 
 
 def test_defaults_are_hamis_real_names() -> None:
@@ -57,3 +69,141 @@ def test_bad_input_is_a_usage_error_naming_it(
         parse_settings(argv, environ=env)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# -- the shared vocabulary, as each of the three programs reads it ----------------------------------------
+PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
+    "hami-initcheck": initcheck_parser,
+    "hami-sidecar": sidecar_parser,
+    "hami-doctor": doctor_parser,
+}
+
+
+def usage_error(parser: argparse.ArgumentParser, argv: list[str], environ: dict[str, str], err: Any) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        parse_with_env(parser, argv, environ)
+    assert exit_.value.code == 2
+    message: str = err.readouterr().err
+    assert message.count("\n") == 1, message  # one line, no usage block
+    return message
+
+
+def typed_flags() -> list[tuple[str, str]]:
+    """Every flag, of every program, that takes a value of a type other than a plain string."""
+    found = []
+    for prog, build in PARSERS.items():
+        for action in build()._actions:
+            if action.type not in (None, str) and action.option_strings:
+                found.append((prog, action.option_strings[0]))
+    return found
+
+
+@pytest.mark.parametrize(("prog", "flag"), typed_flags())
+@pytest.mark.parametrize("bad", ["nan", "inf", "-1", "1e400", "99999999999"])
+def test_every_typed_flag_has_a_range_and_names_itself(
+    prog: str, flag: str, bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    message = usage_error(PARSERS[prog](), [flag, bad], {}, capsys)
+    assert message.startswith(f"{prog}: error: argument {flag}: ")
+
+
+@pytest.mark.parametrize(
+    ("prog", "flag", "low", "high"),
+    [
+        ("hami-sidecar", "--probe-timeout", 0.005, 86400),
+        ("hami-sidecar", "--probe-interval", 0.005, 86400),
+        ("hami-sidecar", "--polling-interval", 0.005, 86400),
+        ("hami-sidecar", "--registration-grace", 0.005, 86400),
+        ("hami-doctor", "--probe-timeout", 0.005, 86400),
+        ("hami-doctor", "--sample-interval", 0, 3600),
+        ("hami-initcheck", "--wait", 0, 86400),
+    ],
+)
+def test_duration_ranges(
+    prog: str, flag: str, low: float, high: float, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dest = flag.lstrip("-").replace("-", "_")
+    for ok in (low, high):
+        assert getattr(parse_with_env(PARSERS[prog](), [flag, str(ok)], {}), dest) == ok
+    for bad in (low - 0.001, high + 1):
+        assert f"argument {flag}: expected seconds from " in usage_error(
+            PARSERS[prog](), [flag, str(bad)], {}, capsys
+        )
+    # The environment twin is checked the same way, and named.
+    var = env_name(flag)
+    assert f"{var}='nan'" in usage_error(PARSERS[prog](), [], {var: "nan"}, capsys)
+
+
+def test_doctor_since_takes_units_within_a_range(capsys: pytest.CaptureFixture[str]) -> None:
+    assert doctor_settings(["--since", "90"], {}).since == 90
+    assert doctor_settings(["--since", "30m"], {}).since == 1800
+    assert doctor_settings([], {"HAMI_GUARD_SINCE": "2h"}).since == 7200
+    assert doctor_settings(["--since", "7d"], {}).since == 7 * 86400
+    for bad in ("soon", "-1h", "nanh", "3651d"):
+        assert "argument --since: " in usage_error(doctor_parser(), ["--since", bad], {}, capsys)
+
+
+@pytest.mark.parametrize("prog", ["hami-sidecar", "hami-doctor"])
+def test_expect_devices_means_the_same_everywhere(prog: str, capsys: pytest.CaptureFixture[str]) -> None:
+    def expect(argv: list[str]) -> object:
+        return parse_with_env(PARSERS[prog](), argv, {}).expect_devices
+
+    assert expect([]) is None  # absent: no devices check
+    assert expect(["--expect-devices", "auto"]) == AUTO_DEVICES == -1
+    assert expect(["--expect-devices", "4"]) == 4
+    assert "expected a number from 1 to 65536 or auto" in usage_error(
+        PARSERS[prog](), ["--expect-devices", "0"], {}, capsys
+    )
+
+
+def test_the_sidecar_and_the_doctor_read_their_shared_flags_alike() -> None:
+    argv = [
+        "--device-plugin-dir", "/k3s/device-plugins",
+        "--kubelet-socket", "k.sock",
+        "--plugin", "huawei.com/Ascend910B3=Ascend910B3.sock",
+        "--pod-resources-socket", "/pr.sock",
+        "--probe-timeout", "0.25",
+        "--expect-devices", "auto",
+        "--device-glob", "/dev/davinci[0-9]*",
+    ]  # fmt: skip
+    sidecar, doctor = parse_settings(argv, environ={}), doctor_settings(argv, {})
+    for name in ("device_plugin_dir", "kubelet_socket", "plugins", "pod_resources_socket", "probe_timeout"):
+        assert getattr(sidecar, name) == getattr(doctor, name)
+    assert (sidecar.expect_devices, sidecar.device_glob) == (doctor.expect_devices, doctor.device_glob)
+    assert sidecar.plugins == (PluginSpec("huawei.com/Ascend910B3", "Ascend910B3.sock"),)
+
+
+def test_settings_are_the_single_source_of_defaults() -> None:
+    sidecar, doctor = Settings(), DoctorSettings()
+    assert doctor_settings([], {}) == doctor
+    for name in (
+        "device_plugin_dir",
+        "kubelet_socket",
+        "plugins",
+        "pod_resources_socket",
+        "probe_timeout",
+        "expect_devices",
+        "device_glob",
+    ):
+        assert getattr(doctor, name) == getattr(sidecar, name), name
+    initcheck = parse_with_env(initcheck_parser(), [], {})
+    assert (initcheck.device_plugin_dir, initcheck.kubelet_socket) == (
+        sidecar.device_plugin_dir,
+        sidecar.kubelet_socket,
+    )
+    assert initcheck.kubelet_process_name == doctor.kubelet_process_name == "kubelet"
+
+
+def test_vocabulary_builds_ranges_for_new_flags() -> None:
+    parse = flags.seconds(0.5, 2)
+    assert parse("1.5") == 1.5
+    for bad in ("0.4", "2.1", "nan", "-inf", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)
+    count = flags.integer(1, 10)
+    assert count("10") == 10
+    for bad in ("0", "11", "1.5", "-1", "٣"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            count(bad)
+    with pytest.raises(ValueError, match="0 <= low <= high"):
+        flags.seconds(2, 1)

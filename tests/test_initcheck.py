@@ -16,7 +16,8 @@ from collections.abc import Iterator
 import pytest
 
 from initcheck import exitcodes
-from initcheck.cli import main
+from initcheck.checks import Finding, Options, options_for
+from initcheck.cli import check_with_wait, main
 
 PY = sys.executable
 
@@ -238,60 +239,106 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
+def missing_socket_options(folder: str) -> Options:
+    return options_for(os.path.join(folder, "kubelet.sock"), kubelet_process="no-such-kubelet")
+
+
 def test_wait_passes_when_the_socket_appears(folder: str) -> None:
     path = os.path.join(folder, "kubelet.sock")
-    holder: list[socket.socket] = []
+    rounds: list[list[Finding]] = []
+    waiting = threading.Event()
 
-    def appear() -> None:
-        time.sleep(0.5)
-        s = socket.socket(socket.AF_UNIX)
-        s.bind(path)
-        s.listen()
-        holder.append(s)
+    def on_round(findings: list[Finding]) -> None:
+        rounds.append(findings)
+        waiting.set()
 
-    t = threading.Thread(target=appear)
-    started = time.monotonic()
-    t.start()
+    result: list[list[Finding]] = []
+    waiter = threading.Thread(
+        target=lambda: result.append(check_with_wait(missing_socket_options(folder), 60, on_round))
+    )
+    waiter.start()
     try:
-        result = run_cli("--device-plugin-dir", folder, "--wait", "10")
-        elapsed = time.monotonic() - started
+        assert waiting.wait(30), "the first round did not run"
+        with socket.socket(socket.AF_UNIX) as s:  # the kubelet starts listening after the first round
+            s.bind(path)
+            s.listen()
+            waiter.join(30)
     finally:
-        t.join()
-        for s in holder:
-            s.close()
-    assert result.returncode == 0, result.stdout
-    assert 0.5 <= elapsed < 3.0
+        waiter.join(30)
+    assert not waiter.is_alive()
+    assert [f.id for f in rounds[0] if f.status == "fail"] == ["SOCKET_MISSING"]
+    assert len(rounds) >= 2
+    assert [f.id for f in result[0] if f.status == "fail"] == []
 
 
-def test_wait_fails_after_n_seconds(folder: str) -> None:
+def test_wait_gives_up_after_n_seconds(folder: str) -> None:
+    rounds: list[list[Finding]] = []
     started = time.monotonic()
-    code, out = check(folder, "--wait", "1")
-    elapsed = time.monotonic() - started
+    findings = check_with_wait(missing_socket_options(folder), 0.3, rounds.append)
+    assert time.monotonic() - started >= 0.3  # waited the whole time (how much longer is bench's business)
+    assert len(rounds) >= 2  # and polled while it waited
+    assert [f.id for f in findings if f.status == "fail"] == ["SOCKET_MISSING"]
+    code, out = check(folder, "--wait", "0.05")
     assert (code, failure_ids(out)) == (100, ["SOCKET_MISSING"])
-    assert 1.0 <= elapsed <= 1.3
+
+
+def test_wait_does_not_wait_out_a_failure_no_kubelet_clears(folder: str) -> None:
+    open(os.path.join(folder, "kubelet.sock"), "w").close()
+    rounds: list[list[Finding]] = []
+    findings = check_with_wait(missing_socket_options(folder), 3600, rounds.append)
+    assert len(rounds) == 1
+    assert [f.id for f in findings if f.status == "fail"] == ["NOT_A_SOCKET"]
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Has process `pid` installed a handler for `signum`? (SigCgt in /proc/<pid>/status)"""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
 
 
 def test_sigterm_during_wait_exits_100_at_once(folder: str) -> None:
     proc = subprocess.Popen(
-        [PY, "-m", "initcheck", "--device-plugin-dir", folder, "--wait", "30"],
+        [PY, "-m", "initcheck", "--device-plugin-dir", folder, "--wait", "3600"],
         stdout=subprocess.PIPE,
         text=True,
     )
-    time.sleep(0.5)
-    sent = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=5)
+    try:
+        deadline = time.monotonic() + 30
+        while not catches(proc.pid, signal.SIGTERM):  # its handler is in place: it is waiting
+            assert proc.poll() is None and time.monotonic() < deadline, "hami-initcheck did not start waiting"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)  # far less than the hour it would wait
+    finally:
+        proc.kill()
+        proc.wait()
     assert proc.returncode == 100
-    assert time.monotonic() - sent < 1.0
     assert out.startswith("fail: SIGTERM while waiting for")
 
 
-def test_exit_code_2_for_usage_errors(folder: str) -> None:
-    assert run_cli("--expect-mode", "999").returncode == exitcodes.USAGE == 2
-    assert run_cli("--no-such-flag").returncode == 2
-    bad_env = run_cli(env={"HAMI_GUARD_PLUGIN_UID": "root"})
-    assert bad_env.returncode == 2
-    assert "HAMI_GUARD_PLUGIN_UID='root'" in bad_env.stderr
+@pytest.mark.parametrize(
+    ("args", "env", "named"),
+    [
+        (["--expect-mode", "999"], {}, "argument --expect-mode: "),
+        (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
+        (["--wait", "nan"], {}, "argument --wait: "),
+        (["--wait", "-1"], {}, "argument --wait: "),
+        (["--wait", "86401"], {}, "argument --wait: "),
+        (["--plugin-uid", "4294967295"], {}, "argument --plugin-uid: "),
+        ([], {"HAMI_GUARD_PLUGIN_UID": "root"}, "HAMI_GUARD_PLUGIN_UID='root'"),
+        ([], {"HAMI_GUARD_WAIT": "inf"}, "HAMI_GUARD_WAIT='inf'"),
+    ],
+)
+def test_exit_code_2_for_usage_errors_in_one_line(args: list[str], env: dict[str, str], named: str) -> None:
+    result = run_cli(*args, env=env)
+    assert result.returncode == exitcodes.USAGE == 2
+    assert result.stderr.startswith("hami-initcheck: error: ")
+    assert named in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert result.stdout == ""
 
 
 def test_environment_twins_and_a_flag_wins(folder: str, short_tmp: str, listener: socket.socket) -> None:
