@@ -1,4 +1,4 @@
-"""Each kubelet fact the simulator emulates (KUBELET-FACTS.md sections 3 and 4), one test each."""
+"""Each kubelet fact the simulator emulates (docs/kubelet.md), one test each."""
 
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ def registered(kubelet: FakeKubelet) -> dict[str, list[str]]:
     assert isinstance(data, dict)
     result: dict[str, list[str]] = data["RegisteredDevices"]
     return result
+
+
+async def reacted_to_the_restart(plugin: FakeDevicePlugin) -> None:
+    """Wait until the plugin has answered the new kubelet.sock as HAMi does: its server restarted on a
+    new socket (the kubelet deleted the old one) and its Register decided, whatever it was."""
+    await wait_for(lambda: plugin.serving and os.path.exists(plugin.socket_path), what="the plugin's restart")
 
 
 async def register(kubelet: FakeKubelet, request: dp.RegisterRequest) -> grpc.aio.AioRpcError | None:
@@ -114,7 +120,7 @@ async def test_hung_plugin_makes_register_fail_after_the_dial_timeout(
     assert not await plugin.register()
     elapsed = time.monotonic() - started
     assert plugin.last_register_error == "failed to dial device plugin: context deadline exceeded"
-    assert kubelet.dial_timeout <= elapsed < kubelet.dial_timeout + 1.0
+    assert elapsed >= kubelet.dial_timeout  # it waited the dial timeout; upper bounds belong to bench/
 
 
 async def test_options_error_fails_register_with_the_kubelets_wording(
@@ -195,7 +201,7 @@ async def test_restart_keeps_the_checkpoints_resource_with_no_devices(
     plugin.register_enabled = False
     await kubelet.restart()
     assert registered(kubelet) == {GPU: []}
-    await asyncio.sleep(0.2)
+    await reacted_to_the_restart(plugin)
     assert registered(kubelet) == {GPU: []}
     assert kubelet.register_calls[GPU] == 1
 
@@ -264,5 +270,5 @@ async def test_plugin_that_does_not_register_leaves_the_kubelet_unaware(
     async with FakeDevicePlugin(dp_dir) as plugin:
         plugin.register_enabled = False
         await kubelet.restart()
-        await asyncio.sleep(0.2)
+        await reacted_to_the_restart(plugin)
         assert kubelet.register_calls[GPU] == 1 and not kubelet.connected(GPU)
