@@ -1,6 +1,7 @@
-"""What each image runs, proven to start: no Docker engine here, so the test does what the
-Dockerfile does (the wheel plus exactly the image's pinned requirements, in a fresh virtual
-environment) and runs the Dockerfile's ENTRYPOINT from there."""
+"""What each image holds, proven to run: no Docker engine here, so the test does what the
+Dockerfile's build stage does (its COPY lines into a fresh folder, the wheel built there, that
+wheel plus exactly the image's pinned requirements in a fresh virtual environment) and runs the
+Dockerfile's ENTRYPOINT and every command the image ships from there."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tomllib
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,59 +28,92 @@ ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "/opt/hami-guard"
 
 
-def dockerfile(name: str) -> tuple[list[str], str]:
-    """The image's ENTRYPOINT and the requirements file it installs."""
-    text = (ROOT / name).read_text()
+@dataclass(frozen=True)
+class Image:
+    name: str
+    entrypoint: list[str]
+    venv: Path
+    requirements: Path
+    commands: frozenset[str]  # the console scripts its wheel declares
+
+    def here(self, argv: list[str]) -> list[str]:
+        """An argv of the image, with its prefix where this test installed it."""
+        return [a.replace(PREFIX, str(self.venv)) for a in argv]
+
+
+def build_stage(dockerfile: str) -> tuple[list[list[str]], str]:
+    """The build stage's COPY instructions (sources..., destination) and the wheel it installs."""
+    text = (ROOT / dockerfile).read_text()
+    stage = re.split(r"^FROM ", text, flags=re.MULTILINE)[1]  # the first FROM is the build stage
+    copies = [
+        line.split()[1:] for line in stage.splitlines() if line.startswith("COPY ") and "--from" not in line
+    ]
+    wheel = re.search(r"/wheels/(\S+\.whl)", stage).group(1)  # type: ignore[union-attr]
+    return copies, wheel
+
+
+def stage_sources(copies: list[list[str]], into: Path) -> None:
+    """Each COPY as Docker does it, relative to the build's WORKDIR."""
+    for *sources, dest in copies:
+        for source in sources:
+            src = ROOT / source
+            target = into / dest / src.name if dest.endswith("/") else into / dest
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_dir():
+                shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(src, target)
+
+
+def build_image(dockerfile: str, tmp: Path) -> Image:
+    text = (ROOT / dockerfile).read_text()
     entry = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.MULTILINE).group(1))  # type: ignore[union-attr]
-    reqs = re.search(r"^COPY (requirements/\S+)", text, re.MULTILINE).group(1)  # type: ignore[union-attr]
-    return entry, reqs
+    copies, wheel_glob = build_stage(dockerfile)
+    src, wheels, venv = tmp / "src", tmp / "wheels", tmp / "opt-hami-guard"
+    stage_sources(copies, src)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run(
+        [*pip, "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(wheels), "."],
+        cwd=src,
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = wheels.glob(wheel_glob)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "--quiet", "--no-deps", "-r", "requirements.txt", str(wheel)],
+        cwd=src,
+        check=True,
+        capture_output=True,
+    )
+    dist = wheel.name.split("-")[0]
+    listed = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import importlib.metadata as m, sys\n"
+            "print(' '.join(e.name for e in m.distribution(sys.argv[1]).entry_points "
+            "if e.group == 'console_scripts'))",
+            dist,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+    ).stdout
+    return Image(dockerfile, entry, venv, src / "requirements.txt", frozenset(listed.split()))
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            str(out),
-            ".",
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
-    (built,) = out.glob("hami_guard-*.whl")
-    return built
+def image(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Image]:
+    built: dict[str, Image] = {}
 
+    def get(dockerfile: str) -> Image:
+        if dockerfile not in built:
+            built[dockerfile] = build_image(dockerfile, tmp_path_factory.mktemp(dockerfile.lower()))
+        return built[dockerfile]
 
-def image_venv(tmp: Path, wheel: Path, requirements: str) -> Path:
-    venv = tmp / "opt-hami-guard"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run(
-        [
-            str(venv / "bin" / "pip"),
-            "install",
-            "--quiet",
-            "--no-deps",
-            "-r",
-            str(ROOT / requirements),
-            str(wheel),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return venv
-
-
-def entry(argv: list[str], venv: Path) -> list[str]:
-    return [a.replace(PREFIX, str(venv)) for a in argv]
+    return get
 
 
 @pytest.fixture
@@ -90,33 +126,53 @@ def listening(short_tmp: str) -> Iterator[str]:
         yield folder
 
 
-def test_init_image_runs_initcheck_with_psutil_only(wheel: Path, tmp_path: Path, listening: str) -> None:
-    argv, reqs = dockerfile("Dockerfile.init")
-    assert Path(ROOT / reqs).read_text().count("==") == 1  # psutil, and nothing else
-    venv = image_venv(tmp_path, wheel, reqs)
-    shutil.rmtree(
-        next((venv / "lib").glob("python3*")) / "site-packages" / "sidecar"
-    )  # as the Dockerfile does
-    ok = subprocess.run(
-        [*entry(argv, venv), "--device-plugin-dir", listening], capture_output=True, text=True
-    )
+@pytest.mark.parametrize(
+    ("dockerfile", "commands"),
+    [
+        ("Dockerfile.init", {"hami-initcheck"}),
+        ("Dockerfile.sidecar", {"hami-initcheck", "hami-sidecar", "hami-doctor"}),
+    ],
+)
+def test_every_command_the_image_ships_starts(
+    image: Callable[[str], Image], dockerfile: str, commands: set[str]
+) -> None:
+    """No broken console script ships: each script in the image's bin/ answers --help."""
+    img = image(dockerfile)
+    assert img.commands == commands
+    scripts = []
+    for path in sorted((img.venv / "bin").iterdir()):
+        if path.name.startswith("activate") or not os.access(path, os.X_OK) or path.is_symlink():
+            continue
+        with path.open("rb") as f:
+            if f.readline().startswith(b"#!"):
+                scripts.append(path)
+    assert {p.name for p in scripts} >= commands
+    for script in scripts:
+        done = subprocess.run([str(script), "--help"], capture_output=True, text=True, cwd=img.venv)
+        assert done.returncode == 0, f"{script.name} --help: {done.stderr[-2000:]}"
+
+
+def test_init_image_runs_initcheck_with_psutil_only(image: Callable[[str], Image], listening: str) -> None:
+    img = image("Dockerfile.init")
+    assert img.requirements.read_text().count("==") == 1  # psutil, and nothing else
+    argv = img.here(img.entrypoint)
+    ok = subprocess.run([*argv, "--device-plugin-dir", listening], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert ok.stdout.splitlines()[-1].startswith("ok: ")
-    failing = subprocess.run([*entry(argv, venv), "--device-plugin-dir", "/nonexistent"], capture_output=True)
+    failing = subprocess.run([*argv, "--device-plugin-dir", "/nonexistent"], capture_output=True)
     assert failing.returncode == 100
-    for module in ("grpc", "aiohttp", "watchdog", "sidecar"):
+    for module in ("grpc", "aiohttp", "watchdog", "sidecar", "doctor"):
         probe = subprocess.run(
-            [str(venv / "bin" / "python"), "-c", f"import {module}"], cwd=tmp_path, capture_output=True
+            [str(img.venv / "bin" / "python"), "-c", f"import {module}"], cwd=img.venv, capture_output=True
         )
         assert probe.returncode != 0, f"{module} is in the init image"
 
 
-def test_sidecar_image_serves(wheel: Path, tmp_path: Path, listening: str) -> None:
-    argv, reqs = dockerfile("Dockerfile.sidecar")
-    venv = image_venv(tmp_path, wheel, reqs)
+def test_sidecar_image_serves(image: Callable[[str], Image], listening: str) -> None:
+    img = image("Dockerfile.sidecar")
     port = free_port()
     proc = subprocess.Popen(
-        [*entry(argv, venv), "--device-plugin-dir", listening, "--listen", f"127.0.0.1:{port}"],
+        [*img.here(img.entrypoint), "--device-plugin-dir", listening, "--listen", f"127.0.0.1:{port}"],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -128,3 +184,13 @@ def test_sidecar_image_serves(wheel: Path, tmp_path: Path, listening: str) -> No
         assert proc.wait(timeout=5) == 0
     finally:
         proc.kill()
+
+
+def test_the_init_wheel_is_the_projects_initcheck() -> None:
+    """packaging/initcheck/pyproject.toml builds part of the project: same version, dependency, command."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    init = tomllib.loads((ROOT / "packaging" / "initcheck" / "pyproject.toml").read_text())["project"]
+    assert init["version"] == project["version"]
+    assert init["requires-python"] == project["requires-python"]
+    assert init["dependencies"] == project["optional-dependencies"]["init"]
+    assert init["scripts"] == {"hami-initcheck": project["scripts"]["hami-initcheck"]}
