@@ -187,9 +187,9 @@ def test_sidecar_image_serves(image: Callable[[str], Image], listening: str) -> 
 
 
 def test_the_init_wheel_is_the_projects_initcheck() -> None:
-    """packaging/initcheck/pyproject.toml builds part of the project: same version, dependency, command."""
+    """images/init/pyproject.toml builds part of the project: same version, dependency, command."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    init = tomllib.loads((ROOT / "packaging" / "initcheck" / "pyproject.toml").read_text())["project"]
+    init = tomllib.loads((ROOT / "images" / "init" / "pyproject.toml").read_text())["project"]
     assert init["version"] == project["version"]
     assert init["requires-python"] == project["requires-python"]
     assert init["dependencies"] == project["optional-dependencies"]["init"]
