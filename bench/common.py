@@ -96,7 +96,7 @@ async def node(
                     n = Node(folder, kubelet, plugin, proc, f"http://127.0.0.1:{port}", http)
                     for _ in range(300):
                         with contextlib.suppress(aiohttp.ClientError):
-                            if await n.status("/readyz") == 200:
+                            if await n.status("/sidecarz") == 200:
                                 break
                         await asyncio.sleep(0.02)
                     await n.until(200)

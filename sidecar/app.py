@@ -14,7 +14,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 FOLDER_RETRY_SECONDS = 0.25
 MIN_ROUND_GAP = 0.01
+DEVICE_SOURCES = ("pod_resources", "checkpoint", "host")
 
 
 class _Publish:
@@ -67,8 +68,13 @@ class _Publish:
     def budget(self, resource: str, spent: bool) -> None:
         self.m.budget_spent.labels(self.label, resource).set(1 if spent else 0)
 
-    def devices(self, resource: str, source: str, count: int) -> None:
-        self.m.devices.labels(self.label, resource, source).set(count)
+    def devices(self, resource: str, counts: Mapping[str, int]) -> None:
+        for source in DEVICE_SOURCES:
+            if source in counts:
+                self.m.devices.labels(self.label, resource, source).set(counts[source])
+            else:  # a count that is not current (a stale checkpoint) is no count
+                with contextlib.suppress(KeyError):
+                    self.m.devices.remove(self.label, resource, source)
 
     def connected(self, resource: str, count: int | None) -> None:
         gauge = self.m.kubelet_connected

@@ -23,6 +23,7 @@ def build_app(sidecar: Sidecar) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/livez", healthz)
     app.router.add_get("/healthz/{check:.+}", healthz_one)
+    app.router.add_get("/sidecarz", sidecarz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/readyz/{check:.+}", healthz_one)
     app.router.add_get("/status", status)
@@ -57,6 +58,13 @@ def _answer(request: web.Request, live: bool) -> web.Response:
         checks = [state.checks[n] for n in sorted(names - set(exclude))]
     head = [] if live or sidecar.ready else ["[~]probes pending: the first probe round has not finished"]
     return _verbose(state, checks, ok, kind, head)
+
+
+async def sidecarz(request: web.Request) -> web.Response:
+    """The sidecar itself, for its own container's probes: 200 once its first probe round has run."""
+    if request.app[SIDECAR_KEY].ready:
+        return web.Response(text="ok")
+    return web.Response(status=503, text="the first probe round has not finished\n")
 
 
 async def healthz_one(request: web.Request) -> web.Response:

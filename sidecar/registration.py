@@ -95,7 +95,7 @@ class Listener(Protocol):
     def transition(self, check: Check, old: Status) -> None: ...
     def restart_requested(self, resource: str) -> None: ...
     def budget(self, resource: str, spent: bool) -> None: ...
-    def devices(self, resource: str, source: str, count: int) -> None: ...
+    def devices(self, resource: str, counts: Mapping[str, int]) -> None: ...
     def connected(self, resource: str, count: int | None) -> None: ...
 
 
@@ -440,7 +440,8 @@ class Registrar:
                     logger.info("%s registered again: the restart budget is restored", r)
                     self.listener.budget(r, False)
                 p.restarts_in_vain = 0
-            self._close_attempt(r, registered=True)
+            if self._recorded(r, seen, obs):
+                self._close_attempt(r, registered=True)
         # Restarting the plugin registers it again, unless the kubelet cannot take it or the plugin is
         # not serving (its own check says so) or restarts have already failed to help.
         restarts = seen.kubelet.verified and obs.probe.ok and not p.budget_spent
@@ -499,6 +500,11 @@ class Registrar:
         # make a registered plugin more registered, so this passes, saying what cannot be told.
         return True, f"the kubelet accepted the plugin ({accepted} healthy device(s) recorded)", False
 
+    def _recorded(self, r: str, seen: Round, obs: PluginRound) -> bool:
+        """The kubelet has the plugin's first ListAndWatch answer: the end of the latency SLI."""
+        live = seen.pod_resources.value
+        return bool(live and live.get(r)) or self._accepted(r, seen, obs) is not None
+
     def _accepted(self, r: str, seen: Round, obs: PluginRound) -> int | None:
         """Healthy devices the checkpoint lists for `r`, if rewritten since both sockets were made."""
         cp = seen.checkpoint.value
@@ -548,9 +554,7 @@ class Registrar:
             counts["checkpoint"] = len(physical_devices(devices))
         if seen.host_devices is not None:
             counts["host"] = seen.host_devices
-        for source in ("pod_resources", "checkpoint", "host"):
-            if source in counts:
-                self.listener.devices(r, source, counts[source])
+        self.listener.devices(r, counts)
         p.devices = counts
         expect = self.rules.expect_devices
         if expect is None:

@@ -57,13 +57,13 @@ async def wait_for(predicate: Callable[[], object], timeout: float = 5.0, what: 
 
 
 def wait_ready(url: str, proc: subprocess.Popen[str], timeout: float) -> None:
-    """Poll a sidecar process's /readyz until it answers 200; fail with its log if it exits first."""
+    """Poll a sidecar process's /sidecarz until it answers 200; fail with its log if it exits first."""
     import urllib.request
 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with urllib.request.urlopen(f"{url}/readyz", timeout=1) as r:
+            with urllib.request.urlopen(f"{url}/sidecarz", timeout=1) as r:
                 if r.status == 200:
                     return
         except OSError:

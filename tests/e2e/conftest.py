@@ -40,6 +40,11 @@ class Node:
         async with self.http.get(self.url + path) as r:
             return r.status, await r.text()
 
+    async def wait_rounds(self, done: Callable[[], object] = lambda: True, rounds: int = 2) -> None:
+        """Wait for `rounds` more probe rounds, and for `done`: progress, not a sleep."""
+        target = self.sidecar.rounds + rounds
+        await wait_for(lambda: self.sidecar.rounds >= target and done(), what="probe rounds")
+
     async def until(self, path: str, status: int, timeout: float = 5.0, contains: str = "") -> str:
         """Poll `path` every 5 ms until it answers `status` (and contains `contains`); the body."""
         loop = asyncio.get_running_loop()

@@ -1,0 +1,427 @@
+"""The verdicts of sidecar.registration as a table: observations in, checks out; no sockets, no sleeps."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from sidecar.checkpoint import Checkpoint
+from sidecar.health import Check, Status
+from sidecar.probes import ProbeResult, Reading, SocketId
+from sidecar.registration import (
+    RESTART_BUDGET,
+    Plugin,
+    PluginRound,
+    Registrar,
+    Round,
+    Rules,
+    Vanish,
+    physical_devices,
+)
+
+GPU = "nvidia.com/gpu"
+SOCK = "nvidia-gpu.sock"
+K1, K2 = SocketId(1, 1_000), SocketId(2, 5_000)  # kubelet.sock before and after a restart
+P1, P2, P3 = SocketId(11, 2_000), SocketId(12, 6_000), SocketId(13, 7_000)  # plugin sockets, in order
+UUID0 = "GPU-6b8a5c0e-2f0e-4d4c-9c4b-0a1b2c3d4e5f"
+UUID1 = "GPU-7c9b6d1f-3a1f-5e5d-ad5c-1b2c3d4e5f60"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Published:
+    """What the registrar told the wiring."""
+
+    attempts: int = 0
+    successes: list[float] = field(default_factory=list)
+    kubelet_restarts: int = 0
+    restart_requests: int = 0
+    budgets: list[bool] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    connections: int | None = None
+
+    def attempt_opened(self, resource: str) -> None:
+        self.attempts += 1
+
+    def attempt_closed(self, resource: str, latency: float | None) -> None:
+        if latency is not None:
+            self.successes.append(latency)
+
+    def kubelet_restarted(self) -> None:
+        self.kubelet_restarts += 1
+
+    def transition(self, check: Check, old: Status) -> None:
+        pass
+
+    def restart_requested(self, resource: str) -> None:
+        self.restart_requests += 1
+
+    def budget(self, resource: str, spent: bool) -> None:
+        self.budgets.append(spent)
+
+    def devices(self, resource: str, counts: Mapping[str, int]) -> None:
+        self.counts = dict(counts)
+
+    def connected(self, resource: str, count: int | None) -> None:
+        self.connections = count
+
+
+def alive(identity: SocketId, verified: bool = True) -> ProbeResult:
+    return ProbeResult("alive", "answered", 0.001, identity, verified)
+
+
+def down(state: str, identity: SocketId | None = None) -> ProbeResult:
+    return ProbeResult(state, f"{state} here", 0.001, identity)  # type: ignore[arg-type]
+
+
+@dataclass
+class Node:
+    """One node's observations, changed step by step by a test."""
+
+    kubelet: ProbeResult = field(default_factory=lambda: alive(K1))
+    plugin: ProbeResult = field(default_factory=lambda: alive(P1))
+    connections: int | None = 1
+    checkpoint: Checkpoint | None = field(
+        default_factory=lambda: Checkpoint({GPU: ("GPU-0", "GPU-1")}, 3_000)
+    )
+    checkpoint_error: str = ""
+    pod_resources: dict[str, frozenset[str]] | None = None
+    host: int | None = None
+
+    def round(self) -> Round:
+        conns = Reading(self.connections) if self.connections is not None else Reading.failed("not visible")
+        cp = (
+            Reading(self.checkpoint) if self.checkpoint is not None else Reading.failed(self.checkpoint_error)
+        )
+        pr = Reading(self.pod_resources) if self.pod_resources is not None else Reading.failed("not mounted")
+        return Round(
+            self.kubelet, {GPU: PluginRound(self.plugin, self.plugin.identity, conns)}, cp, pr, self.host
+        )
+
+
+def make(grace: float = 60.0, **rules: object) -> tuple[Registrar, Clock, Published]:
+    clock, seen = Clock(), Published()
+    base = Rules(plugins=(Plugin(GPU, SOCK),), grace=grace)
+    return Registrar(replace(base, **rules), seen, clock, clock), clock, seen  # type: ignore[arg-type]
+
+
+def status(reg: Registrar, name: str) -> tuple[str, bool]:
+    """(state, whether it fails liveness)."""
+    check = reg.state.checks[name]
+    return check.status.value, check.live_failed
+
+
+def reason(reg: Registrar, name: str) -> str:
+    return reg.state.checks[name].reason
+
+
+def verdicts(reg: Registrar) -> tuple[bool, bool]:
+    """(liveness, readiness)."""
+    return reg.state.healthy(), reg.state.all_ok()
+
+
+# -- registration truth ---------------------------------------------------------------------
+
+
+def test_a_held_plugin_is_registered_live_and_ready() -> None:
+    reg, _, seen = make()
+    reg.round(Node().round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    assert "the kubelet holds a connection to nvidia-gpu.sock" in reason(reg, f"registered:{GPU}")
+    assert verdicts(reg) == (True, True)
+    assert seen.connections == 1
+
+
+@pytest.mark.parametrize(
+    ("case", "checkpoint", "pod_resources"),
+    [
+        ("zero devices", Checkpoint({GPU: ()}, 3_000), {}),
+        ("all unhealthy", Checkpoint({GPU: ()}, 3_000), {GPU: frozenset()}),
+    ],
+)
+def test_zero_or_all_unhealthy_devices_while_held_is_registered(
+    case: str, checkpoint: Checkpoint, pod_resources: dict[str, frozenset[str]]
+) -> None:
+    reg, _, _ = make()
+    reg.round(Node(checkpoint=checkpoint, pod_resources=pod_resources).round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False), case
+    assert verdicts(reg)[0] is True
+
+
+def test_a_drop_fails_liveness_once_confirmed_saying_the_kubelet_let_go() -> None:
+    reg, clock, seen = make(drop_confirm=0.2)
+    node = Node()
+    reg.round(node.round())
+    node.connections = 0  # the kubelet closed its stream; both sockets stay, the plugin keeps serving
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)  # not yet: a kubelet on its way out does this
+    assert reg.wake_at() == clock.now + 0.2
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+    assert "no longer connected to nvidia-gpu.sock" in reason(reg, f"registered:{GPU}")
+    assert "never registered" not in reason(reg, f"registered:{GPU}")
+    assert seen.restart_requests == 1
+    node.connections = 1  # it came back (a plugin restart re-registered)
+    reg.round(node.round())
+    assert verdicts(reg) == (True, True)
+
+
+def test_a_connection_back_within_the_confirmation_is_no_drop() -> None:
+    reg, clock, seen = make(drop_confirm=0.2)
+    node = Node()
+    reg.round(node.round())
+    node.connections = 0
+    reg.round(node.round())
+    node.connections = 1
+    clock.now += 0.3
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    assert reg.wake_at() is None
+    assert seen.restart_requests == 0
+
+
+def test_a_lost_connection_with_a_new_kubelet_sock_is_a_restart_not_a_drop() -> None:
+    reg, clock, _ = make(grace=10)
+    node = Node()
+    reg.round(node.round())
+    node.kubelet, node.connections = alive(K2), 0
+    clock.now += 5
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("pending", False)
+    assert reg.kubelet_restarts == 1
+
+
+def test_never_held_fails_liveness_after_the_grace_when_the_kubelet_is_the_real_one() -> None:
+    reg, clock, seen = make(grace=10)
+    node = Node(connections=0, checkpoint=None, checkpoint_error="no checkpoint: none written")
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("pending", False)
+    clock.now += 10
+    reg.refresh()
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+    assert "holds no connection" in reason(reg, f"registered:{GPU}")
+    assert seen.restart_requests == 1
+
+
+@pytest.mark.parametrize(
+    "kubelet",
+    [
+        down("wrong-service", K1),
+        alive(K1, verified=False),  # alive, service not verified
+        down("timeout", K1),
+    ],
+    ids=["wrong service", "unverified", "hung"],
+)
+def test_a_kubelet_that_is_not_the_real_registration_service_never_restarts_the_plugin(
+    kubelet: ProbeResult,
+) -> None:
+    reg, clock, seen = make(grace=1)
+    node = Node(kubelet=kubelet, connections=0)
+    for _ in range(3):
+        reg.round(node.round())
+        clock.now += 1
+        reg.refresh()
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert verdicts(reg) == (True, False)
+    assert seen.restart_requests == 0
+
+
+def test_a_missing_kubelet_sock_for_three_graces_restarts_nothing() -> None:
+    reg, clock, _ = make(grace=1)
+    node = Node()
+    reg.round(node.round())
+    node.kubelet, node.connections = down("absent"), None
+    for _ in range(3):
+        clock.now += 1
+        reg.round(node.round())
+        reg.refresh()
+    assert status(reg, "kubelet") == ("failed", False)
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert verdicts(reg) == (True, False)
+
+
+# -- the restart budget ---------------------------------------------------------------------------
+
+
+def test_the_restart_budget_stops_liveness_after_three_restarts_in_vain_but_not_for_a_crash() -> None:
+    reg, clock, seen = make(grace=1)
+    node = Node(connections=0, checkpoint=None, checkpoint_error="no checkpoint")
+    reg.round(node.round())
+    failures = 0
+    for plugin in (P2, P3, SocketId(14, 8_000), SocketId(15, 9_000)):
+        clock.now += 1.5
+        reg.refresh()
+        if not reg.state.healthy():
+            failures += 1
+        reg.plugin_socket_created(GPU, plugin)  # the kubelet restarted the plugin after the 503s
+        node.plugin = alive(plugin)
+        reg.round(node.round())
+    clock.now += 1.5
+    reg.refresh()
+    assert failures == RESTART_BUDGET
+    assert seen.restart_requests == RESTART_BUDGET
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert "restart budget spent" in reason(reg, f"registered:{GPU}")
+    assert seen.budgets == [True]
+    assert verdicts(reg) == (True, False)
+    node.plugin = down("refused", node.plugin.identity)  # a crash still fails at once
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)
+    node.plugin, node.connections = alive(SocketId(16, 9_500)), 1
+    reg.plugin_socket_created(GPU, node.plugin.identity)
+    reg.round(node.round())  # registration seen again: the budget is restored
+    assert seen.budgets == [True, False]
+    assert reg.registration()[GPU]["restart_budget_spent"] is False
+
+
+# -- restart or crash: a vanished plugin socket ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kubelet_now", "refuses", "verdict"),
+    [
+        (None, False, "restart"),  # kubelet.sock is gone: the cleanup runs before the new one listens
+        (K1, True, "restart"),  # the old kubelet's file is left, dead
+        (K2, False, "restart"),  # the new kubelet listens already
+        (K1, False, "stopped"),  # the same kubelet.sock answers: the plugin went away
+    ],
+    ids=["kubelet.sock gone", "dead kubelet.sock", "new kubelet.sock", "same kubelet.sock"],
+)
+def test_a_vanished_plugin_socket_in_either_removal_order(
+    kubelet_now: SocketId | None, refuses: bool, verdict: str
+) -> None:
+    reg, _, _ = make()
+    reg.round(Node().round())
+    reg.plugin_socket_deleted(GPU)
+    seen = Vanish(plugin=None, kubelet=kubelet_now, kubelet_refuses=refuses)
+    waits = reg.judge_vanished(GPU, seen, restart_window_over=False)
+    assert waits is (verdict == "stopped")  # the plugin gets its restart window first
+    if waits:
+        reg.judge_vanished(GPU, seen, restart_window_over=True)
+    expected = ("pending", False) if verdict == "restart" else ("failed", True)
+    assert status(reg, f"plugin:{GPU}") == expected
+    assert reg.kubelet_restarts == (verdict == "restart")
+
+
+def test_a_plugin_that_serves_a_new_socket_within_its_window_is_no_crash() -> None:
+    """HAMi removes its socket and serves a new one on every kubelet.sock creation."""
+    reg, _, seen = make()
+    reg.round(Node().round())
+    reg.plugin_socket_deleted(GPU)
+    assert reg.judge_vanished(GPU, Vanish(None, K1, False), restart_window_over=False)
+    reg.judge_vanished(GPU, Vanish(P2, K1, False), restart_window_over=True)
+    assert status(reg, f"plugin:{GPU}") == ("ok", False)  # a new cycle; the next round probes the new socket
+    assert seen.attempts == 1
+
+
+def test_a_probe_that_saw_the_new_kubelet_first_does_not_turn_the_cleanup_into_a_crash() -> None:
+    reg, _, _ = make()
+    node = Node()
+    reg.round(node.round())
+    node.kubelet = alive(K2)  # a round ran between the cleanup and the deletion's verdict
+    node.plugin = down("absent")
+    reg.plugin_socket_deleted(GPU)
+    reg.round(node.round())
+    assert not reg.judge_vanished(GPU, Vanish(None, K2, False), restart_window_over=False)
+    assert status(reg, f"plugin:{GPU}") == ("pending", False)
+
+
+def test_a_plugin_socket_newer_than_the_answering_kubelet_sock_was_not_removed_by_it() -> None:
+    reg, _, _ = make()
+    node = Node(kubelet=alive(K2), plugin=alive(P2))  # P2 was created after K2 listened
+    reg.round(node.round())
+    reg.plugin_socket_deleted(GPU)
+    assert reg.judge_vanished(GPU, Vanish(None, K2, False), restart_window_over=False)
+    reg.judge_vanished(GPU, Vanish(None, K2, False), restart_window_over=True)
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)
+
+
+def test_a_kubelet_restart_and_the_new_plugin_socket_are_one_attempt() -> None:
+    reg, clock, seen = make()
+    node = Node()
+    reg.round(node.round())
+    reg.kubelet_socket_event("deleted", None)
+    reg.plugin_socket_created(GPU, P2)
+    node.kubelet, node.plugin = alive(K2), alive(P2)
+    node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 7_000)
+    clock.now += 0.05
+    reg.round(node.round())
+    assert seen.attempts == 1
+    assert seen.successes == [pytest.approx(0.05)]
+    assert [a.outcome for a in reg.history] == ["registered"]
+
+
+# -- evidence without the connection view ---------------------------------------------------------------
+
+
+def test_pod_resources_decides_where_the_connection_cannot_be_seen() -> None:
+    reg, _, _ = make()
+    node = Node(connections=None, pod_resources={GPU: frozenset({"GPU-0"})})
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    node.pod_resources = {}  # the kubelet marked them unhealthy without a ListAndWatch answer: dropped
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+    assert "it dropped the plugin" in reason(reg, f"registered:{GPU}")
+
+
+def test_an_empty_fresh_checkpoint_alone_is_no_failure() -> None:
+    reg, _, _ = make()
+    reg.round(Node(connections=None, checkpoint=Checkpoint({GPU: ()}, 3_000)).round())
+    assert status(reg, f"registered:{GPU}")[1] is False
+
+
+def test_an_unreadable_checkpoint_is_lost_evidence_for_readiness_only() -> None:
+    reg, _, _ = make()
+    reg.round(Node(checkpoint=None, checkpoint_error="the checkpoint is 50 bytes, over the bound").round())
+    assert status(reg, "checkpoint") == ("failed", False)
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    assert verdicts(reg) == (True, False)
+
+
+# -- devices ----------------------------------------------------------------------------------------------
+
+
+def test_physical_devices_fold_hami_splits_and_replicas_only() -> None:
+    hami = [f"{UUID0}-{n}" for n in range(10)] + [f"{UUID1}-{n}" for n in range(10)]
+    assert physical_devices(hami) == {UUID0, UUID1}
+    assert physical_devices([f"{UUID0}::0", f"{UUID0}::1"]) == {UUID0}
+    ascend = ["Ascend910B3-0", "Ascend910B3-1"]  # distinct devices that happen to end in -<n>
+    assert physical_devices(ascend) == set(ascend)
+    assert physical_devices(["MIG-1234", "GPU-0"]) == {"MIG-1234", "GPU-0"}
+
+
+def test_losing_one_gpu_of_two_under_hami_fails_devices_for_readiness_only() -> None:
+    reg, _, seen = make(expect_devices=2)
+    node = Node(pod_resources={GPU: frozenset(f"{u}-{n}" for u in (UUID0, UUID1) for n in range(10))})
+    reg.round(node.round())
+    assert status(reg, f"devices:{GPU}") == ("ok", False)
+    node.pod_resources = {GPU: frozenset(f"{UUID0}-{n}" for n in range(10))}
+    reg.round(node.round())
+    assert status(reg, f"devices:{GPU}") == ("failed", False)
+    assert "lists 1 healthy device(s) by pod-resources, 2 expected" in reason(reg, f"devices:{GPU}")
+    assert seen.counts["pod_resources"] == 1
+    assert verdicts(reg) == (True, False)
+
+
+def test_a_stale_checkpoint_count_is_never_reported_after_a_kubelet_restart() -> None:
+    reg, _, seen = make(expect_devices=2)
+    node = Node()
+    reg.round(node.round())
+    assert seen.counts == {"checkpoint": 2}
+    node.kubelet = alive(K2)  # the checkpoint (mtime 3_000) predates the new kubelet.sock (5_000)
+    reg.round(node.round())
+    reg.round(node.round())
+    assert "checkpoint" not in seen.counts
+    assert status(reg, f"devices:{GPU}")[0] != "ok"
