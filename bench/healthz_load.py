@@ -1,4 +1,4 @@
-"""/healthz under load from a second process on loopback (issue 7), next to a bare aiohttp handler.
+"""/healthz under load from a second process on loopback, next to a bare aiohttp handler.
 
 The server runs pinned to core 0, the load generator to core 1. Saturation: `wrk -t1 -c16`
 (Debian's wrk); latency at 100 req/s: an aiohttp client sending one request every 10 ms.

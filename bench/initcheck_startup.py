@@ -1,6 +1,6 @@
 """Wall time and peak RSS of `hami-initcheck` on a healthy socket, next to a bare `python -c pass`.
 
-Goal (issue 3): wall <= 2.5x the bare interpreter, peak RSS <= 20 MiB. Medians from one run,
+Goal: wall <= 2.5x the bare interpreter, peak RSS <= 20 MiB. Medians from one run,
 alternating the two commands so that machine noise hits both alike.
 """
 

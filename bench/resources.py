@@ -1,4 +1,4 @@
-"""Idle CPU over 60 s with the default probe interval, and resident memory at steady state (issue 7).
+"""Idle CPU over 60 s with the default probe interval, and resident memory at steady state.
 
 Goals: idle CPU <= 0.1 % of a core (a sidecar that wakes itself on its own reads of the folder spins
 at a full core, so this catches feedback loops); RSS <= 55 MiB (the imports alone cost about 47 MiB).

@@ -2,7 +2,7 @@
 
 Only creations, deletions, moves and finished writes are asked for. Opens and
 read-only closes are left out on purpose: the sidecar reads the checkpoint in
-this folder, and reacting to its own reads would make it spin (SPEC.md).
+this folder, and reacting to its own reads would make it spin (docs/design.md#events).
 """
 
 from __future__ import annotations
