@@ -1,4 +1,4 @@
-"""Fault-to-verdict latency over N trials each (issue 7), with the sidecar in its own process.
+"""Fault-to-verdict latency over N trials each, with the sidecar in its own process.
 
 - plugin socket removed -> 503 (goal p99 <= 20 ms)
 - plugin hung -> 503 (goal <= interval + timeout + 50 ms)

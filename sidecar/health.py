@@ -1,7 +1,7 @@
 """The health vocabulary: checks, their status, transitions and the registration grace.
 
 Pure and clock-injected: probes and events report outcomes here; the HTTP views
-and the metrics only read. Grace (docs/design.md, "Grace"): a check that has not passed
+and the metrics only read. Grace (docs/design.md#grace): a check that has not passed
 since the last event that resets it is *pending*, not failed, until the grace has run out.
 
 Liveness and readiness read the same checks differently: a failure fails liveness only

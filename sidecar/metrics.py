@@ -1,4 +1,4 @@
-"""Prometheus metrics: names that make the runbook's SLIs work verbatim (docs/design.md, "Metrics")."""
+"""Prometheus metrics: names that make the runbook's SLIs work verbatim (docs/design.md#metrics)."""
 
 from __future__ import annotations
 

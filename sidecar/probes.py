@@ -188,7 +188,7 @@ def registration_evidence(
     checkpoint: Checkpoint | CheckpointError, resource: str, kubelet: SocketId | None, plugin: SocketId | None
 ) -> Evidence:
     """The kubelet accepted the plugin: its checkpoint was rewritten after both sockets were created,
-    listing at least one device of the resource (KUBELET-FACTS.md section 4)."""
+    listing at least one device of the resource (docs/kubelet.md#checkpoint); hami-doctor's view."""
     if isinstance(checkpoint, CheckpointError):
         return Evidence(False, str(checkpoint), None)
     devices = checkpoint.devices(resource)

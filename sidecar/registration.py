@@ -3,7 +3,8 @@
 Inputs are observations (folder events, probe results, the kubelet's connections, pod-resources,
 the checkpoint); outputs are the checks of a `HealthState` and the registration cycles. No I/O and
 no sleeping here: `sidecar.app` gathers the observations and calls in; the clock is injected.
-The kubelet behaviour each rule rests on is in docs/kubelet.md; the rules in docs/design.md.
+The kubelet behaviour each rule rests on is in docs/kubelet.md (#registration, #kubelet-restart,
+#stream-end, #checkpoint, #live-connection, #known-bugs); the rules in docs/design.md.
 """
 
 from __future__ import annotations
@@ -230,8 +231,11 @@ class Registrar:
     def plugin_socket_created(self, resource: str, identity: SocketId | None) -> None:
         """A new plugin socket: a new registration cycle, whichever saw it first, event or probe."""
         p = self._plugins[resource]
-        if identity is not None and identity == p.identity:
-            return  # already accounted for: the event trails a probe that saw this socket first
+        if identity is not None and identity == p.identity and not p.judging:
+            # Already accounted for: the event trails a probe that saw this socket first. (A socket
+            # re-created within one timestamp tick can reuse the inode and the mtime: after a deletion,
+            # `judging` tells it apart.)
+            return
         p.identity, p.kubelet_then, p.known = identity, self._kubelet_id, True
         p.judging, p.vanished, p.lost_at = False, None, None
         if p.episode:  # the plugin restarted after liveness failed for "not registered"
@@ -264,7 +268,6 @@ class Registrar:
         if not p.judging:
             return False  # the socket is back already
         if seen.plugin is not None:
-            p.judging = False
             self.plugin_socket_created(resource, seen.plugin)
             return False
         plugin = self._by_socket_of(resource)

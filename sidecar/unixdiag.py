@@ -5,8 +5,7 @@ namespace with each socket's bound file (device and inode), its peer and its shu
 exact. `/proc/<pid>/net/unix` answers for the namespace of any visible process, with the
 path as the listener bound it and the state only. A connection's accepted end lives in the
 *connecting* process's network namespace, so the kubelet's connections to a plugin are seen
-where the kubelet runs, not in the plugin's pod (docs/kubelet.md, "Seeing the kubelet's
-connection").
+where the kubelet runs, not in the plugin's pod (docs/kubelet.md#live-connection).
 """
 
 from __future__ import annotations

@@ -102,9 +102,15 @@ def test_patch_adds_exactly_hami_guard_and_keeps_everything_else() -> None:
     assert set(containers) == {"device-plugin", "vgpu-monitor", "hami-sidecar"}
     plugin = copy.deepcopy(containers["device-plugin"])
     probe = plugin.pop("livenessProbe")
+    readiness = plugin.pop("readinessProbe")
     assert plugin == by_name(pod["containers"])["device-plugin"]  # nothing else of HAMi's changed
     assert containers["vgpu-monitor"] == by_name(pod["containers"])["vgpu-monitor"]
     assert probe["httpGet"] == {"path": "/healthz", "port": 9395}
+    # Readiness is the whole truth: not ready for a kubelet fault, a lost GPU, a pending registration.
+    assert readiness["httpGet"] == {"path": "/readyz", "port": 9395}
+    # The sidecar's own probes depend on the sidecar alone.
+    for kind in ("livenessProbe", "readinessProbe"):
+        assert containers["hami-sidecar"][kind]["httpGet"]["path"] == "/sidecarz"
     # Restarted about a minute after losing its registration: grace + period x threshold.
     sidecar = containers["hami-sidecar"]
     env = {e["name"]: e["value"] for e in sidecar["env"]}

@@ -1,4 +1,4 @@
-"""The sidecar's scenarios (issue 4), each end to end: simulator, real sidecar, real HTTP client."""
+"""The sidecar's scenarios, each end to end: simulator, real sidecar, real HTTP client."""
 
 from __future__ import annotations
 
@@ -623,7 +623,7 @@ def test_demo_tour_runs_and_exits() -> None:
 
 @pytest.mark.parametrize("order", ["plugin socket first, kubelet.sock dead", "kubelet.sock unlinked first"])
 async def test_restart_in_any_removal_order_is_pending_not_failed(node: Node, order: str) -> None:
-    """KUBELET-FACTS.md section 3: a restart removes the sockets in no guaranteed order."""
+    """A restart removes the sockets in no guaranteed order (docs/kubelet.md#kubelet-restart)."""
     await node.until("/healthz?verbose", 200, contains=f"[+]registered:{GPU} ok")
     watch = Watch(node)
     if order.startswith("plugin"):

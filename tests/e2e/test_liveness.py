@@ -1,0 +1,170 @@
+"""Liveness restarts the plugin only where a restart is the remedy; readiness tells the whole truth.
+
+The probe paths are the ones the shipped patch wires to the `device-plugin` container, read from
+manifests/hami-patch/patch.yaml, so that a test and the manifests cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from sidecar.registration import RESTART_BUDGET
+from tests.conftest import wait_for
+from tests.e2e.conftest import GPU, Node, NodeFactory
+
+PATCH = Path(__file__).parents[2] / "manifests" / "hami-patch" / "patch.yaml"
+UUIDS = ("GPU-6b8a5c0e-2f0e-4d4c-9c4b-0a1b2c3d4e5f", "GPU-7c9b6d1f-3a1f-5e5d-ad5c-1b2c3d4e5f60")
+
+
+def probe_paths() -> tuple[str, str]:
+    """(liveness, readiness) paths of the `device-plugin` container in the shipped patch."""
+    doc = yaml.safe_load(PATCH.read_text())
+    containers = doc["spec"]["template"]["spec"]["containers"]
+    plugin = next(c for c in containers if c["name"] == "device-plugin")
+    return plugin["livenessProbe"]["httpGet"]["path"], plugin["readinessProbe"]["httpGet"]["path"]
+
+
+LIVE, READY = probe_paths()
+
+
+async def both(node: Node) -> tuple[int, int]:
+    return (await node.get(LIVE))[0], (await node.get(READY))[0]
+
+
+def test_the_patch_wires_liveness_and_readiness_to_different_answers() -> None:
+    assert (LIVE, READY) == ("/healthz", "/readyz")
+
+
+async def test_all_devices_unhealthy_keeps_liveness_and_fails_readiness(make_node: NodeFactory) -> None:
+    async with make_node(expect_devices=2) as node:
+        await node.until(READY, 200)
+        for device in ("GPU-0", "GPU-1"):
+            node.plugin.set_health(device, False)
+        body = await node.until(f"{READY}?verbose", 503, contains=f"devices:{GPU} failed")
+        assert f"[+]registered:{GPU} ok" in body  # the kubelet holds it: registered with no healthy device
+        await node.wait_rounds()
+        assert await both(node) == (200, 503)
+        assert node.plugin.registrations == 1  # and nothing restarted it
+
+
+async def test_zero_devices_is_registered(make_node: NodeFactory) -> None:
+    async with make_node() as node:
+        await node.until(READY, 200)
+        node.plugin.set_devices([])
+        await node.wait_rounds(rounds=3)
+        assert await both(node) == (200, 200)
+        status = await node.get(f"{READY}/registered:{GPU}")
+        assert status == (200, "ok")
+
+
+async def test_hami_split_ids_count_once_per_gpu_and_losing_one_gpu_fails_readiness(
+    make_node: NodeFactory,
+) -> None:
+    ids = [f"{u}-{n}" for u in UUIDS for n in range(10)]  # HAMi's deviceSplitCount 10
+    async with make_node(plugin_kwargs={"devices": ids}, expect_devices=2) as node:
+        await node.until(READY, 200)
+        assert node.sidecar.registrar.devices()[GPU]["pod_resources"] == 2
+        for n in range(10):
+            node.plugin.set_health(f"{UUIDS[1]}-{n}", False)
+        body = await node.until(f"{READY}?verbose", 503, contains=f"devices:{GPU} failed")
+        assert "the kubelet lists 1 healthy device(s) by pod-resources, 2 expected" in body
+        assert (await node.get(LIVE))[0] == 200
+
+
+async def test_a_plugin_that_never_registers_is_restarted_at_most_three_times_then_left_alone(
+    make_node: NodeFactory,
+) -> None:
+    async with make_node(registration_grace=0.5) as node:
+        node.plugin.register_enabled = False
+        await node.kubelet.restart()  # the kubelet forgets it; the plugin does not register again
+        for _ in range(RESTART_BUDGET):
+            await node.until(LIVE, 503, timeout=3)
+            await node.plugin.restart()  # what the kubelet does after failureThreshold 503s in a row
+            await node.until(LIVE, 200)  # a new cycle: its grace runs again
+        # The fourth cycle's grace runs out: liveness no longer asks for a restart, readiness says why.
+        body = await node.until(f"{READY}?verbose", 503, contains=f"[!]registered:{GPU} failed", timeout=3)
+        assert "restart budget spent: 3 plugin restarts did not register it" in body
+        await node.wait_rounds(rounds=3)
+        assert (await node.get(LIVE))[0] == 200
+        status = (await node.get("/status"))[1]
+        assert '"restart_budget_spent": true' in status
+        # A crash still fails at once, budget or not.
+        crashed = time.monotonic()
+        await node.plugin.crash()
+        await node.until(LIVE, 503, timeout=0.5)
+        assert time.monotonic() - crashed < 0.5
+        # Registration seen again restores the budget.
+        node.plugin.register_enabled = True
+        await node.plugin.restart()
+        await node.until(READY, 200, timeout=3)
+        assert '"restart_budget_spent": false' in (await node.get("/status"))[1]
+
+
+async def test_kubelet_restart_without_reregistration_fails_liveness_then_a_plugin_restart_mends_it(
+    make_node: NodeFactory,
+) -> None:
+    async with make_node(registration_grace=0.5) as node:
+        node.plugin.register_enabled = False
+        await node.kubelet.restart()
+        body = await node.until(f"{LIVE}?verbose", 503, timeout=3)
+        assert f"[-]registered:{GPU} failed: the kubelet holds no connection to nvidia-gpu.sock" in body
+        node.plugin.register_enabled = True
+        await node.plugin.restart()
+        await node.until(READY, 200, timeout=3)
+
+
+async def test_a_missing_kubelet_for_three_graces_restarts_nothing(make_node: NodeFactory) -> None:
+    async with make_node(registration_grace=0.3) as node:
+        await node.until(READY, 200)
+        await node.kubelet.stop(unlink_socket=True)
+        gone = time.monotonic()
+        await wait_for(lambda: time.monotonic() - gone > 3 * 0.3, what="three graces")
+        await node.wait_rounds()
+        code, body = await node.get(f"{LIVE}?verbose")
+        assert code == 200, body
+        assert "[!]kubelet failed (no restart" in body
+        assert (await node.get(READY))[0] == 503
+        await node.kubelet.start()
+        await node.until(READY, 200, timeout=3)
+
+
+async def test_both_socket_removal_orders_of_a_kubelet_restart_are_pending_never_failed(
+    make_node: NodeFactory,
+) -> None:
+    """A kubelet's cleanup walks the folder unsorted: the plugin socket goes before or after kubelet.sock."""
+    async with make_node() as node:
+        await node.until(READY, 200)
+        k = node.kubelet
+        answers: list[int] = []
+
+        async def poll() -> None:
+            while True:
+                answers.append((await node.get(LIVE))[0])
+                await asyncio.sleep(0.005)
+
+        poller = asyncio.get_running_loop().create_task(poll())
+        try:
+            for plugin_first in (True, False, True, False):
+                await k.stop()  # a killed kubelet: kubelet.sock stays as a dead file
+                first, second = (
+                    (node.plugin.socket_path, k.socket_path)
+                    if plugin_first
+                    else (k.socket_path, node.plugin.socket_path)
+                )
+                os.unlink(first)
+                await asyncio.sleep(0.002)
+                os.unlink(second)
+                before = node.plugin.registrations
+                await k.start()  # listens on a new kubelet.sock; the plugin registers again
+                await wait_for(lambda b=before: node.plugin.registrations > b, what="re-registration")
+                await node.until(READY, 200, timeout=3)
+        finally:
+            poller.cancel()
+        assert answers
+        assert set(answers) == {200}
+        assert node.sidecar.registrar.kubelet_restarts == 4
