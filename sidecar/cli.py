@@ -10,11 +10,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-from aiohttp import web
-
 from sidecar.app import Sidecar
 from sidecar.config import Settings, parse_settings
 from sidecar.http import build_app
+from sidecar.serving import BoundedServer
 
 logger = logging.getLogger("sidecar")
 
@@ -49,19 +48,21 @@ def setup_logging(fmt: str, level: str) -> None:
 
 
 async def serve(settings: Settings, stop: asyncio.Event, sidecar: Sidecar | None = None) -> Sidecar:
-    """Run until `stop` is set; returns the sidecar (for tests that look at it afterwards)."""
+    """Run until `stop` is set; returns the sidecar (for tests that look at it afterwards).
+
+    HTTP is served within sidecar/serving.py's bounds (connections, descriptors, deadlines) and is
+    closed first on the way out, so that no client can hold the exit.
+    """
     sidecar = sidecar or Sidecar(settings)
-    runner = web.AppRunner(build_app(sidecar), access_log=None, handle_signals=False, shutdown_timeout=1.0)
-    await runner.setup()
+    http = BoundedServer(build_app(sidecar), settings.host, settings.port)
     try:
-        site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
-        await site.start()
+        await http.start()
         await sidecar.start()
         logger.info("serving /healthz /readyz /status /metrics on %s:%d", settings.host, settings.port)
         await stop.wait()
     finally:
+        await http.close()
         await sidecar.stop()
-        await runner.cleanup()
     return sidecar
 
 

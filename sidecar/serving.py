@@ -1,0 +1,587 @@
+"""Bounded HTTP serving: the listening socket, every connection's lifetime, and what a flood may cost.
+
+`/healthz` is the device plugin's livenessProbe: answered late or not at all, it restarts a healthy
+GPU plugin. So nothing a client does may hold the loop, the memory or the file descriptors that
+answer it. aiohttp parses HTTP and runs the views (sidecar/http.py); this module owns, below them:
+
+- the accept loop (not asyncio's: that one accepts a whole backlog at once and, out of descriptors,
+  retries a second later with the fd table full, which is when gRPC's core aborts the process);
+- the front: until its first request head is complete, a connection is a bare socket with a reader
+  callback (no transport, no task, no aiohttp handler), so idle and slow-header connections cost
+  next to nothing and close at once; a complete head hands the socket to aiohttp;
+- a cap on open connections: past it, the least recently active are closed, so that a new
+  connection (the kubelet's prober opens one per probe) always gets in;
+- a file-descriptor reserve: HTTP never takes the last FD_RESERVE descriptors of RLIMIT_NOFILE,
+  which the gRPC probes, epoll, inotify and the checkpoint reads need;
+- deadlines: a first request head within HEADER_TIMEOUT of the connection, and each next one
+  within IDLE_TIMEOUT of the previous answer (a client that does not read its answers misses it);
+- bounds on pipelined requests and on the size of a request head;
+- the probe paths ahead of everything else: /metrics, /status and unknown paths share a budget of
+  WORK_RATE requests per second, past which they are answered 503 and the connection is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import resource
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_response import StreamResponse
+
+logger = logging.getLogger(__name__)
+
+# The paths the kubelet probes (the plugin's liveness and readiness, the sidecar's own): never rate
+# limited, answered from memory, and served before other work queued in the same turn of the loop.
+# sidecar/http.py routes them; this is the one list of which are probes.
+PROBE_PATHS = frozenset({"/healthz", "/livez", "/readyz", "/sidecarz"})
+PROBE_PREFIXES = ("/healthz/", "/readyz/")
+
+# Who connects legitimately: the kubelet (a few probes, a new connection each, every few seconds),
+# Prometheus (one or two scrapers) and an operator's curl. Past MAX_CONNECTIONS handlers (about 20 KiB
+# each with aiohttp's parser and task: 5 MiB in all), the least recently active is closed.
+MAX_CONNECTIONS = 256
+# Connections still waiting for their first complete head: a bare socket and a few hundred bytes
+# each, so that a slow-header flood of this many is held (and timed out) rather than churned.
+MAX_FRONTS = 1024
+# Descriptors HTTP never takes: a gRPC probe round needs a few (a socket per channel, the core's epoll
+# and wakeup fds), plus inotify, the checkpoint reads and logging. A fourth of the limit below 256.
+FD_RESERVE = 64
+# A first request head must be complete this long after the connection opened; the kubelet's arrives
+# within a millisecond. Slow-header (slowloris) and idle connections are closed.
+HEADER_TIMEOUT = 5.0
+# Once half the room for fronts is taken, a new connection gets this long for its first head. The
+# kubelet's and Prometheus' requests come within a millisecond; a slow client past the held ones is
+# closed soon, so that one that reconnects at once costs a few accepts a second, not a busy loop.
+PROBATION = 0.25
+# Keep-alive: the next request head must be complete this long after the previous answer was handed
+# to the socket. Also what a client that does not read its answers gets: once the socket's buffers
+# are full no answer is handed over, and the connection is closed at this deadline.
+IDLE_TIMEOUT = 5.0
+# Requests a client may send ahead of the answers; more and the connection is closed.
+MAX_PIPELINED = 8
+# A request head (request line and headers) larger than this closes the connection; no endpoint takes
+# a body, so bytes that are not a head are not accepted either.
+MAX_HEAD_BYTES = 8 * 1024
+MAX_HEADERS = 32
+# Answers waiting in user space for a client that does not read (the kernel's buffers come first).
+WRITE_BUFFER_HIGH = 16 * 1024
+# Non-probe requests (/metrics, /status, 404s) per second, with a burst of as many. Prometheus scrapes
+# every 15 to 60 s; past the budget, 503 with Retry-After and the connection closed.
+WORK_RATE = 100.0
+# Connections accepted in one turn of the loop: short turns, so that a probe's few turns stay short.
+ACCEPT_BATCH = 16
+# The kernel's queue of connections not yet accepted (bounded by net.core.somaxconn too). Past it, the
+# kernel drops the handshake and the client retries a second later: a probe that late is as bad as a
+# failed one. At the front's cost per connection (tens of microseconds), 512 drain in a few ms.
+BACKLOG = 512
+# How often deadlines are checked while any connection is open (each check costs what expired).
+SWEEP_INTERVAL = 0.05
+# When nothing can be accepted (the reserve is reached and nothing can be closed): retry this later.
+ACCEPT_PAUSE = 0.05
+# Shutdown: answers in flight get this long, then every connection is aborted.
+SHUTDOWN_GRACE = 0.2
+# A warning about closed connections at most this often.
+LOG_EVERY = 10.0
+
+_TERMINATOR = b"\r\n\r\n"
+_RECV = 65536
+_ACCEPT_RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+def is_probe_path(path: str) -> bool:
+    return path in PROBE_PATHS or path.startswith(PROBE_PREFIXES)
+
+
+def fd_limit() -> int:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 20 if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def fd_reserve(limit: int) -> int:
+    return min(FD_RESERVE, limit // 4)
+
+
+def open_fds() -> int | None:
+    """Descriptors open in this process (Linux; about 120 us for 250); None where /proc cannot tell."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # listdir's own descriptor
+    except OSError:
+        return None
+
+
+@dataclass
+class Stats:
+    """Counters since start, for the log and tests."""
+
+    accepted: int = 0
+    upgraded: int = 0  # connections whose first head completed: handed to aiohttp
+    probation: int = 0  # accepted with the short deadline for a first head
+    evicted: int = 0  # closed to make room past the cap
+    header_timeout: int = 0
+    idle_timeout: int = 0
+    pipelined: int = 0  # closed for pipelining past MAX_PIPELINED
+    oversized: int = 0  # closed for a head past MAX_HEAD_BYTES
+    busy: int = 0  # non-probe requests answered 503 past WORK_RATE
+    accept_paused: int = 0  # times accepting waited for descriptors
+    peak_connections: int = 0
+    fd_limit: int = 0
+    fd_reserve: int = 0
+
+
+class _Bucket:
+    """A token bucket: `rate` per second, a burst of `rate`."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.tokens = rate
+        self.clock = clock
+        self.last = clock()
+
+    def take(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.rate, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
+class _Front:
+    """A connection before its first complete request head: a bare socket and a reader callback."""
+
+    __slots__ = ("buf", "deadline", "fd", "sock")
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.buf = b""
+        self.deadline = deadline
+
+
+class _Connection(RequestHandler):
+    """aiohttp's request handler, with the counts and the deadline the server enforces."""
+
+    def __init__(self, owner: BoundedServer, prefix: bytes, manager: web.Server, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.owner = owner
+        self.prefix = prefix  # what the front read: the first head, maybe more
+        self.deadline = owner.loop.time() + IDLE_TIMEOUT
+        self.answered = 0
+        self.heads = 0
+        self.partial = 0  # bytes received since the last complete head
+        self.tail = b""  # the last bytes of the previous chunk: a terminator may be split
+        self.closing = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        if self.closing:  # closed before its transport existed
+            transport.abort()
+            return
+        super().connection_made(transport)
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
+        prefix, self.prefix = self.prefix, b""
+        self.data_received(prefix)  # before the transport's own reads, which start a turn later
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.owner._forget(self)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        chunk = self.tail + data
+        found = chunk.count(_TERMINATOR)
+        self.tail = chunk[-3:]
+        if found:
+            self.heads += found
+            self.partial = len(chunk) - chunk.rfind(_TERMINATOR) - len(_TERMINATOR)
+        else:
+            self.partial += len(data)
+        if self.heads - self.answered > MAX_PIPELINED:
+            self.owner._close(self, "pipelined")
+        elif self.partial > MAX_HEAD_BYTES:
+            self.owner._close(self, "oversized")
+        else:
+            super().data_received(data)
+
+    async def finish_response(
+        self, request: BaseRequest, resp: StreamResponse, start_time: float | None
+    ) -> tuple[StreamResponse, bool]:
+        result = await super().finish_response(request, resp, start_time)
+        self.answered += 1
+        self.deadline = self.owner.loop.time() + IDLE_TIMEOUT
+        self.owner._active(self)
+        return result
+
+
+class BoundedServer:
+    """Serves an aiohttp Application on host:port within the bounds above; owns its AppRunner."""
+
+    def __init__(
+        self,
+        app: web.Application,
+        host: str,
+        port: int,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        max_fronts: int = MAX_FRONTS,
+        work_rate: float = WORK_RATE,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.max_connections = max_connections
+        self.max_fronts = max_fronts
+        self.loop = asyncio.get_running_loop()
+        self.stats = Stats()
+        self.bucket = _Bucket(work_rate)
+        app.middlewares.append(self._middleware())
+        self.runner = web.AppRunner(
+            app,
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=SHUTDOWN_GRACE,
+            keepalive_timeout=IDLE_TIMEOUT,
+            max_headers=MAX_HEADERS,
+        )
+        self._listeners: list[socket.socket] = []
+        # Fronts in the order they were accepted (so their deadlines are in order too): the held ones,
+        # and those accepted under pressure, with the short deadline.
+        self._fronts: OrderedDict[_Front, None] = OrderedDict()
+        self._probation: OrderedDict[_Front, None] = OrderedDict()
+        # Handlers, least recently active first (their deadlines in order too): what the cap closes.
+        self._conns: OrderedDict[_Connection, None] = OrderedDict()
+        # Aborted handlers whose descriptor the transport closes a turn later.
+        self._dying: set[_Connection] = set()
+        self._pending: set[asyncio.Task[Any]] = set()
+        self._others = 0  # descriptors open that are not HTTP connections
+        self._others_sampled = -1.0
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._resume: asyncio.TimerHandle | None = None
+        self._reading = False
+        self._started = False
+        self._closed = False
+        self._logged = -LOG_EVERY
+        self._unlogged: dict[str, int] = {}
+        self._handler_kwargs: dict[str, Any] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.runner.setup()
+        self._started = True
+        server = self.runner.server
+        assert server is not None
+        # The handler arguments of the runner and of the app, as aiohttp's Server.__call__ passes them.
+        self._handler_kwargs = dict(getattr(server, "_kwargs", {}))
+        limit = fd_limit()
+        self.stats.fd_limit = limit
+        self.stats.fd_reserve = fd_reserve(limit)
+        self._listeners = _listen(self.host, self.port)
+        self._sample_fds(force=True)
+        self._start_reading()
+
+    @property
+    def sockets(self) -> list[socket.socket]:
+        return list(self._listeners)
+
+    @property
+    def connections(self) -> int:
+        """Descriptors held by HTTP connections."""
+        return len(self._fronts) + len(self._probation) + len(self._conns) + len(self._dying)
+
+    async def close(self) -> None:
+        """Stop accepting; give answers in flight SHUTDOWN_GRACE, then abort every connection."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_reading()
+        for handle in (self._resume, self._sweeper):
+            if handle is not None:
+                handle.cancel()
+        for s in self._listeners:
+            s.close()
+        self._listeners = []
+        for front in [*self._fronts, *self._probation]:
+            self._drop(front)
+        for conn in list(self._conns):
+            if conn.answered >= conn.heads:
+                self._drop(conn)  # nothing in flight
+        deadline = self.loop.time() + SHUTDOWN_GRACE
+        while self._conns and self.loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for conn in list(self._conns):
+            self._drop(conn)
+        if self._pending:
+            await asyncio.wait(list(self._pending), timeout=1.0)
+        for _ in range(100):  # a transport closes its socket a turn after abort()
+            if not self._dying:
+                break
+            await asyncio.sleep(0.005)
+        self._log_closed(force=True)
+        if self._started:
+            await self.runner.cleanup()
+
+    # -- connections ---------------------------------------------------------------------
+    def _forget(self, conn: _Connection) -> None:
+        self._conns.pop(conn, None)
+        self._dying.discard(conn)
+
+    def _active(self, conn: _Connection) -> None:
+        if conn in self._conns:
+            self._conns.move_to_end(conn)
+
+    def _drop(self, conn: _Front | _Connection) -> bool:
+        """Close now: a front's descriptor at once, a handler's when its transport lets go of it."""
+        if isinstance(conn, _Front):
+            if conn in self._fronts:
+                del self._fronts[conn]
+            elif conn in self._probation:
+                del self._probation[conn]
+            else:
+                return False  # closed already
+            self.loop.remove_reader(conn.fd)
+            conn.sock.close()
+            return True
+        if conn not in self._conns:
+            return False
+        del self._conns[conn]
+        conn.closing = True
+        self._dying.add(conn)
+        if conn.transport is not None:
+            conn.transport.abort()
+        return True
+
+    def _close(self, conn: _Front | _Connection, reason: str) -> None:
+        if not self._drop(conn):
+            return
+        setattr(self.stats, reason, getattr(self.stats, reason) + 1)
+        self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
+        self._log_closed()
+
+    def _log_closed(self, force: bool = False) -> None:
+        now = self.loop.time()
+        if not self._unlogged or (not force and now - self._logged < LOG_EVERY):
+            return
+        self._logged = now
+        closed = ", ".join(f"{n} {r.replace('_', ' ')}" for r, n in sorted(self._unlogged.items()))
+        self._unlogged.clear()
+        logger.warning(
+            "HTTP connections closed by the serving limits: %s; open %d (descriptor budget %d)",
+            closed,
+            self.connections,
+            self.fd_budget(),
+        )
+
+    # -- descriptors -------------------------------------------------------------------
+    def _sample_fds(self, force: bool = False) -> None:
+        """Count the descriptors that are not HTTP connections (not on every accept: it costs)."""
+        now = self.loop.time()
+        if not force and now - self._others_sampled < ACCEPT_PAUSE:
+            return
+        self._others_sampled = now
+        total = open_fds()
+        self._others = 32 if total is None else max(0, total - self.connections)
+
+    def fd_budget(self) -> int:
+        """Descriptors HTTP connections may hold now."""
+        return max(0, self.stats.fd_limit - self.stats.fd_reserve - self._others)
+
+    # -- accepting ---------------------------------------------------------------------
+    def _start_reading(self) -> None:
+        if self._reading or self._closed:
+            return
+        for s in self._listeners:
+            self.loop.add_reader(s.fileno(), self._on_readable, s)
+        self._reading = True
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            for s in self._listeners:
+                self.loop.remove_reader(s.fileno())
+            self._reading = False
+
+    def _pause(self) -> None:
+        """Nothing can be accepted now: new connections wait a moment in the (bounded) backlog."""
+        self.stats.accept_paused += 1
+        self._stop_reading()
+        self._resume = self.loop.call_later(ACCEPT_PAUSE, self._resume_reading)
+
+    def _resume_reading(self) -> None:
+        self._resume = None
+        self._sample_fds(force=True)
+        self._start_reading()
+
+    def _room(self) -> bool:
+        """Whether one more front fits; closes the oldest on probation (or the oldest) to fit it."""
+        if self.connections + self._others + ACCEPT_BATCH >= self.stats.fd_limit - self.stats.fd_reserve:
+            self._sample_fds()
+        while True:
+            fds_left = self.fd_budget() - self.connections
+            if fds_left > 0 and len(self._fronts) + len(self._probation) < self.max_fronts:
+                return True
+            if fds_left <= 0 and self._dying:
+                return False  # they free their descriptors a turn later: accept then
+            victim: _Front | _Connection | None = next(iter(self._probation), None)
+            victim = victim or next(iter(self._fronts), None)
+            if victim is None and fds_left <= 0:
+                victim = next(iter(self._conns), None)
+            if victim is None:
+                return False
+            self._close(victim, "evicted")
+
+    def _on_readable(self, listener: socket.socket) -> None:
+        for _ in range(ACCEPT_BATCH):
+            if not self._room():
+                if not self._dying:
+                    self._pause()  # the reserve is reached by others: nothing of ours to wait for
+                return
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in _ACCEPT_RESOURCE_ERRORS:
+                    self._sample_fds(force=True)
+                    self._pause()
+                    return
+                continue  # ECONNABORTED and the like: that client is gone
+            self._adopt(sock)
+
+    def _adopt(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        now = self.loop.time()
+        room = min(self.max_fronts, self.fd_budget() - len(self._conns) - len(self._dying))
+        if len(self._fronts) < room // 2:
+            front = _Front(sock, now + HEADER_TIMEOUT)
+            self._fronts[front] = None
+        else:
+            front = _Front(sock, now + PROBATION)
+            self._probation[front] = None
+            self.stats.probation += 1
+        self.stats.accepted += 1
+        self.stats.peak_connections = max(self.stats.peak_connections, self.connections)
+        if self._sweeper is None:
+            self._sweeper = self.loop.call_later(SWEEP_INTERVAL, self._sweep)
+        self.loop.add_reader(front.fd, self._front_readable, front)
+        self._front_readable(front)  # a probe's request is usually there already
+
+    def _front_readable(self, front: _Front) -> None:
+        try:
+            data = front.sock.recv(_RECV)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client went away
+            self._drop(front)
+            return
+        start = max(0, len(front.buf) - 3)
+        front.buf += data
+        if front.buf.find(_TERMINATOR, start) < 0:
+            if len(front.buf) > MAX_HEAD_BYTES:
+                self._close(front, "oversized")
+            return
+        if front.buf.count(_TERMINATOR) > MAX_PIPELINED:
+            self._close(front, "pipelined")
+            return
+        self._upgrade(front)
+
+    def _upgrade(self, front: _Front) -> None:
+        """A complete head: the socket goes to aiohttp, with what the front read."""
+        self.loop.remove_reader(front.fd)
+        self._fronts.pop(front, None)
+        self._probation.pop(front, None)
+        if len(self._conns) >= self.max_connections:
+            self._close(next(iter(self._conns)), "evicted")
+        server = self.runner.server
+        assert server is not None
+        conn = _Connection(self, front.buf, server, loop=self.loop, **self._handler_kwargs)
+        self._conns[conn] = None
+        self.stats.upgraded += 1
+        task = self.loop.create_task(self._attach(conn, front.sock))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _attach(self, conn: _Connection, sock: socket.socket) -> None:
+        try:
+            await self.loop.connect_accepted_socket(lambda: conn, sock)
+        except (OSError, RuntimeError):
+            sock.close()
+            self._forget(conn)
+
+    def _sweep(self) -> None:
+        """Close what missed its deadline; each queue is in deadline order, so this costs what expired."""
+        self._sweeper = None
+        now = self.loop.time()
+        queues: tuple[OrderedDict[Any, None], ...] = (self._probation, self._fronts, self._conns)
+        for queue in queues:
+            while queue:
+                oldest: _Front | _Connection = next(iter(queue))
+                if oldest.deadline > now:
+                    break
+                self._close(oldest, "header_timeout" if isinstance(oldest, _Front) else "idle_timeout")
+        self._log_closed()
+        if self.connections + self._others >= (self.stats.fd_limit - self.stats.fd_reserve) // 2:
+            self._sample_fds()
+        if self.connections and not self._closed:
+            self._sweeper = self.loop.call_later(SWEEP_INTERVAL, self._sweep)
+
+    # -- the probe paths first ----------------------------------------------------------
+    def _middleware(self) -> Middleware:
+        bucket, stats = self.bucket, self.stats
+
+        @web.middleware
+        async def probes_first(request: web.Request, handler: Handler) -> StreamResponse:
+            if is_probe_path(request.path):
+                return await handler(request)
+            if not bucket.take():
+                stats.busy += 1
+                resp = web.Response(
+                    status=503,
+                    text=f"busy: more than {bucket.rate:g} requests per second besides the probes\n",
+                    headers={"Retry-After": "1"},
+                )
+                resp.force_close()
+                return resp
+            # One turn of the loop: probes parsed in the same turn are answered before this work.
+            await asyncio.sleep(0)
+            return await handler(request)
+
+        return probes_first
+
+
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for every address of `host`, as asyncio's create_server binds them."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    seen: set[tuple[Any, ...]] = set()
+    try:
+        for family, type_, proto, _, addr in infos:
+            if (family, *addr[:2]) in seen:
+                continue
+            seen.add((family, *addr[:2]))
+            s = socket.socket(family, type_, proto)
+            sockets.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind(addr)
+            s.listen(BACKLOG)
+            s.setblocking(False)
+    except OSError:
+        for s in sockets:
+            s.close()
+        raise
+    return sockets
