@@ -239,8 +239,11 @@ class BoundedServer:
         max_connections: int = MAX_CONNECTIONS,
         max_fronts: int = MAX_FRONTS,
         work_rate: float = WORK_RATE,
+        nofile: int | None = None,
     ) -> None:
+        """`nofile`: the descriptor limit to plan for (default: this process's RLIMIT_NOFILE)."""
         self.host = host
+        self.nofile = nofile
         self.port = port
         self.max_connections = max_connections
         self.max_fronts = max_fronts
@@ -253,7 +256,7 @@ class BoundedServer:
             access_log=None,
             handle_signals=False,
             shutdown_timeout=SHUTDOWN_GRACE,
-            keepalive_timeout=IDLE_TIMEOUT,
+            keepalive_timeout=2 * IDLE_TIMEOUT,  # aiohttp's own timer: a backstop to the sweep
             max_headers=MAX_HEADERS,
         )
         self._listeners: list[socket.socket] = []
@@ -285,7 +288,7 @@ class BoundedServer:
         assert server is not None
         # The handler arguments of the runner and of the app, as aiohttp's Server.__call__ passes them.
         self._handler_kwargs = dict(getattr(server, "_kwargs", {}))
-        limit = fd_limit()
+        limit = self.nofile or fd_limit()
         self.stats.fd_limit = limit
         self.stats.fd_reserve = fd_reserve(limit)
         self._listeners = _listen(self.host, self.port)
