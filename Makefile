@@ -48,6 +48,12 @@ bench: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m bench.soak
 
+# The serving-limits floods on loopback (about 75 s): /healthz p99 during each, peak RSS, fds, exit on
+# SIGTERM (BENCHMARKS.md#stress). STRESS_CPU_LIMIT=0.2 adds the manifests' CPU limit where cgroups allow.
+.PHONY: stress
+stress: $(STAMP)
+	$(PY) -m bench.stress
+
 # Regenerate the protobuf code from sidecar/proto/*.proto (tests/test_proto.py checks it is current).
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. sidecar/proto/*.proto
