@@ -230,13 +230,16 @@ func setupKlogStderr() {
 	_ = fs.Set("stderrthreshold", "FATAL")
 }
 
+// kubeletRegister calls Register, waiting for kubelet.sock to accept a connection as HAMi's and
+// NVIDIA's plugins do (their dial blocks): inotify reports kubelet.sock at bind(), before the
+// kubelet's listen(), and a plain dial at that moment is refused.
 func kubeletRegister(ctx context.Context, kubeletSocket string, req *pluginapi.RegisterRequest) error {
 	conn, err := grpc.NewClient("unix://"+kubeletSocket, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		return err
 	}
 	defer conn.Close()
-	_, err = pluginapi.NewRegistrationClient(conn).Register(ctx, req)
+	_, err = pluginapi.NewRegistrationClient(conn).Register(ctx, req, grpc.WaitForReady(true))
 	return err
 }
 
