@@ -4,15 +4,22 @@ Like `aiohttp.test_utils`, this is part of the package: `from sidecar.testing im
 """
 
 from sidecar.testing.kubelet import (
+    ERR_ALREADY_CONNECTED,
     ERR_DIAL,
     ERR_INVALID_RESOURCE_NAME,
     ERR_OPTIONS,
     ERR_UNSUPPORTED_VERSION,
     KUBELET_SOCKET,
+    DeviceManagerError,
     FakeKubelet,
+    RealKubeletFolderError,
+    go_quote,
+    invalid_resource_name_error,
     is_extended_resource_name,
+    is_simulator_checkpoint,
+    unsupported_version_error,
 )
-from sidecar.testing.plugin import FakeDevicePlugin
+from sidecar.testing.plugin import FakeDevicePlugin, hami_device_ids
 
 
 def free_port() -> int:
@@ -26,13 +33,21 @@ def free_port() -> int:
 
 
 __all__ = [
+    "ERR_ALREADY_CONNECTED",
     "ERR_DIAL",
     "ERR_INVALID_RESOURCE_NAME",
     "ERR_OPTIONS",
     "ERR_UNSUPPORTED_VERSION",
     "KUBELET_SOCKET",
+    "DeviceManagerError",
     "FakeDevicePlugin",
     "FakeKubelet",
+    "RealKubeletFolderError",
     "free_port",
+    "go_quote",
+    "hami_device_ids",
+    "invalid_resource_name_error",
     "is_extended_resource_name",
+    "is_simulator_checkpoint",
+    "unsupported_version_error",
 ]

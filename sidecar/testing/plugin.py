@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -30,6 +30,20 @@ from sidecar.watcher import FolderWatcher, FsEvent
 
 logger = logging.getLogger(__name__)
 
+HAMI_SPLIT_COUNT = (
+    10  # HAMi's deviceSplitCount default (charts/hami/values.yaml: devicePlugin.deviceSplitCount)
+)
+
+
+def hami_device_ids(uuids: Iterable[str], split: int = HAMI_SPLIT_COUNT) -> list[str]:
+    """The device IDs HAMi advertises for physical GPUs: `<GPU-UUID>-<n>`, n = 0..split-1, each GPU in turn
+    (GetPluginDevices, pkg/device-plugin/nvidiadevice/nvinternal/rm/devices.go in Project-HAMi/HAMi).
+    MIG devices keep their own IDs (HAMi decides by the first ID containing "MIG")."""
+    ids = list(uuids)
+    if ids and "MIG" in ids[0]:
+        return ids
+    return [f"{u}-{n}" for u in ids for n in range(split)]
+
 
 class FakeDevicePlugin:
     """Serves `DevicePlugin` on its socket, then registers; registers again when `kubelet.sock` is created.
@@ -37,6 +51,8 @@ class FakeDevicePlugin:
     Fault switches (attributes, effective at once):
     `register_enabled`, `hung`, `answer_delay`, `options_error`, `api_version`,
     `register_resource_name`; methods `set_devices`, `set_health`, `crash`.
+    `numa` maps a device ID to its NUMA nodes, sent in `Device.topology` (a device not in it has no
+    topology; an empty list sends an empty topology, which the kubelet's pod-resources then leaves out).
     """
 
     def __init__(
@@ -49,6 +65,7 @@ class FakeDevicePlugin:
         kubelet_socket: str = KUBELET_SOCKET,
         register_timeout: float = 30.0,
         retry_interval: float = 30.0,
+        numa: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         self.dir = device_plugin_dir
         self.resource = resource
@@ -58,6 +75,7 @@ class FakeDevicePlugin:
         self.register_timeout = register_timeout
         self.retry_interval = retry_interval  # HAMi and NVIDIA retry a failed Register after 30 s
         self._devices: dict[str, str] = dict.fromkeys(devices, "Healthy")
+        self.numa: dict[str, list[int]] = {d: list(n) for d, n in (numa or {}).items()}
         # Fault switches.
         self.register_enabled = True
         self.answer_delay = 0.0
@@ -91,8 +109,16 @@ class FakeDevicePlugin:
         if self._front is not None:
             self._front.hung = value
 
-    def set_devices(self, devices: Iterable[str]) -> None:
+    @property
+    def devices(self) -> dict[str, str]:
+        """Device ID -> health, as the next ListAndWatch answer sends them."""
+        return dict(self._devices)
+
+    def set_devices(self, devices: Iterable[str], numa: Mapping[str, Sequence[int]] | None = None) -> None:
+        """Replace the devices (all healthy), pushed on every open stream; `numa` replaces the topology."""
         self._devices = dict.fromkeys(devices, "Healthy")
+        if numa is not None:
+            self.numa = {d: list(n) for d, n in numa.items()}
         self._notify()
 
     def set_health(self, device: str, healthy: bool) -> None:
@@ -238,12 +264,16 @@ class FakeDevicePlugin:
         self._streams.add(changed)
         try:
             while True:
-                yield dp.ListAndWatchResponse(
-                    devices=[dp.Device(ID=d, health=h) for d, h in self._devices.items()]
-                )
+                yield dp.ListAndWatchResponse(devices=[self._device(d, h) for d, h in self._devices.items()])
                 await changed.get()
         finally:
             self._streams.discard(changed)
+
+    def _device(self, device: str, health: str) -> dp.Device:
+        if device not in self.numa:
+            return dp.Device(ID=device, health=health)
+        nodes = [dp.NUMANode(ID=n) for n in self.numa[device]]
+        return dp.Device(ID=device, health=health, topology=dp.TopologyInfo(nodes=nodes))
 
     def _notify(self) -> None:
         for q in self._streams:
@@ -253,14 +283,15 @@ class FakeDevicePlugin:
         self, req: dp.PreferredAllocationRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> dp.PreferredAllocationResponse:
         await self._answer("GetPreferredAllocation", context)
-        return dp.PreferredAllocationResponse(
-            container_responses=[
-                dp.ContainerPreferredAllocationResponse(
-                    deviceIDs=list(c.available_deviceIDs)[: c.allocation_size]
-                )
-                for c in req.container_requests
-            ]
-        )
+        answers = []
+        for c in req.container_requests:
+            # The devices it must include, then the lowest IDs (the kubelet sends an unsorted set).
+            must = list(dict.fromkeys(c.must_include_deviceIDs))
+            rest = sorted(set(c.available_deviceIDs) - set(must))
+            answers.append(
+                dp.ContainerPreferredAllocationResponse(deviceIDs=(must + rest)[: c.allocation_size])
+            )
+        return dp.PreferredAllocationResponse(container_responses=answers)
 
     async def _allocate(
         self, req: dp.AllocateRequest, context: grpc.aio.ServicerContext[Any, Any]
