@@ -19,6 +19,8 @@ import psutil
 from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
 
 GPU = "nvidia.com/gpu"
+# A second plugin whose socket name sorts before kubelet.sock (nvidia-gpu.sock sorts after).
+ASCEND, ASCEND_SOCKET = "huawei.com/Ascend910B3", "Ascend910B3.sock"
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -41,6 +43,7 @@ class Node:
     sidecar: asyncio.subprocess.Process
     url: str
     http: aiohttp.ClientSession
+    others: tuple[FakeDevicePlugin, ...] = ()
 
     @property
     def process(self) -> psutil.Process:
@@ -63,8 +66,13 @@ class Node:
 
 @contextlib.asynccontextmanager
 async def node(
-    *sidecar_args: str, cpu: int | None = None, log: str | None = None, keepalive: bool = True
+    *sidecar_args: str,
+    cpu: int | None = None,
+    log: str | None = None,
+    keepalive: bool = True,
+    ascend: bool = False,
 ) -> AsyncIterator[Node]:
+    """A node with HAMi's NVIDIA plugin (and, with `ascend`, an Ascend plugin beside it)."""
     root = tempfile.mkdtemp(prefix="hg-bench-")
     folder = os.path.join(root, "device-plugins")
     pod_resources = os.path.join(root, "pod-resources", "kubelet.sock")
@@ -81,19 +89,28 @@ async def node(
         f"127.0.0.1:{port}",
         *sidecar_args,
     ]
+    if ascend:
+        argv += ["--plugin", f"{GPU}=nvidia-gpu.sock", "--plugin", f"{ASCEND}={ASCEND_SOCKET}"]
     if cpu is not None and shutil.which("taskset"):
         argv = ["taskset", "-c", str(cpu), *argv]
     try:
         async with (
             FakeKubelet(folder, pod_resources, dial_timeout=1.0) as kubelet,
             FakeDevicePlugin(folder, register_timeout=5, retry_interval=3600) as plugin,
+            contextlib.AsyncExitStack() as stack,
         ):
+            others: tuple[FakeDevicePlugin, ...] = ()
+            if ascend:
+                npu = FakeDevicePlugin(
+                    folder, ASCEND, ASCEND_SOCKET, ["npu-0", "npu-1"], register_timeout=5, retry_interval=3600
+                )
+                others = (await stack.enter_async_context(npu),)
             stderr = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
             proc = await asyncio.create_subprocess_exec(*argv, stderr=stderr)
             try:
                 connector = aiohttp.TCPConnector(limit=4, force_close=not keepalive)
                 async with aiohttp.ClientSession(connector=connector) as http:
-                    n = Node(folder, kubelet, plugin, proc, f"http://127.0.0.1:{port}", http)
+                    n = Node(folder, kubelet, plugin, proc, f"http://127.0.0.1:{port}", http, others)
                     for _ in range(300):
                         with contextlib.suppress(aiohttp.ClientError):
                             if await n.status("/sidecarz") == 200:

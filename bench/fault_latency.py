@@ -1,8 +1,9 @@
 """Fault-to-verdict latency over N trials each, with the sidecar in its own process.
 
-- plugin socket removed -> 503 (goal p99 <= 20 ms)
+- plugin socket removed -> 503 (goal p99 <= 250 ms: the plugin's 0.1 s window to serve a new socket)
 - plugin hung -> 503 (goal <= interval + timeout + 50 ms)
 - kubelet restarted, no re-registration -> 503 (goal: grace + <= 1 s)
+- kubelet dropped the plugin -> 503 (goal p99 <= interval + timeout + 0.2 s)
 Compared with a probe-only design at Kubernetes defaults (periodSeconds 10 x failureThreshold 3).
 """
 
@@ -66,10 +67,26 @@ async def restart_without_registration() -> list[float]:
     return out
 
 
+async def dropped() -> list[float]:
+    out = []
+    async with node("--probe-interval", str(INTERVAL), "--probe-timeout", str(TIMEOUT)) as n:
+        for _ in range(TRIALS):
+            await n.plugin.restart()
+            while not n.kubelet.connected(GPU) or not n.kubelet.healthy_devices(GPU):
+                await asyncio.sleep(0.01)
+            await n.until(200, path="/readyz")
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            await n.kubelet.drop(GPU)
+            await n.until(503)
+            out.append(loop.time() - t0)
+    return out
+
+
 async def main() -> None:
     print(f"fault -> 503 on /healthz, {TRIALS} trials each, sidecar in its own process, polled back to back")
     r = await removed()
-    print(f"plugin socket removed:                 {summary(r)}  (goal p99 <= 20 ms)")
+    print(f"plugin socket removed:                 {summary(r)}  (goal p99 <= 250 ms)")
     h = await hung()
     print(
         f"plugin hung (interval {INTERVAL:g} s, timeout {TIMEOUT:g} s): {summary(h)}  "
@@ -77,6 +94,9 @@ async def main() -> None:
     )
     k = await restart_without_registration()
     print(f"kubelet restart, no re-registration (grace {GRACE:g} s): {summary(k)}  (goal <= {GRACE + 1:g} s)")
+    d = await dropped()
+    goal = (INTERVAL + TIMEOUT + 0.2) * 1000
+    print(f"kubelet dropped the plugin (interval {INTERVAL:g} s): {summary(d)}  (goal p99 <= {goal:.0f} ms)")
     print(
         "probe-only design at Kubernetes defaults (exec probe every 10 s, 3 failures): 20-30 s to notice any "
         "of these, and never the lost registration unless the probe itself reads the kubelet's records"

@@ -1,7 +1,10 @@
 """`make soak`: faults against the simulator while /healthz and /readyz are polled at 20 req/s each.
 
-200 kubelet restarts with re-registration, 100 plugin crashes and re-registrations, 50 hangs,
-corrupt checkpoints, and at least 1,000 probe rounds. Passes only if every verdict was right
+Two plugins, one whose socket name sorts before kubelet.sock (Ascend910B3.sock) and one after
+(nvidia-gpu.sock). 200 kubelet restarts with re-registration, alternating the two orders in which a
+restart's cleanup removes the sockets (plugin sockets first, kubelet.sock first), 100 plugin
+crashes, 50 hangs, 30 kubelet drops, 20 restarts the plugin misses, all devices unhealthy, zero
+devices, corrupt checkpoints, and at least 1,000 probe rounds. Passes only if every verdict was right
 (no 503 during a healthy re-registration, a 503 within its bound for each real fault, liveness
 200 for every fault a plugin restart would not mend), the log has no exception, open fds are
 back to their count, RSS grew <= 2 MiB after warm-up, and no thread or task leaked. Bounded: it
@@ -11,6 +14,7 @@ stops by itself within 10 minutes. It prints the count of wrong verdicts (the go
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -18,7 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from bench.common import GPU, Node, node
+from bench.common import ASCEND, GPU, Node, node
 
 START = time.monotonic()
 DEADLINE = START + 600
@@ -27,15 +31,18 @@ RESTARTS = int(os.environ.get("SOAK_RESTARTS", "200"))
 CRASHES = int(os.environ.get("SOAK_CRASHES", "100"))
 HANGS = int(os.environ.get("SOAK_HANGS", "50"))
 CORRUPTIONS = int(os.environ.get("SOAK_CORRUPTIONS", "20"))
+DROPS = int(os.environ.get("SOAK_DROPS", "30"))
+MISSED = int(os.environ.get("SOAK_MISSED", "20"))
+DEVICE_FAULTS = int(os.environ.get("SOAK_DEVICE_FAULTS", "20"))
+CONFIRM = 0.2  # the sidecar's drop confirmation
 ROUNDS = int(os.environ.get("SOAK_ROUNDS", "1000"))
 # Phases where /healthz must answer 200 throughout: healthy ones, and faults no restart mends.
-LIVE_PHASES = ("warm-up", "restarts", "steady", "corrupt")
+LIVE_PHASES = ("warm-up", "restarts", "steady", "corrupt", "unhealthy", "zero devices")
 CORRUPT = [
     b"",
     b"{not json",
     b"null",
     b'{"Data":null}',
-    b'{"Data":{"RegisteredDevices":{"nvidia.com/gpu":null}}}',
 ]
 
 
@@ -57,14 +64,23 @@ class Poller:
 
 
 async def registered(n: Node) -> None:
-    """The kubelet has the plugin's devices and the sidecar has seen every check pass."""
-    while not n.kubelet.healthy_devices(GPU) or not n.kubelet.connected(GPU):
+    """The kubelet has every plugin's devices and the sidecar has seen every check pass."""
+    while not all(n.kubelet.healthy_devices(r) and n.kubelet.connected(r) for r in (GPU, ASCEND)):
         await asyncio.sleep(0.005)
-    while True:
-        async with n.http.get(n.url + "/healthz?verbose") as r:
-            if r.status == 200 and "[~]" not in await r.text():
-                return
+    while await n.status("/readyz") != 200:
         await asyncio.sleep(0.005)
+
+
+async def kubelet_restart(n: Node, plugins_first: bool) -> None:
+    """A kubelet restart whose cleanup removes the sockets in the order given (the kubelet's own walk
+    of the folder does not sort: both orders happen on nodes)."""
+    k = n.kubelet
+    await k.stop()  # killed: kubelet.sock stays behind as a dead file
+    sockets = [p.socket_path for p in (n.plugin, *n.others)]
+    for path in [*sockets, k.socket_path] if plugins_first else [k.socket_path, *sockets]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    await k.start()
 
 
 async def status(n: Node) -> dict[str, object]:
@@ -116,26 +132,30 @@ async def main() -> int:
         str(GRACE),
         "--log-format",
         "json",
+        "--expect-devices",
+        "2",
     )
     # No keep-alive: every poll opens and closes its connection, so that the server's fds and tasks
     # at the end can be compared with the baseline's.
-    async with node(*args, log=log, keepalive=False) as n:
+    async with node(*args, log=log, keepalive=False, ascend=True) as n:
         poll = Poller(n)
         # Warm-up: a few cycles of everything, then the baseline.
-        for _ in range(10):
-            await n.kubelet.restart()
+        for i in range(10):
+            await kubelet_restart(n, plugins_first=i % 2 == 0)
             await registered(n)
         await asyncio.sleep(1)
         base = await footprint(n)
 
         poll.phase = "restarts"
-        for _ in range(RESTARTS):
-            await n.kubelet.restart()
+        for i in range(RESTARTS):
+            await kubelet_restart(n, plugins_first=i % 2 == 0)
             await registered(n)
             if time.monotonic() > DEADLINE:
                 break
         print(
-            f"{RESTARTS} kubelet restarts with re-registration ({time.monotonic() - START:.0f} s)", flush=True
+            f"{RESTARTS} kubelet restarts with re-registration, both removal orders "
+            f"({time.monotonic() - START:.0f} s)",
+            flush=True,
         )
 
         for i in range(CRASHES):
@@ -157,6 +177,43 @@ async def main() -> int:
             n.plugin.hung = False
             await registered(n)
         print(f"{HANGS} hangs ({time.monotonic() - START:.0f} s)", flush=True)
+
+        for i in range(DROPS):
+            poll.phase = "drop"
+            await n.kubelet.drop(GPU)  # the kubelet lets go; the plugin keeps serving
+            t = await n.until(503, timeout=5)
+            bound = INTERVAL + TIMEOUT + CONFIRM + 0.5
+            check(t <= bound, f"drop {i}: 503 after {t:.3f} s (bound {bound:.1f} s)", failures)
+            poll.phase = "recovering"
+            await n.plugin.restart()
+            await registered(n)
+        print(f"{DROPS} kubelet drops ({time.monotonic() - START:.0f} s)", flush=True)
+
+        for i in range(MISSED):
+            poll.phase = "missed"  # the plugin misses kubelet.sock's creation and never registers again
+            n.plugin.register_enabled = False
+            await kubelet_restart(n, plugins_first=i % 2 == 0)
+            t = await n.until(503, timeout=10)
+            check(t <= GRACE + 1.0, f"missed registration {i}: 503 after {t:.3f} s", failures)
+            poll.phase = "recovering"
+            n.plugin.register_enabled = True
+            await n.plugin.restart()
+            await registered(n)
+        print(f"{MISSED} restarts without re-registration ({time.monotonic() - START:.0f} s)", flush=True)
+
+        for i in range(DEVICE_FAULTS):
+            poll.phase = "unhealthy" if i % 2 == 0 else "zero devices"
+            if i % 2 == 0:
+                for device in ("GPU-0", "GPU-1"):
+                    n.plugin.set_health(device, False)
+            else:
+                n.plugin.set_devices([])
+            t = await n.until(503, timeout=5, path="/readyz")
+            check(t <= 0.5, f"{poll.phase} {i}: /readyz 503 after {t:.3f} s", failures)
+            poll.phase = "recovering"
+            n.plugin.set_devices(["GPU-0", "GPU-1"])
+            await registered(n)
+        print(f"{DEVICE_FAULTS} device faults ({time.monotonic() - START:.0f} s)", flush=True)
 
         for i in range(CORRUPTIONS):
             poll.phase = "corrupt"

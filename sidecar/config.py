@@ -51,7 +51,7 @@ class Settings:
     vanish_settle: float = 0.005
     # How long a plugin that removed its own socket has to serve a new one (HAMi does on every
     # kubelet.sock creation) before it counts as stopped.
-    plugin_restart_window: float = 0.15
+    plugin_restart_window: float = 0.1
     # How long the kubelet's connection to a plugin must stay lost to be a drop: a kubelet on its way
     # out closes its plugin connections a few ms before its socket goes.
     drop_confirm: float = 0.2

@@ -168,3 +168,19 @@ async def test_both_socket_removal_orders_of_a_kubelet_restart_are_pending_never
         assert answers
         assert set(answers) == {200}
         assert node.sidecar.registrar.kubelet_restarts == 4
+
+
+async def test_a_dropped_plugin_fails_liveness_within_an_interval_and_a_plugin_restart_mends_it(
+    make_node: NodeFactory,
+) -> None:
+    async with make_node() as node:
+        await node.until(READY, 200)
+        dropped = time.monotonic()
+        await node.kubelet.drop(GPU)  # the kubelet lets go; the plugin keeps serving and is not told
+        interval, timeout = node.settings.probe_interval, node.settings.probe_timeout
+        body = await node.until(f"{LIVE}?verbose", 503, timeout=interval + timeout + 1)
+        assert time.monotonic() - dropped <= interval + timeout + node.settings.drop_confirm + 0.5
+        assert f"[-]registered:{GPU} failed: the kubelet is no longer connected to nvidia-gpu.sock" in body
+        assert "never registered" not in body
+        await node.plugin.restart()  # what the kubelet does after failureThreshold 503s in a row
+        await node.until(READY, 200, timeout=3)
