@@ -333,6 +333,8 @@ class BoundedServer:
                 break
             await asyncio.sleep(0.005)
         self._log_closed(force=True)
+        if self.stats.accepted:
+            logger.info("HTTP serving: %s", ", ".join(f"{k} {v}" for k, v in vars(self.stats).items()))
         if self._started:
             await self.runner.cleanup()
 

@@ -299,3 +299,32 @@ def test_metrics_the_rules_use_exist_and_pass_promtool(tmp_path: Path) -> None:
     assert used
     assert used <= names, used - names
     assert 'source="host"' in metrics
+
+
+def test_network_policy_admits_the_prometheus_namespace_only() -> None:
+    """Ingress to the plugin's pods: Prometheus' namespace on the metrics ports; the kubelet's probes
+    come from the node, which NetworkPolicy does not filter (README.md, "Who reaches the port")."""
+    objects = build(MANIFESTS / "standalone")
+    (policy,) = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    (ds,) = [o for o in objects if o["kind"] == "DaemonSet"]
+    spec = policy["spec"]
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert spec["podSelector"]["matchLabels"].items() <= labels.items()
+    assert spec["policyTypes"] == ["Ingress"]
+    (rule,) = spec["ingress"]
+    assert rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+    assert sorted(p["port"] for p in rule["ports"]) == [9394, 9395]
+    # Helm users apply it alone by this label; nothing else in the file carries it.
+    assert [
+        o["kind"] for o in objects if o["metadata"].get("labels", {}).get("app.kubernetes.io/part-of")
+    ] == ["NetworkPolicy"]
+
+
+def test_the_stress_goal_is_the_sidecars_memory_limit() -> None:
+    from bench.stress import MEMORY_LIMIT_MIB
+
+    (ds,) = [o for o in build(MANIFESTS / "example-hami") if o["kind"] == "DaemonSet"]
+    sidecar = by_name(ds["spec"]["template"]["spec"]["containers"])["hami-sidecar"]
+    assert sidecar["resources"]["limits"]["memory"] == f"{MEMORY_LIMIT_MIB}Mi"
