@@ -19,7 +19,6 @@ from sidecar.rpc import (
     API_VERSION,
     DEVICE_PLUGIN,
     REGISTRATION,
-    insecure_channel,
     unary,
     unix_target,
 )
@@ -30,9 +29,15 @@ from sidecar.watcher import FolderWatcher, FsEvent
 
 logger = logging.getLogger(__name__)
 
-HAMI_SPLIT_COUNT = (
-    10  # HAMi's deviceSplitCount default (charts/hami/values.yaml: devicePlugin.deviceSplitCount)
-)
+# A channel of its own (as sidecar.rpc.insecure_channel), retrying a refused connect soon.
+_DIAL_OPTIONS = [
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+# HAMi's deviceSplitCount default (charts/hami/values.yaml: devicePlugin.deviceSplitCount).
+HAMI_SPLIT_COUNT = 10
 
 
 def hami_device_ids(uuids: Iterable[str], split: int = HAMI_SPLIT_COUNT) -> list[str]:
@@ -66,6 +71,7 @@ class FakeDevicePlugin:
         register_timeout: float = 30.0,
         retry_interval: float = 30.0,
         numa: Mapping[str, Sequence[int]] | None = None,
+        dial_timeout: float = 5.0,
     ) -> None:
         self.dir = device_plugin_dir
         self.resource = resource
@@ -73,6 +79,9 @@ class FakeDevicePlugin:
         self.socket_path = os.path.join(device_plugin_dir, socket_name)
         self.kubelet_socket = os.path.join(device_plugin_dir, kubelet_socket)
         self.register_timeout = register_timeout
+        # HAMi dials kubelet.sock blocking for up to 5 s before Register (plugin.dial(kubeletSocket,
+        # 5*time.Second) in nvinternal/plugin/server.go Register): kubelet.sock can exist before it listens.
+        self.dial_timeout = dial_timeout
         self.retry_interval = retry_interval  # HAMi and NVIDIA retry a failed Register after 30 s
         self._devices: dict[str, str] = dict.fromkeys(devices, "Healthy")
         self.numa: dict[str, list[int]] = {d: list(n) for d, n in (numa or {}).items()}
@@ -213,16 +222,21 @@ class FakeDevicePlugin:
             options=dp.DevicePluginOptions(get_preferred_allocation_available=True),
         )
         self.register_attempts += 1
+        channel = grpc.aio.insecure_channel(unix_target(self.kubelet_socket), options=_DIAL_OPTIONS)
         try:
-            async with insecure_channel(self.kubelet_socket) as channel:
-                await unary(channel, REGISTRATION, "Register", dp.Empty)(
-                    request, timeout=self.register_timeout
-                )
-        except grpc.aio.AioRpcError as e:
-            self.last_register_error = e.details() or e.code().name
+            async with asyncio.timeout(self.dial_timeout):
+                await channel.channel_ready()
+            await unary(channel, REGISTRATION, "Register", dp.Empty)(request, timeout=self.register_timeout)
+        except (grpc.aio.AioRpcError, TimeoutError) as e:
+            if isinstance(e, grpc.aio.AioRpcError):
+                self.last_register_error = e.details() or e.code().name
+            else:
+                self.last_register_error = "context deadline exceeded"  # grpc-go's blocking dial
             logger.info("Could not register device plugin: %s", self.last_register_error)
             self._schedule_retry()
             return False
+        finally:
+            await channel.close()
         self.registrations += 1
         self.last_register_error = None
         return True
