@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 import socket
 import stat
 from collections.abc import Callable
@@ -96,19 +97,9 @@ def check_folder(o: Options) -> Finding:
     try:
         st = os.stat(folder)
     except FileNotFoundError:
-        return Finding(
-            "DIR_MISSING",
-            "fail",
-            folder,
-            "no such folder",
-            "the kubelet's device-plugins folder",
-            f"mount the host's device-plugins folder at {folder} (hostPath volume; HAMi chart value "
-            "devicePlugin.pluginPath), or pass --device-plugin-dir with the path the kubelet uses",
-        )
+        return missing_folder(folder)
     except OSError as e:
-        return Finding(
-            "DIR_MISSING", "fail", folder, f"cannot stat: {e.strerror}", "a readable folder", _selinux
-        )
+        return os_failure(o, e)
     if not stat.S_ISDIR(st.st_mode):
         return Finding(
             "DIR_NOT_DIRECTORY",
@@ -116,7 +107,7 @@ def check_folder(o: Options) -> Finding:
             folder,
             _kind(st.st_mode),
             "a folder",
-            f"remove {folder} on the host and restart the kubelet, which creates the folder",
+            f"remove {q(folder)} on the host and restart the kubelet, which creates the folder",
         )
     return Finding("DIR_MISSING", "pass", folder, "folder")
 
@@ -125,20 +116,100 @@ def check_exists(o: Options) -> Finding:
     try:
         os.lstat(o.socket_path)
     except FileNotFoundError:
-        return Finding(
-            "SOCKET_MISSING",
-            "fail",
-            o.socket_path,
-            "nothing",
-            "the kubelet's registration socket",
-            "check that the kubelet runs on this node (systemctl status kubelet) and that the hostPath "
-            "volume is the folder it uses; with --wait N the check waits for the kubelet to create it",
-        )
+        return missing_socket(o.socket_path)
     except OSError as e:
-        return Finding(
-            "SOCKET_MISSING", "fail", o.socket_path, f"cannot stat: {e.strerror}", "a socket", _selinux
-        )
+        return os_failure(o, e)
     return Finding("SOCKET_MISSING", "pass", o.socket_path, "exists")
+
+
+def missing_folder(folder: str) -> Finding:
+    return Finding(
+        "DIR_MISSING",
+        "fail",
+        folder,
+        "no such folder",
+        "the kubelet's device-plugins folder",
+        f"mount the host's device-plugins folder at {folder} (hostPath volume; HAMi chart value "
+        "devicePlugin.pluginPath), or pass --device-plugin-dir with the path the kubelet uses",
+    )
+
+
+def missing_socket(path: str, vanished: bool = False) -> Finding:
+    return Finding(
+        "SOCKET_MISSING",
+        "fail",
+        path,
+        "nothing (it vanished during the check: the kubelet is restarting)" if vanished else "nothing",
+        "the kubelet's registration socket",
+        "check that the kubelet runs on this node (systemctl status kubelet; k3s: systemctl status k3s "
+        "or k3s-agent; microk8s: snap services microk8s) and that the hostPath volume is the folder it "
+        "uses; with --wait N the check waits for the kubelet to create it",
+    )
+
+
+def os_failure(o: Options, e: OSError) -> Finding:
+    """An OSError met while looking at the folder or the socket, as the finding it stands for.
+
+    A file that vanished is missing (a restarting kubelet: --wait waits for it), a refused
+    look is a permission problem (never "missing"), a path through a non-folder is
+    DIR_NOT_DIRECTORY; anything else is said as the kernel said it.
+    """
+    path = o.socket_path
+    if e.errno == errno.ENOENT:
+        if not os.path.isdir(o.folder):
+            return missing_folder(o.folder)
+        return missing_socket(path, vanished=True)
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return blocked(o)
+    if e.errno == errno.ENOTDIR:
+        return Finding(
+            "DIR_NOT_DIRECTORY",
+            "fail",
+            o.folder,
+            f"a part of the path is not a folder ({e.strerror})",
+            "a folder",
+            f"check every part of {q(o.folder)} on the host: each must be a folder",
+        )
+    return Finding(
+        "NOT_A_SOCKET",
+        "fail",
+        path,
+        f"cannot look at it: {e.strerror or e}",
+        "a Unix socket",
+        f"look at {q(path)} on the host (ls -l {q(path)}); remove it if it is not the kubelet's socket "
+        "and restart the kubelet",
+    )
+
+
+def blocked(o: Options) -> Finding:
+    """This process may not look at the socket: which folder of the path stops it, and why."""
+    uid, gid = os.geteuid(), os.getegid()
+    groups = {gid, *os.getgroups()}
+    folder = "/"
+    for part in o.socket_path.strip("/").split("/")[:-1]:
+        try:
+            st = os.stat(folder)
+        except OSError:
+            break
+        if not _allowed(st, uid, groups, 0o1) and not has_capability(CAP_DAC_OVERRIDE):
+            return Finding(
+                "PERMISSION_DENIED",
+                "fail",
+                folder,
+                f"uid {uid} gid {gid} cannot enter {folder} ({_perm(st)})",
+                "search (x) permission on every folder of the socket's path",
+                "run the plugin and hami-initcheck as root (securityContext.runAsUser: 0), or on the host: "
+                f"chmod o+x {q(folder)}",
+            )
+        folder = os.path.join(folder, part)
+    return Finding(
+        "PERMISSION_DENIED",
+        "fail",
+        o.socket_path,
+        f"uid {uid} gid {gid} may not look at it although every folder's mode allows it",
+        "access to the socket's path",
+        _selinux,
+    )
 
 
 def check_is_socket(o: Options) -> Finding:
@@ -163,8 +234,8 @@ def check_is_socket(o: Options) -> Finding:
         path,
         found,
         "a Unix socket",
-        f"remove {path} on the host (rm {path}) and restart the kubelet (systemctl restart kubelet) so it "
-        "listens there again",
+        f"remove it on the host (rm -- {q(path)}) and restart the kubelet (systemctl restart kubelet) so "
+        "it listens there again",
     )
 
 
@@ -173,9 +244,9 @@ def check_expectations(o: Options) -> list[Finding]:
     path = o.socket_path
     out: list[Finding] = []
     for fid, want, have, fix in (
-        ("OWNER_MISMATCH", o.expect_owner, st.st_uid, f"chown {o.expect_owner} {path}"),
-        ("GROUP_MISMATCH", o.expect_group, st.st_gid, f"chgrp {o.expect_group} {path}"),
-        ("MODE_MISMATCH", o.expect_mode, stat.S_IMODE(st.st_mode), f"chmod {o.expect_mode or 0:o} {path}"),
+        ("OWNER_MISMATCH", o.expect_owner, st.st_uid, f"chown {o.expect_owner} {q(path)}"),
+        ("GROUP_MISMATCH", o.expect_group, st.st_gid, f"chgrp {o.expect_group} {q(path)}"),
+        ("MODE_MISMATCH", o.expect_mode, stat.S_IMODE(st.st_mode), f"chmod {o.expect_mode or 0:o} {q(path)}"),
     ):
         if want is None:
             out.append(Finding(fid, "skip", path, "not asked for (--expect-*)"))
@@ -203,7 +274,7 @@ def check_permission(o: Options) -> Finding:
                 folder,
                 f"{who} cannot enter {folder} ({_perm(st)})",
                 "search (x) permission on every folder of the socket's path",
-                f"run the plugin as root (securityContext.runAsUser: 0) or chmod o+x {folder} on the host",
+                f"run the plugin as root (securityContext.runAsUser: 0) or chmod o+x {q(folder)} on the host",
             )
         if folder == "/":
             break
@@ -218,7 +289,7 @@ def check_permission(o: Options) -> Finding:
         f"{_perm(st)}: {who} has no write permission",
         f"write permission for {who} (connect() on a Unix socket needs it)",
         "run the plugin as root (securityContext.runAsUser: 0), or give its group write access: "
-        f"chgrp <plugin-gid> {path} && chmod g+w {path} (hami-doctor --fix does this with --expect-group)",
+        f"chgrp {o.plugin_gid} {q(path)} && chmod g+w {q(path)}",
     )
 
 
@@ -232,7 +303,8 @@ def check_mode_open(o: Options) -> Finding:
         o.socket_path,
         f"mode {stat.S_IMODE(st.st_mode):04o}: any process on the node may register a device plugin",
         "not world-writable (0755 or 0770)",
-        f"chmod o-w {o.socket_path}, and find what loosened it (the kubelet creates it 0755 under umask 022)",
+        f"chmod o-w {q(o.socket_path)}, and find what loosened it (the kubelet creates it 0755 under umask "
+        "022)",
     )
 
 
@@ -242,7 +314,9 @@ def check_connect(o: Options) -> Finding:
     err = try_connect(o.socket_path)
     if err is None:
         return Finding("STALE_SOCKET", "pass", o.socket_path, "connect() accepted")
-    if err in (errno.ECONNREFUSED, errno.ENOENT):
+    if err == errno.ENOENT:
+        return missing_socket(o.socket_path, vanished=True)
+    if err == errno.ECONNREFUSED:
         return Finding(
             "STALE_SOCKET",
             "fail",
@@ -291,29 +365,72 @@ def check_kubelet_path(o: Options) -> Finding:
     if found.matches(o.socket_path):
         return Finding("PATH_MISMATCH", "pass", o.socket_path, f"kubelet pid {found.pid} listens here")
     listening = ", ".join(found.paths) or "no Unix socket"
+    who = "kubelet" if found.process == "kubelet" else f"kubelet (inside {found.process})"
     return Finding(
         "PATH_MISMATCH",
         "fail",
         o.socket_path,
-        f"kubelet pid {found.pid} listens on: {listening}",
+        f"{who} pid {found.pid} listens on: {listening}",
         f"the kubelet listening on {o.socket_path}",
-        "mount the folder the kubelet uses at the plugin's path (HAMi chart: devicePlugin.pluginPath; k3s: "
-        "/var/lib/rancher/k3s/agent/kubelet/device-plugins), or pass --kubelet-socket with the kubelet's "
-        "path",
+        path_remedy(o.socket_path, found.paths, found.distribution),
     )
 
 
+# Where each distribution's kubelet listens for device plugins. The path is compiled into the
+# kubelet and follows no --root-dir (docs/kubelet.md#socket-path): the same on all of them.
+DEVICE_PLUGIN_DIRS = {
+    "kubelet": DEFAULT_DIR,
+    "k3s": DEFAULT_DIR,
+    "rke2": DEFAULT_DIR,
+    "microk8s": DEFAULT_DIR,
+}
+# Folders people mount instead, each wrong today.
+WRONG_DIRS = {
+    "k3s": "/var/lib/rancher/k3s/agent/kubelet/device-plugins (an old k3s layout, k3s issue 1390)",
+    "microk8s": "/var/snap/microk8s/common/var/lib/kubelet/device-plugins (its root-dir: only pod-resources "
+    "moves there)",
+}
+
+
+def path_remedy(path: str, listening: tuple[str, ...], dist: str) -> str:
+    """Mount the folder the kubelet really listens in: named from what it listens on."""
+    name = os.path.basename(path)
+    same = [p for p in listening if os.path.basename(p) == name] or [
+        p for p in listening if os.path.basename(os.path.dirname(p)) == "device-plugins"
+    ]
+    folder = os.path.dirname(same[0]) if same else DEVICE_PLUGIN_DIRS.get(dist, DEFAULT_DIR)
+    remedy = (
+        f"mount the host folder {folder} (where this {dist} kubelet listens) at {os.path.dirname(path)} "
+        f"in the plugin's pod (HAMi chart: devicePlugin.pluginPath={folder}), or pass --kubelet-socket "
+        "with the kubelet's path"
+    )
+    if dist in WRONG_DIRS:
+        remedy += f"; not {WRONG_DIRS[dist]}"
+    return remedy
+
+
 def run_checks(o: Options) -> list[Finding]:
-    """Every check in the spec's order; a failed gate (folder, file, socket) stops the rest."""
+    """Every check in the spec's order; a failed gate (folder, file, socket) stops the rest.
+
+    Each check looks at the file again, and a restarting kubelet may delete it in between: an
+    OSError from any check is the finding it stands for (`os_failure`), and ends the round.
+    """
     findings: list[Finding] = []
     gates: tuple[Callable[[Options], Finding], ...] = (check_folder, check_exists, check_is_socket)
-    for gate in gates:
-        findings.append(gate(o))
-        if findings[-1].status == "fail":
-            return findings
-    findings += check_expectations(o)
-    steps: tuple[Callable[[Options], Finding], ...] = (check_permission, check_mode_open, check_connect)
-    findings += [step(o) for step in steps]
+    try:
+        for gate in gates:
+            findings.append(gate(o))
+            if findings[-1].status == "fail":
+                return findings
+        findings += check_expectations(o)
+        steps: tuple[Callable[[Options], Finding], ...] = (check_permission, check_mode_open, check_connect)
+        for step in steps:
+            findings.append(step(o))
+            if findings[-1].id == "SOCKET_MISSING":
+                return findings
+    except OSError as e:
+        findings.append(os_failure(o, e))
+        return findings
     findings.append(check_kubelet_path(o))
     return findings
 
@@ -327,6 +444,11 @@ def has_capability(bit: int) -> bool:
     except (OSError, ValueError, IndexError):
         pass
     return os.geteuid() == 0
+
+
+def q(path: str) -> str:
+    """A path as a shell word: pasted, it names exactly that file."""
+    return shlex.quote(path)
 
 
 def _allowed(st: os.stat_result, uid: int, groups: set[int], bit: int) -> bool:

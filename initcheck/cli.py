@@ -102,6 +102,13 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except Terminated as e:
         print(f"fail: {e} while waiting for {options.socket_path}; the plugin was not started", file=out)
         return exitcodes.FAILED
+    except Exception as e:  # a bug must not break the 0/100/2 contract: refuse, in one line
+        print(
+            f"fail: INTERNAL_ERROR {options.socket_path}: {type(e).__name__}: {one_line(str(e))}; fix: "
+            "report this as a hami-guard bug",
+            file=out,
+        )
+        return exitcodes.FAILED
     finally:
         signal.signal(signal.SIGTERM, previous)
     code = exitcodes.FAILED if any(f.status == "fail" for f in findings) else exitcodes.OK
@@ -120,6 +127,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     return code
 
 
+def one_line(text: str) -> str:
+    """Control characters (a newline in a file name) shown escaped: one finding stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def print_text(findings: list[Finding], options: Options, code: int, out: TextIO) -> None:
     for f in findings:
         if f.status in ("fail", "warn"):
@@ -128,12 +140,12 @@ def print_text(findings: list[Finding], options: Options, code: int, out: TextIO
                 line += f"; expected {f.expected}"
             if f.remedy:
                 line += f"; fix: {f.remedy}"
-            print(line, file=out)
+            print(one_line(line), file=out)
         elif f.status == "skip" and f.id == "PATH_MISMATCH":
-            print(f"note: {f.id} skipped: {f.found}", file=out)
+            print(one_line(f"note: {f.id} skipped: {f.found}"), file=out)
     if code == exitcodes.OK:
         passed = sum(f.status == "pass" for f in findings)
-        print(f"ok: {options.socket_path}: {passed} checks passed", file=out)
+        print(one_line(f"ok: {options.socket_path}: {passed} checks passed"), file=out)
 
 
 def run() -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from initcheck.proc import no_kubelet
+from initcheck.proc import distribution, no_kubelet, process_names
 
 
 class KubeletLookupError(Exception):
@@ -18,6 +18,8 @@ class KubeletLookupError(Exception):
 class KubeletSockets:
     pid: int
     paths: tuple[str, ...]
+    process: str = "kubelet"  # the process name that holds the kubelet (k3s-server, kubelite, ...)
+    distribution: str = "kubelet"  # kubelet, k3s, rke2 or microk8s
 
     def matches(self, path: str) -> bool:
         """True when the kubelet listens on `path`, by name or by inode through /proc/<pid>/root.
@@ -42,9 +44,19 @@ class KubeletSockets:
 
 
 def find_kubelet(name: str) -> psutil.Process:
-    for proc in psutil.process_iter(["name"]):
-        if proc.info["name"] == name:
-            return proc
+    """The kubelet's process: `kubelet` first, then the processes that embed it (k3s, microk8s)."""
+    names = process_names(name)
+    found: dict[str, psutil.Process] = {}
+    try:
+        for proc in psutil.process_iter(["name"]):
+            pname = proc.info["name"]
+            if pname in names and pname not in found:
+                found[pname] = proc
+    except psutil.Error as e:
+        raise KubeletLookupError(f"the process table could not be read: {e}") from None
+    for n in names:
+        if n in found:
+            return found[n]
     raise KubeletLookupError(no_kubelet(name))
 
 
@@ -52,15 +64,22 @@ def listening_paths(name: str) -> KubeletSockets:
     proc = find_kubelet(name)
     try:
         conns = proc.net_connections(kind="unix")
+        comm = proc.name()
+        try:
+            cmdline = proc.cmdline()
+        except psutil.AccessDenied:
+            cmdline = []
     except psutil.AccessDenied:
         raise KubeletLookupError(
             f"kubelet pid {proc.pid} is visible but its sockets cannot be read (needs root or CAP_SYS_PTRACE)"
         ) from None
     except psutil.NoSuchProcess:
         raise KubeletLookupError(f"kubelet pid {proc.pid} exited during the check") from None
+    except (psutil.Error, OSError) as e:
+        raise KubeletLookupError(f"kubelet pid {proc.pid} could not be read: {e}") from None
     paths: set[str] = set()
     for conn in conns:
         laddr: object = conn.laddr  # a Unix socket's address is its path (str)
         if isinstance(laddr, str) and laddr.startswith("/"):
             paths.add(laddr)
-    return KubeletSockets(proc.pid, tuple(sorted(paths)))
+    return KubeletSockets(proc.pid, tuple(sorted(paths)), comm, distribution(comm, cmdline))

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
 
 from initcheck import exitcodes
-from initcheck.checks import Finding, Options, options_for
-from initcheck.cli import check_with_wait, main
+from initcheck.checks import Finding, Options, options_for, os_failure
+from initcheck.cli import TRANSIENT, check_with_wait, main
 
 PY = sys.executable
 
@@ -373,3 +376,148 @@ def test_only_the_standard_library_and_psutil_are_imported(
     # No kubelet to inspect, or the socket is missing: psutil is never loaded.
     assert imported("--device-plugin-dir", folder, "--kubelet-process-name", "nobody") == ["0", "[]\n"]
     assert imported("--device-plugin-dir", folder + "x") == ["100", "[]\n"]
+
+
+# -- races, refused looks and hostile names --------------------------------------------------------------
+FLIPPER = """
+import os, socket, sys, time
+path, period = sys.argv[1], float(sys.argv[2])
+print("ready", flush=True)
+while True:  # a kubelet restarting every `period`: its file dies, goes, and a new one listens
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(path)
+    s.listen()
+    time.sleep(period)
+    s.close()  # a dead file, refusing connections
+    time.sleep(period / 12)
+    os.unlink(path)  # the new kubelet cleans the folder
+    time.sleep(period / 12)
+"""
+
+
+@pytest.fixture
+def flipping_kubelet(folder: str) -> Iterator[str]:
+    """A process that deletes and re-creates `kubelet.sock` every 3 ms, for as long as the test runs."""
+    path = os.path.join(folder, "kubelet.sock")
+    proc = subprocess.Popen([PY, "-c", FLIPPER, path, "0.003"], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+    try:
+        yield path
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_kubelet_restarting_every_3_ms_never_breaks_the_exit_code_contract(
+    folder: str, flipping_kubelet: str
+) -> None:
+    """200 runs against a kubelet.sock re-created every 3 ms: each ends 0 or 100 with findings, none
+    raises; a socket that vanished mid-run is SOCKET_MISSING (which --wait waits out), never a crash."""
+    codes: Counter[int] = Counter()
+    seen: Counter[str] = Counter()
+    argv = ["--device-plugin-dir", folder, "--kubelet-process-name", "none"]
+    for _ in range(200):
+        out = io.StringIO()
+        codes[main([*argv, "--wait", "1"], out)] += 1
+        seen.update(failure_ids(out.getvalue()))
+    assert set(codes) <= {0, 100}, codes
+    assert set(seen) <= {"SOCKET_MISSING", "STALE_SOCKET"}, seen
+    # Without --wait each run reports what it met: every failure is one a restarting kubelet explains.
+    for _ in range(100):
+        out = io.StringIO()
+        codes[main(argv, out)] += 1
+        seen.update(failure_ids(out.getvalue()))
+    assert set(codes) <= {0, 100}, codes
+    assert set(seen) <= {"SOCKET_MISSING", "STALE_SOCKET"}, seen
+    # The same through real processes, in a small batch: exit codes only from the contract, no traceback.
+    for _ in range(5):
+        result = run_cli(*argv, "--wait", "1")
+        assert result.returncode in (0, 100), result
+        assert "Traceback" not in result.stderr
+
+
+def test_each_os_error_is_the_finding_it_stands_for(folder: str) -> None:
+    o = options_for(os.path.join(folder, "kubelet.sock"), kubelet_process="none")
+    vanished = os_failure(o, FileNotFoundError(errno.ENOENT, "No such file or directory"))
+    assert (vanished.id, vanished.status) == ("SOCKET_MISSING", "fail")
+    assert "vanished during the check" in vanished.found
+    assert vanished.id in TRANSIENT  # --wait waits for the kubelet's new socket
+    gone = options_for(os.path.join(folder, "gone", "kubelet.sock"), kubelet_process="none")
+    assert os_failure(gone, FileNotFoundError(errno.ENOENT, "x")).id == "DIR_MISSING"
+    assert os_failure(o, NotADirectoryError(errno.ENOTDIR, "x")).id == "DIR_NOT_DIRECTORY"
+    odd = os_failure(o, OSError(errno.ELOOP, "Too many levels of symbolic links"))
+    assert (odd.id, odd.found) == ("NOT_A_SOCKET", "cannot look at it: Too many levels of symbolic links")
+    assert os_failure(o, PermissionError(errno.EACCES, "x")).id == "PERMISSION_DENIED"
+
+
+def test_a_symlink_loop_is_a_finding(folder: str) -> None:
+    os.symlink("kubelet.sock", os.path.join(folder, "kubelet.sock"))
+    code, out = check(folder)
+    assert (code, failure_ids(out)) == (100, ["NOT_A_SOCKET"])
+
+
+def without_dac(*argv: str) -> subprocess.CompletedProcess[str]:
+    """hami-initcheck as root without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH: folder modes bind it."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or os.geteuid() != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI runs as root with setpriv (util-linux)")
+        pytest.skip("needs root and setpriv (util-linux) to drop CAP_DAC_OVERRIDE")
+    caps = "--bounding-set=-dac_override,-dac_read_search"
+    return subprocess.run(
+        [setpriv, caps, "--", PY, "-m", "initcheck", *argv], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_a_folder_the_plugin_cannot_search_is_permission_denied_not_missing(
+    folder: str, listener: socket.socket, short_tmp: str
+) -> None:
+    os.chmod(short_tmp, 0)  # the socket exists; the folder above it cannot be searched
+    try:
+        started = time.monotonic()
+        result = without_dac("--device-plugin-dir", folder, "--wait", "60", "--kubelet-process-name", "none")
+        waited = time.monotonic() - started
+    finally:
+        os.chmod(short_tmp, 0o755)
+    assert result.returncode == 100, result
+    assert failure_ids(result.stdout) == ["PERMISSION_DENIED"], result.stdout
+    assert f"cannot enter {short_tmp} (d---------" in result.stdout
+    assert "SOCKET_MISSING" not in result.stdout and "selinux" not in result.stdout.lower()
+    assert waited < 30  # not waited out: no kubelet clears a permission (a bound far below the 60 s wait)
+
+
+@pytest.mark.parametrize("name", ["x;touch${IFS}PWNED;.sock", "a b.sock", "$(touch PWNED).sock", "-rf.sock"])
+def test_printed_commands_are_shell_quoted(folder: str, short_tmp: str, name: str) -> None:
+    path = os.path.join(folder, name)
+    open(path, "w").close()  # a regular file where the socket should be
+    code, out = check(folder, f"--kubelet-socket={name}", "--kubelet-process-name", "none")
+    assert (code, failure_ids(out)) == (100, ["NOT_A_SOCKET"])
+    command = out.split("(rm -- ", 1)[1].split(") and restart", 1)[0]
+    subprocess.run(["sh", "-c", f"rm -- {command}"], cwd=short_tmp, check=True)
+    assert not os.path.exists(path)
+    assert not os.path.exists(os.path.join(short_tmp, "PWNED"))
+    assert sorted(os.listdir(folder)) == []
+
+
+@pytest.mark.parametrize(("process", "distribution"), [("k3s-server", "k3s"), ("kubelite", "microk8s")])
+def test_the_kubelet_inside_k3s_and_microk8s_is_found(
+    folder: str, listener: socket.socket, short_tmp: str, process: str, distribution: str
+) -> None:
+    exe = os.path.join(short_tmp, process)
+    os.symlink(os.path.realpath(PY), exe)
+    where = os.path.join(short_tmp, "k", "device-plugins", "kubelet.sock")
+    os.makedirs(os.path.dirname(where))
+    code = (
+        "import socket,sys,time; s=socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([exe, "-c", code, where], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        code_, out = check(folder)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (code_, failure_ids(out)) == (100, ["PATH_MISMATCH"])
+    assert f"kubelet (inside {process}) pid {proc.pid} listens on: {where}" in out
+    assert f"mount the host folder {os.path.dirname(where)} (where this {distribution} kubelet" in out
