@@ -49,9 +49,11 @@ PROBE_PATHS = frozenset({"/healthz", "/livez", "/readyz", "/sidecarz"})
 PROBE_PREFIXES = ("/healthz/", "/readyz/")
 
 # Who connects legitimately: the kubelet (a few probes, a new connection each, every few seconds),
-# Prometheus (one or two scrapers) and an operator's curl. Past MAX_CONNECTIONS handlers (about 20 KiB
-# each with aiohttp's parser and task: 5 MiB in all), the least recently active is closed.
-MAX_CONNECTIONS = 256
+# Prometheus (one or two scrapers) and an operator's curl. Past MAX_CONNECTIONS handlers (aiohttp's
+# parser, task and buffers: about 20 KiB each), the least recently active is closed. The cap also sets
+# the memory a flood leaves behind: what Python's allocator took at the peak stays mapped (bounded:
+# it is reused by the next flood), about 3 MiB at 128 handlers and 5 MiB at 256 (BENCHMARKS.md).
+MAX_CONNECTIONS = 128
 # Connections still waiting for their first complete head: a bare socket and a few hundred bytes
 # each, so that a slow-header flood of this many is held (and timed out) rather than churned.
 MAX_FRONTS = 1024
