@@ -13,9 +13,13 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import stat
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+from initcheck.checks import try_connect
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -220,3 +224,96 @@ def _kubelet_pids(proc: str) -> list[str]:
         except OSError:
             continue
     return pids
+
+
+# -- who serves a socket file: this pod, or another process --------------------------------------------
+Owner = Literal["this-pod", "elsewhere", "unknown"]
+
+
+@dataclass(frozen=True)
+class SocketOwner:
+    """Whose listener stands behind a socket file, as seen from this network namespace."""
+
+    verdict: Owner
+    reason: str
+    listener: int = 0  # the listening socket's inode, when it is in this namespace
+
+
+def _netns_inode(proc: str) -> int | None:
+    try:
+        return os.stat(os.path.join(proc, "ns", "net")).st_ino
+    except OSError:
+        return None
+
+
+def socket_owner(
+    path: str,
+    kubelet_path: str | None = None,
+    sockets: Sequence[UnixSocket] | None = None,
+    proc: str = "/proc",
+) -> SocketOwner:
+    """Does the listener behind the socket file at `path` belong to this pod?
+
+    Containers of a pod share its network namespace, and a listener lives in the namespace of
+    the process that bound it; sock_diag lists this namespace's listeners with the device and
+    inode of the file each is bound to. So a listener here bound to the file now at `path` is this
+    pod's ("this-pod"); none here while something accepts connections on the file means another
+    process, in another namespace, serves it ("elsewhere": a second device plugin that re-bound
+    the same path, which the kubelet keeps if it registered last). Where this namespace is the
+    host's (the kubelet's listener on `kubelet_path` is here too, or a visible kubelet process
+    runs in it), every hostNetwork process shares it and the answer is "unknown". `sockets` is a
+    `diag_dump()` taken by the caller, else one is taken here.
+    """
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return SocketOwner("unknown", f"{path}: {e.strerror or e}")
+    if not stat.S_ISSOCK(st.st_mode):
+        return SocketOwner("unknown", f"{path} is not a socket")
+    if sockets is None:
+        try:
+            sockets = diag_dump()
+        except DiagUnavailable as e:
+            return SocketOwner("unknown", f"this network namespace's listeners cannot be read: {e}")
+    vfs = (st.st_dev, st.st_ino)
+    mine = [s for s in sockets if s.state == LISTEN and s.vfs == vfs]
+    host = _host_namespace(kubelet_path, sockets, proc)
+    name = os.path.basename(path)
+    if host:
+        return SocketOwner(
+            "unknown",
+            f"host network: {host}; every hostNetwork process listens in it, so whose listener serves "
+            f"{name} cannot be told",
+            mine[0].ino if mine else 0,
+        )
+    if mine:
+        return SocketOwner(
+            "this-pod",
+            f"this pod's network namespace holds the listener of {name} (socket {mine[0].ino})",
+            mine[0].ino,
+        )
+    if try_connect(path, timeout=0.2) is not None:
+        return SocketOwner("unknown", f"nothing listens on {name}: no process serves it")
+    return SocketOwner(
+        "elsewhere",
+        f"another device plugin serves {name}: its listener is in another network namespace, not this "
+        "pod's (it re-bound the socket file after this pod's plugin did)",
+    )
+
+
+def _host_namespace(kubelet_path: str | None, sockets: Sequence[UnixSocket], proc: str) -> str:
+    """Why this network namespace is the host's, or "" when it is not known to be."""
+    if kubelet_path is not None:
+        try:
+            st = os.stat(kubelet_path)
+        except OSError:
+            pass
+        else:
+            kvfs = (st.st_dev, st.st_ino)
+            if any(s.state == LISTEN and s.vfs == kvfs for s in sockets):
+                return "the kubelet's listener on kubelet.sock is in this network namespace"
+    mine = _netns_inode(os.path.join(proc, "self"))
+    for pid in _kubelet_pids(proc):
+        if mine is not None and _netns_inode(os.path.join(proc, pid)) == mine:
+            return f"the kubelet's process (pid {pid}) runs in this network namespace"
+    return ""
