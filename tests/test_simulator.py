@@ -25,6 +25,7 @@ from sidecar.proto import podresources_v1_pb2 as pr
 from sidecar.rpc import DEVICE_PLUGIN, POD_RESOURCES, REGISTRATION, insecure_channel, unary
 from sidecar.testing import (
     ERR_INVALID_RESOURCE_NAME,
+    ERR_RATE_LIMIT,
     ERR_UNSUPPORTED_VERSION,
     DeviceManagerError,
     FakeDevicePlugin,
@@ -433,6 +434,26 @@ async def test_pod_resources_lists_healthy_devices_once_per_numa_node(
             key=repr,
         )
         assert kubelet.healthy_devices(GPU) == ["GPU-0", "GPU-1", "GPU-2", "GPU-3"]
+
+
+async def test_pod_resources_is_rate_limited_like_the_kubelets(kubelet: FakeKubelet) -> None:
+    """pkg/kubelet/apis/podresources/constants.go DefaultQPS 100, DefaultBurstTokens 10, applied to every
+    method by pkg/kubelet/apis/grpc/ratelimit.go: ResourceExhausted `rejected by rate limit`."""
+    assert kubelet.pod_resources_socket
+
+    async def one(call: Any) -> tuple[grpc.StatusCode, str | None]:
+        try:
+            await call(pr.AllocatableResourcesRequest(), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details()
+        return grpc.StatusCode.OK, None
+
+    async with insecure_channel(kubelet.pod_resources_socket) as channel:
+        call = unary(channel, POD_RESOURCES, "GetAllocatableResources", pr.AllocatableResourcesResponse)
+        codes = await asyncio.gather(*(one(call) for _ in range(40)))  # far faster than 100 a second
+    assert codes.count((grpc.StatusCode.OK, None)) >= 10  # the burst
+    assert (grpc.StatusCode.RESOURCE_EXHAUSTED, ERR_RATE_LIMIT) in codes
+    assert set(codes) <= {(grpc.StatusCode.OK, None), (grpc.StatusCode.RESOURCE_EXHAUSTED, ERR_RATE_LIMIT)}
 
 
 async def test_allocate_rewrites_the_checkpoint_with_pod_devices_by_numa_node(

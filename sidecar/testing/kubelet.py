@@ -59,6 +59,11 @@ STOP_GRACE = 300.0
 # The kubelet's node status loop calls GetCapacity every nodeStatusUpdateFrequency (10 s by default).
 CAPACITY_INTERVAL = 10.0
 NODE_WITHOUT_TOPOLOGY = -1  # nodeWithoutTopology (pkg/kubelet/cm/devicemanager/types.go)
+# The PodResources server's rate limit (pkg/kubelet/apis/podresources/constants.go DefaultQPS,
+# DefaultBurstTokens; pkg/kubelet/apis/grpc/ratelimit.go: a token bucket over every method).
+POD_RESOURCES_QPS = 100.0
+POD_RESOURCES_BURST = 10
+ERR_RATE_LIMIT = "rejected by rate limit"
 
 # The kubelet's own wording (pkg/kubelet/cm/devicemanager/plugin/v1beta1/api.go, handler.go, client.go,
 # manager.go). The `{}` templates are exact for names Go's %q leaves alone; the simulator itself
@@ -222,6 +227,8 @@ class FakeKubelet:
         capacity_interval: float | None = CAPACITY_INTERVAL,
         reregister_race: bool = False,
         force: bool = False,
+        pod_resources_qps: float | None = POD_RESOURCES_QPS,
+        pod_resources_burst: int = POD_RESOURCES_BURST,
     ) -> None:
         self.dir = device_plugin_dir
         self.socket_path = os.path.join(device_plugin_dir, socket_name)
@@ -232,6 +239,10 @@ class FakeKubelet:
         self.capacity_interval = capacity_interval
         self.reregister_race = reregister_race
         self.force = force
+        self.pod_resources_qps = pod_resources_qps
+        self.pod_resources_burst = pod_resources_burst
+        self._tokens = float(pod_resources_burst)
+        self._tokens_at = time.monotonic()
         self.register_calls: Counter[str] = Counter()  # kubelet_device_plugin_registration_total
         self.checkpoint_writes = 0
         self.restarts = 0
@@ -934,9 +945,24 @@ class FakeKubelet:
                     out.extend(_container_devices(resource, d, None))
         return out
 
+    async def _rate_limit(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """LimiterUnaryServerInterceptor (pkg/kubelet/apis/grpc/ratelimit.go): golang.org/x/time/rate's
+        Allow(), else ResourceExhausted `rejected by rate limit`."""
+        if self.pod_resources_qps is None:
+            return
+        now = time.monotonic()
+        self._tokens = min(
+            float(self.pod_resources_burst), self._tokens + (now - self._tokens_at) * self.pod_resources_qps
+        )
+        self._tokens_at = now
+        if self._tokens < 1:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, ERR_RATE_LIMIT)
+        self._tokens -= 1
+
     async def _allocatable(
-        self, _request: pr.AllocatableResourcesRequest, _context: grpc.aio.ServicerContext[Any, Any]
+        self, _request: pr.AllocatableResourcesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pr.AllocatableResourcesResponse:
+        await self._rate_limit(context)
         return pr.AllocatableResourcesResponse(devices=self.allocatable_devices())
 
     def _pod_resources(self, uid: str) -> pr.PodResources:
@@ -950,13 +976,15 @@ class FakeKubelet:
         )
 
     async def _list_pods(
-        self, _request: pr.ListPodResourcesRequest, _context: grpc.aio.ServicerContext[Any, Any]
+        self, _request: pr.ListPodResourcesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pr.ListPodResourcesResponse:
+        await self._rate_limit(context)
         return pr.ListPodResourcesResponse(pod_resources=[self._pod_resources(uid) for uid in self._pods])
 
     async def _get_pod(
         self, request: pr.GetPodResourcesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pr.GetPodResourcesResponse:
+        await self._rate_limit(context)
         for uid, pod in self._pods.items():
             if pod.name == request.pod_name and pod.namespace == request.pod_namespace:
                 return pr.GetPodResourcesResponse(pod_resources=self._pod_resources(uid))

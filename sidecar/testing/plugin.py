@@ -55,7 +55,7 @@ class FakeDevicePlugin:
 
     Fault switches (attributes, effective at once):
     `register_enabled`, `hung`, `answer_delay`, `options_error`, `api_version`,
-    `register_resource_name`; methods `set_devices`, `set_health`, `crash`.
+    `register_resource_name`, `get_preferred_allocation`; methods `set_devices`, `set_health`, `crash`.
     `numa` maps a device ID to its NUMA nodes, sent in `Device.topology` (a device not in it has no
     topology; an empty list sends an empty topology, which the kubelet's pod-resources then leaves out).
     """
@@ -91,6 +91,7 @@ class FakeDevicePlugin:
         self.options_error: str | None = None
         self.api_version = API_VERSION
         self.register_resource_name = resource
+        self.get_preferred_allocation = True  # GetDevicePluginOptions offers GetPreferredAllocation
         self._hung = False
         # What happened.
         self.calls: Counter[str] = Counter()
@@ -268,7 +269,7 @@ class FakeDevicePlugin:
         await self._answer("GetDevicePluginOptions", context)
         if self.options_error is not None:
             await context.abort(grpc.StatusCode.INTERNAL, self.options_error)
-        return dp.DevicePluginOptions(get_preferred_allocation_available=True)
+        return dp.DevicePluginOptions(get_preferred_allocation_available=self.get_preferred_allocation)
 
     async def _list_and_watch(
         self, _req: dp.Empty, context: grpc.aio.ServicerContext[Any, Any]
