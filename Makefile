@@ -6,6 +6,12 @@ STAMP  := $(VENV)/.installed
 
 TOOLS  := .venv-tools/.installed
 
+# The real-kubelet fixture (tests/realkubelet): Go >= 1.26 and the two kubernetes releases it builds.
+GO          ?= go
+REALKUBELET := tests/realkubelet
+KUBELET_NEW := v1.37.2
+KUBELET_OLD := v1.36.5
+
 .PHONY: test lint typecheck pytest demo proto bench soak clean lock manifests
 
 $(STAMP): pyproject.toml
@@ -30,8 +36,26 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-pytest: $(STAMP) $(TOOLS)
+# With Go on PATH, pytest first (re)builds the real-kubelet fixtures; without it their tests skip.
+pytest: $(STAMP) $(TOOLS) $(if $(shell command -v $(GO) 2>/dev/null),kubelet-fixtures)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The kubelet's real device manager, PodResources server and plugins (tests/realkubelet,
+# docs/real-kubelet.md), built at two releases: the newest served, and the newest without
+# kubernetes PR 135437. go build is incremental: a second run only relinks what changed.
+.PHONY: kubelet-fixtures kubelet-fixture-new kubelet-fixture-old kubelet-fixtures-check
+kubelet-fixtures: kubelet-fixture-new kubelet-fixture-old
+
+kubelet-fixture-new:
+	cd $(REALKUBELET) && $(GO) build -buildvcs=false -o bin/realkubelet-$(KUBELET_NEW) .
+
+kubelet-fixture-old:
+	cd $(REALKUBELET) && $(GO) build -buildvcs=false -modfile=go.old.mod -tags oldkubelet -o bin/realkubelet-$(KUBELET_OLD) .
+
+# gofmt and go vet over the fixture's module, with each go.mod.
+kubelet-fixtures-check:
+	cd $(REALKUBELET) && files="$$(gofmt -l .)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
+	cd $(REALKUBELET) && $(GO) vet ./... && $(GO) vet -modfile=go.old.mod -tags oldkubelet ./...
 
 demo: $(STAMP)
 	$(PY) -m sidecar.demo
@@ -73,4 +97,4 @@ lock:
 	rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) .venv-tools build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-tools build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(REALKUBELET)/bin

@@ -354,3 +354,39 @@ async def test_fast_takeover_on_one_socket_path(
     # ... while a stream of the stale endpoint stays open on its server and its devices count.
     assert await second.streams_open() == 1
     assert (await k.capacity())["allocatable"] == {RESOURCE: 3}
+    # Restarting the server ends that stream, but the refusal had forgotten the stale client: nothing
+    # disconnects the endpoint, its devices stay allocatable with no stream, and Register is refused.
+    mark = second.mark()
+    assert not await second.restart()
+    await second.wait_event("stream-closed", after=mark)
+    assert "device plugin already connected" in (second.last_register_error or "")
+    assert await second.streams_open() == 0
+    assert (await k.capacity())["allocatable"] == {RESOURCE: 3}
+    # A kubelet restart clears it.
+    await k.restart()
+    mark = second.mark()
+    assert await second.restart()
+    await second.wait_event("stream-open", after=mark)
+    await k.wait_checkpoint()
+    assert (await k.capacity())["allocatable"] == {RESOURCE: 3}
+
+
+async def test_a_dropped_resource_is_listed_empty_at_the_next_write(
+    real_kubelet: RealKubelet, dp_dir: str, plugins: list[RealPlugin], release: Release
+) -> None:
+    """No write when a stream ends; the next write of any kind lists that resource with no device."""
+    k = real_kubelet
+    gpu = await start_plugin(plugins, RealPlugin(dp_dir, release=release, watch_kubelet=False), k)
+    fpga = await start_plugin(
+        plugins,
+        RealPlugin(dp_dir, "example.com/fpga", "fpga.sock", ("F-0",), release=release, watch_kubelet=False),
+        k,
+    )
+    assert registered(k) == {RESOURCE: {"GPU-0", "GPU-1"}, "example.com/fpga": {"F-0"}}
+    kmark = k.mark()
+    await gpu.stop_serving()
+    await k.wait_log("Device plugin disconnected", after=kmark)
+    assert registered(k)[RESOURCE] == {"GPU-0", "GPU-1"}
+    await fpga.set_devices(["F-0", "F-1"])
+    await k.wait_checkpoint(after=kmark)
+    assert registered(k) == {RESOURCE: set(), "example.com/fpga": {"F-0", "F-1"}}
