@@ -461,6 +461,17 @@ class Registrar:
         self.listener.connected(r, conns)
         pair = (obs.identity_after, self._kubelet_id)
         if conns is not None:
+            if conns > 0 and seen.checkpoint.value is not None and self._accepted(r, seen, obs) is None:
+                # A connection with no device list recorded since this socket was made is no
+                # registration: a Register under way, or a dial the kubelet kept after refusing the
+                # Register (seen with the real kubelet in the state of kubernetes PR 139338).
+                p.lost_at = None
+                return (
+                    False,
+                    f"the kubelet is connected to {sock} but has recorded no device list from it since "
+                    "the socket was created (a Register under way, or refused)",
+                    False,
+                )
             if conns > 0:
                 if p.connected_pair != pair:
                     p.connected_pair, p.connected_since = pair, self.wall()

@@ -157,6 +157,21 @@ def test_zero_or_all_unhealthy_devices_while_held_is_registered(
     assert verdicts(reg)[0] is True
 
 
+def test_a_connection_without_a_device_list_recorded_since_the_socket_is_no_registration() -> None:
+    """The real kubelet keeps the dial of a Register it refused (kubernetes PR 139338's state)."""
+    reg, clock, _ = make(grace=10)
+    node = Node(plugin=alive(P2))  # the checkpoint (3_000) predates this plugin socket (6_000)
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("pending", False)
+    assert "recorded no device list from it" in reason(reg, f"registered:{GPU}")
+    clock.now += 10
+    reg.refresh()
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+    node.checkpoint = Checkpoint({GPU: ()}, 7_000)  # its first ListAndWatch answer, even with no device
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
 def test_a_drop_fails_liveness_once_confirmed_saying_the_kubelet_let_go() -> None:
     reg, clock, seen = make(drop_confirm=0.2)
     node = Node()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import yaml
@@ -19,6 +20,10 @@ from tests.e2e.conftest import GPU, Node, NodeFactory
 
 PATCH = Path(__file__).parents[2] / "manifests" / "hami-patch" / "patch.yaml"
 UUIDS = ("GPU-6b8a5c0e-2f0e-4d4c-9c4b-0a1b2c3d4e5f", "GPU-7c9b6d1f-3a1f-5e5d-ad5c-1b2c3d4e5f60")
+
+
+def registered_since(node: Node, count: int) -> bool:
+    return node.plugin.registrations > count
 
 
 def probe_paths() -> tuple[str, str]:
@@ -161,7 +166,7 @@ async def test_both_socket_removal_orders_of_a_kubelet_restart_are_pending_never
                 os.unlink(second)
                 before = node.plugin.registrations
                 await k.start()  # listens on a new kubelet.sock; the plugin registers again
-                await wait_for(lambda b=before: node.plugin.registrations > b, what="re-registration")
+                await wait_for(partial(registered_since, node, before), what="re-registration")
                 await node.until(READY, 200, timeout=3)
         finally:
             poller.cancel()

@@ -1,0 +1,285 @@
+"""The sidecar judged against the kubelet's real device manager, at both fixture releases.
+
+The kubelet is `k8s.io/kubernetes`'s own `ManagerImpl` and PodResources server (tests/realkubelet,
+docs/real-kubelet.md); the plugins are the fixture's, on the kubelet's `pluginapi` types. The truth
+a verdict is compared with comes from them: an open ListAndWatch stream seen from the plugin's side,
+and the allocatable count of the kubelet's `GetCapacity`. Without the fixture the tests skip; under
+CI=true they fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import aiohttp
+import pytest
+
+from sidecar.app import Sidecar
+from sidecar.config import PluginSpec, Settings
+from sidecar.testing import free_port
+from sidecar.testing.realkubelet import RealKubelet, RealPlugin, Release, fast_takeover
+from tests.conftest import wait_for
+from tests.e2e.conftest import sidecar_running
+from tests.test_realkubelet import require_fixture
+
+GPU = "nvidia.com/gpu"
+UUIDS = ("GPU-6b8a5c0e-2f0e-4d4c-9c4b-0a1b2c3d4e5f", "GPU-7c9b6d1f-3a1f-5e5d-ad5c-1b2c3d4e5f60")
+SETTINGS = Settings(probe_interval=0.5, probe_timeout=0.3, registration_grace=1.5, host="127.0.0.1")
+
+
+@pytest.fixture(params=["new", "old"])
+def release(request: pytest.FixtureRequest) -> Release:
+    rel: Release = request.param
+    require_fixture(rel)
+    return rel
+
+
+def restarts_seen(node: RealNode, count: int) -> bool:
+    return node.sidecar.registrar.kubelet_restarts >= count
+
+
+@dataclass
+class RealNode:
+    dir: str
+    kubelet: RealKubelet
+    sidecar: Sidecar
+    settings: Settings
+    http: aiohttp.ClientSession
+    release: Release
+    plugins: list[RealPlugin]
+
+    async def get(self, path: str) -> tuple[int, str]:
+        async with self.http.get(f"http://127.0.0.1:{self.settings.port}{path}") as r:
+            return r.status, await r.text()
+
+    async def until(self, path: str, status: int, timeout: float = 10.0, contains: str = "") -> float:
+        """Poll until `path` answers `status` (containing `contains`); the seconds it took."""
+        started = time.monotonic()
+        while True:
+            code, body = await self.get(path)
+            if code == status and contains in body:
+                return time.monotonic() - started
+            if time.monotonic() - started > timeout:
+                pytest.fail(f"{path} answered {code} after {timeout}s, not {status} {contains!r}:\n{body}")
+            await asyncio.sleep(0.005)
+
+    async def rounds(self, n: int = 2) -> None:
+        target = self.sidecar.rounds + n
+        await wait_for(lambda: self.sidecar.rounds >= target, what="probe rounds")
+
+    async def plugin(self, *args: Any, start: bool = True, **kwargs: Any) -> RealPlugin:
+        """A plugin of this node's release, closed with the node; started unless told otherwise."""
+        p = RealPlugin(self.dir, *args, release=self.release, **kwargs)
+        self.plugins.append(p)
+        if start:
+            mark = p.mark()
+            await p.start()
+            if kwargs.get("register", True):
+                await p.wait_event("stream-open", after=mark)
+        return p
+
+
+@contextlib.asynccontextmanager
+async def real_node(
+    dp_dir: str,
+    short_tmp: str,
+    release: Release,
+    sockets: Iterable[str] = ("nvidia-gpu.sock",),
+    **overrides: Any,
+) -> AsyncIterator[RealNode]:
+    pod_resources = os.path.join(short_tmp, "pod-resources", "kubelet.sock")
+    settings = replace(
+        SETTINGS,
+        device_plugin_dir=dp_dir,
+        pod_resources_socket=pod_resources,
+        port=free_port(),
+        plugins=tuple(PluginSpec(GPU, s) for s in sockets),
+        **overrides,
+    )
+    plugins: list[RealPlugin] = []
+    async with RealKubelet(dp_dir, pod_resources, release=release) as kubelet:
+        try:
+            async with sidecar_running(settings) as (sidecar, _), aiohttp.ClientSession() as http:
+                yield RealNode(dp_dir, kubelet, sidecar, settings, http, release, plugins)
+        finally:
+            for p in plugins:
+                await p.close()
+
+
+@pytest.fixture
+def node_factory(dp_dir: str, short_tmp: str, release: Release) -> Any:
+    def make(**overrides: Any) -> contextlib.AbstractAsyncContextManager[RealNode]:
+        return real_node(dp_dir, short_tmp, release, **overrides)
+
+    return make
+
+
+async def test_a_held_plugin_is_registered_and_a_numa_spanning_device_counts_once(node_factory: Any) -> None:
+    async with node_factory(expect_devices=2) as node:
+        await node.plugin(devices=["GPU-0@0", "GPU-1@0,1"])  # GPU-1 spans two NUMA nodes
+        await node.until("/readyz", 200)
+        assert node.sidecar.registrar.devices()[GPU]["pod_resources"] == 2
+        doc = node.sidecar.status_document()
+        assert doc["kubelet_connections_from"] == "this network namespace (sock_diag)"
+        assert "holds a connection" in doc["checks"][f"registered:{GPU}"]["reason"]
+
+
+@pytest.mark.parametrize("graceful", [False, True], ids=["killed", "stopped"])
+async def test_a_kubelet_restart_with_reregistration_never_fails_liveness(
+    node_factory: Any, graceful: bool
+) -> None:
+    async with node_factory() as node:
+        plugin = await node.plugin()  # watches kubelet.sock and registers again, as HAMi does
+        await node.until("/readyz", 200)
+        answers: list[int] = []
+
+        async def poll() -> None:
+            while True:
+                answers.append((await node.get("/healthz"))[0])
+                await asyncio.sleep(0.005)
+
+        poller = asyncio.get_running_loop().create_task(poll())
+        try:
+            for i in range(3):
+                mark = plugin.mark()
+                await node.kubelet.restart(unlink_socket=graceful)
+                await plugin.wait_event("stream-open", after=mark)
+                await wait_for(partial(restarts_seen, node, i + 1), what="the restart seen")
+                # Registered again in the sidecar's eyes (its cycle closed), not merely ready from before.
+                await wait_for(lambda: node.sidecar.registrar.history[-1].outcome == "registered")
+                await node.until("/readyz", 200)
+        finally:
+            poller.cancel()
+        assert answers
+        assert set(answers) == {200}
+        assert node.sidecar.registrar.kubelet_restarts == 3
+
+
+async def test_a_kubelet_restart_without_reregistration_fails_liveness_and_a_plugin_restart_mends_it(
+    node_factory: Any,
+) -> None:
+    async with node_factory() as node:
+        plugin = await node.plugin(watch_kubelet=False)  # misses kubelet.sock's creation
+        await node.until("/readyz", 200)
+        await node.kubelet.restart()
+        assert await plugin.streams_open() == 0  # the truth: nothing holds it
+        took = await node.until("/healthz?verbose", 503, contains="holds no connection")
+        assert took <= node.settings.registration_grace + node.settings.probe_interval + 1
+        assert (await node.kubelet.capacity())["allocatable"].get(GPU, 0) == 0
+        mark = plugin.mark()
+        assert await plugin.restart()
+        await plugin.wait_event("stream-open", after=mark)
+        await node.until("/readyz", 200)
+
+
+async def test_zero_and_all_unhealthy_devices_are_registered_by_the_real_kubelet(node_factory: Any) -> None:
+    async with node_factory(expect_devices=2) as node:
+        plugin = await node.plugin()
+        await node.until("/readyz", 200)
+        for device in ("GPU-0", "GPU-1"):
+            await plugin.set_health(device, False)
+        await node.until("/readyz?verbose", 503, contains=f"[!]devices:{GPU} failed")
+        await node.rounds()
+        assert await plugin.streams_open() == 1
+        assert (await node.kubelet.capacity())["allocatable"] == {GPU: 0}
+        assert (await node.get("/healthz"))[0] == 200
+        assert node.sidecar.state.checks[f"registered:{GPU}"].status.value == "ok"
+        await plugin.set_devices([])
+        await node.rounds()
+        assert (await node.get("/healthz"))[0] == 200
+        assert node.sidecar.state.checks[f"registered:{GPU}"].status.value == "ok"
+
+
+async def test_hami_split_ids_count_per_gpu_against_the_real_kubelet(node_factory: Any) -> None:
+    async with node_factory(expect_devices=2) as node:
+        plugin = await node.plugin(devices=[f"{u}-{n}" for u in UUIDS for n in range(10)])
+        await node.until("/readyz", 200)
+        assert (await node.kubelet.capacity())["allocatable"] == {GPU: 20}
+        for n in range(10):
+            await plugin.set_health(f"{UUIDS[1]}-{n}", False)
+        await node.until("/readyz?verbose", 503, contains="lists 1 healthy device(s) by pod-resources")
+        assert (await node.get("/healthz"))[0] == 200
+
+
+async def test_issue_121994_on_the_old_release_is_a_drop_the_sidecar_names(node_factory: Any) -> None:
+    """A registered, B registers on the same socket path, A's stream ends: the old kubelet disconnects B.
+
+    On the new release (PR 135437) B is refused while A's endpoint holds the path, and A's end leaves
+    an endpoint with no stream at all: not held either way, so the sidecar fails both, differently.
+    """
+    async with node_factory() as node:
+        a = await node.plugin(watch_kubelet=False)
+        await node.until("/readyz", 200)
+        b = await node.plugin(devices=("GPU-0", "GPU-1", "GPU-2"), watch_kubelet=False, register=False)
+        registered = await b.register()  # B binds the same path (A's file is replaced), then registers
+        await node.rounds()
+        if node.release == "old":
+            assert registered
+            await node.until("/readyz", 200)
+            fault = time.monotonic()
+            await a.crash(remove_socket=True)  # only removes the file while it is still A's: it is B's
+            await b.wait_event("stream-closed")
+            assert await b.streams_open() == 0
+            assert (await node.kubelet.capacity())["allocatable"] == {GPU: 0}
+            await node.until("/healthz?verbose", 503, contains="no longer connected")
+            took = time.monotonic() - fault
+            limit = node.settings.probe_interval + node.settings.probe_timeout + node.settings.drop_confirm
+            assert took <= limit + 1.0
+            print(f"121994 on {node.kubelet.version}: the drop failed liveness {took:.3f} s after A's end")
+        else:
+            assert not registered
+            assert "device plugin already connected" in (b.last_register_error or "")
+            await a.crash(remove_socket=True)
+            # The refused Register's dial stays open: connected, but no device list recorded since.
+            await node.until("/healthz?verbose", 503, contains="recorded no device list")
+            assert await b.streams_open() == 0
+        # A plugin restart is the remedy on the old release; the budget bounds it on the new one.
+        if node.release == "old":
+            mark = b.mark()
+            assert await b.restart()
+            await b.wait_event("stream-open", after=mark)
+            await node.until("/readyz", 200)
+
+
+async def test_pr_139338_takeover_on_the_new_release(node_factory: Any) -> None:
+    """The path's new owner serves the stale endpoint's stream: held. When its server restarts, the
+    kubelet keeps the endpoint with no stream and refuses every Register: not held, and liveness asks
+    for restarts only until the budget is spent (a kubelet restart is the remedy)."""
+    async with node_factory(registration_grace=0.5) as node:
+        if node.release == "old":
+            pytest.skip("PR 139338's state needs PR 135437's per-path endpoints (the new release)")
+        first, second = await fast_takeover(
+            node.dir, release="new", second_devices=("GPU-0", "GPU-1", "GPU-2")
+        )
+        node.plugins += [first, second]
+        await node.until("/readyz", 200)  # the stream runs on the owner's server: held
+        assert await second.streams_open() == 1
+        assert not await second.register()  # refused: the kubelet forgets the stale endpoint's client
+        await node.rounds()
+        assert (await node.get("/readyz"))[0] == 200  # its stream still runs on the owner's server
+        fault = time.monotonic()
+        assert not await second.restart()  # a new server, Register refused ("already connected")
+        await node.until("/healthz?verbose", 503, contains="recorded no device list")
+        took = time.monotonic() - fault
+        print(f"PR 139338 state on {node.kubelet.version}: liveness failed {took:.3f} s after the restart")
+        assert (await node.kubelet.capacity())["allocatable"] == {GPU: 3}  # a ghost: allocatable, no stream
+        for _ in range(3):  # what the kubelet does after failureThreshold 503s: restart the plugin
+            await node.until("/healthz", 503)
+            assert not await second.restart()
+            await node.until("/healthz", 200)
+        await node.until("/readyz?verbose", 503, contains="restart budget spent")
+        await node.rounds(3)
+        assert (await node.get("/healthz"))[0] == 200
+        await node.kubelet.restart()  # the remedy
+        mark = second.mark()
+        assert await second.restart()
+        await second.wait_event("stream-open", after=mark)
+        await node.until("/readyz", 200)
+        assert '"restart_budget_spent": false' in (await node.get("/status"))[1]
