@@ -516,7 +516,8 @@ async def main() -> int:
     phases = [p for p in PHASES if not wanted or p.name in wanted.split(",")]
     print(
         f"{os.cpu_count()} cores; sidecar pinned to core 0, flood and prober to core 1; "
-        f"{FLOOD_SECONDS:g} s of flood per phase, /healthz {SAMPLE_RATE:g}/s"
+        f"{FLOOD_SECONDS:g} s of flood per phase, /healthz {SAMPLE_RATE:g}/s; "
+        f"load average {os.getloadavg()[0]:.2f} before"
     )
     with contextlib.ExitStack() as stack:
         cpu = stack.enter_context(CpuLimit(CPU_LIMIT)) if CPU_LIMIT else None
@@ -533,6 +534,7 @@ async def run_phases(phases: list[Phase], cpu: CpuLimit | None) -> int:
         print("\n".join(report(r)), flush=True)
         if r.aborted:
             print(r.log_tail)
+    print(f"load average {os.getloadavg()[0]:.2f} after (other work on the machine shows in the figures)")
     print("goals: no abort, /healthz p99 <= 50 ms, no failed probe, peak RSS below the limit, exit 0 <= 2 s")
     lines = verdicts(results)
     print("\n".join(lines))

@@ -84,10 +84,12 @@ WRITE_BUFFER_HIGH = 16 * 1024
 WORK_RATE = 100.0
 # Connections accepted in one turn of the loop: short turns, so that a probe's few turns stay short.
 ACCEPT_BATCH = 16
-# The kernel's queue of connections not yet accepted (bounded by net.core.somaxconn too). Past it, the
-# kernel drops the handshake and the client retries a second later: a probe that late is as bad as a
-# failed one. At the front's cost per connection (tens of microseconds), 512 drain in a few ms.
-BACKLOG = 512
+# The kernel's queue of connections not yet accepted (clamped to net.core.somaxconn, 4096 by default
+# since Linux 5.4). Past it the kernel drops the handshake and the client retries a second later: a
+# burst of connections larger than the queue delays every probe in it by a second (measured with
+# 512). A connection waiting in the queue is answered late but answered, within the probe's timeout,
+# where one closed to shorten the queue would be a failed probe.
+BACKLOG = 4096
 # How often deadlines are checked while any connection is open (each check costs what expired).
 SWEEP_INTERVAL = 0.05
 # When nothing can be accepted (the reserve is reached and nothing can be closed): retry this later.
