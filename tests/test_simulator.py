@@ -250,6 +250,8 @@ async def test_a_register_that_fails_after_the_dial_leaves_the_connection_open(
 
 
 async def test_plugin_serves_before_registering(kubelet: FakeKubelet, dp_dir: str) -> None:
+    """devicemanager/plugin/v1beta1/handler.go connectClient dials back inside Register, so a plugin serves
+    first (HAMi's Start: Serve, then Register, nvinternal/plugin/server.go in Project-HAMi/HAMi)."""
     plugin = FakeDevicePlugin(dp_dir, register_timeout=5)
     try:
         await plugin.start()
@@ -319,6 +321,18 @@ async def test_start_reads_the_checkpoint_and_does_not_rewrite_it(
     assert kubelet.register_calls[GPU] == 1
 
 
+async def test_start_creates_a_missing_folder_as_the_checkpoint_store_does(short_tmp: str) -> None:
+    """devicemanager/manager.go NewManagerImpl → checkpointmanager.NewCheckpointManager → pkg/kubelet/util/
+    store/filestore.go NewFileStore: MkdirAll(dir, 0755) before plugin/v1beta1/server.go Start's 0750."""
+    folder = os.path.join(short_tmp, "fresh", "device-plugins")
+    umask = os.umask(0o022)
+    try:
+        async with FakeKubelet(folder):
+            assert stat.S_IMODE(os.stat(folder).st_mode) == 0o755
+    finally:
+        os.umask(umask)
+
+
 async def test_restart_deletes_sockets_but_not_the_checkpoint_nor_other_files(
     kubelet: FakeKubelet, plugin: FakeDevicePlugin, dp_dir: str, short_tmp: str
 ) -> None:
@@ -380,6 +394,9 @@ async def test_restart_removes_the_sockets_in_the_directorys_order(kubelet: Fake
 async def test_plugin_registers_again_by_itself_after_a_kubelet_restart(
     kubelet: FakeKubelet, plugin: FakeDevicePlugin
 ) -> None:
+    """HAMi restarts its plugins (serve, then Register) when fsnotify reports kubelet.sock's creation
+    (cmd/device-plugin/nvidia in Project-HAMi/HAMi: `inotify: kubelet.sock created, restarting.`); the
+    kubelet's first answer rewrites the checkpoint (devicemanager/manager.go genericDeviceUpdateCallback)."""
     before = checkpoint_bytes(kubelet)
     await kubelet.restart()
     await wait_for(lambda: kubelet.healthy_devices(GPU) == ["GPU-0", "GPU-1"], what="re-registration")
@@ -391,6 +408,8 @@ async def test_plugin_registers_again_by_itself_after_a_kubelet_restart(
 
 
 async def test_stopped_kubelet_leaves_a_dead_socket_file(kubelet: FakeKubelet) -> None:
+    """A killed kubelet leaves kubelet.sock behind (only a graceful devicemanager/plugin/v1beta1/server.go
+    Stop closes the listener, which unlinks it); the next start removes it with the other sockets."""
     inode = os.stat(kubelet.socket_path).st_ino
     await kubelet.stop()
     assert os.stat(kubelet.socket_path).st_ino == inode
@@ -400,6 +419,8 @@ async def test_stopped_kubelet_leaves_a_dead_socket_file(kubelet: FakeKubelet) -
 
 
 async def test_unknown_method_and_unknown_service_answer_with_grpc_go_wording(kubelet: FakeKubelet) -> None:
+    """grpc-go's server.go (google.golang.org/grpc) answers Unimplemented `unknown method %v for service %v`
+    and `unknown service %v`; the kubelet registers only v1beta1.Registration on kubelet.sock."""
     async with insecure_channel(kubelet.socket_path) as channel:
         for path, wording in [
             ("/v1beta1.Registration/Probe", "unknown method Probe for service v1beta1.Registration"),

@@ -322,12 +322,13 @@ class FakeKubelet:
 
     # -- lifecycle -----------------------------------------------------------
     async def start(self) -> None:
-        """The kubelet's start (manager.go Start, plugin/v1beta1/server.go Start): read the checkpoint, then
-        create the folder, remove the sockets in it, and listen. The checkpoint is not rewritten."""
+        """The kubelet's start: NewManagerImpl's checkpoint store creates the folder (0755, util/store
+        filestore.go NewFileStore); manager.go Start reads the checkpoint; plugin/v1beta1/server.go Start
+        (MkdirAll 0750, a no-op by then) removes the sockets in it and listens. Nothing is written."""
         self._refuse_a_real_kubelets_folder()
         self._reset()
+        os.makedirs(self.dir, mode=0o755, exist_ok=True)
         self._read_checkpoint()
-        os.makedirs(self.dir, mode=0o750, exist_ok=True)
         self._cleanup_plugin_directory()
         backend = os.path.join(self._private, "registration.sock")
         self._server = grpc.aio.server()
