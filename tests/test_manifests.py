@@ -21,6 +21,7 @@ MANIFESTS = ROOT / "manifests"
 TOOLS = ROOT / ".venv-tools" / "bin"
 KUBERNETES_VERSIONS = ("1.29.0", "1.33.0")  # the oldest and a recent supported release
 CRD_KINDS = {"PodMonitor", "PrometheusRule"}  # not in the Kubernetes schemas; promtool checks the rules
+RUNBOOK = "https://github.com/hami-guard/hami-guard/blob/main/README.md"  # every alert's runbook_url
 
 
 def tool(name: str) -> str:
@@ -184,6 +185,22 @@ def rule_groups(tmp_path: Path) -> Path:
     return path
 
 
+def shipped_rules() -> list[dict[str, Any]]:
+    doc = yaml.safe_load((MANIFESTS / "monitoring" / "prometheusrule.yaml").read_text())
+    return [r for g in doc["spec"]["groups"] for r in g["rules"]]
+
+
+def readme_anchors() -> set[str]:
+    """The anchors GitHub makes of README.md's headings, and its explicit <a id="...">s."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    anchors = set(re.findall(r'<a id="([^"]+)"></a>', text))
+    for heading in re.findall(r"^#+ (.+)$", text, re.MULTILINE):
+        anchors.add(re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-"))
+    return anchors
+
+
 def test_promtool_checks_the_rules(tmp_path: Path) -> None:
     result = subprocess.run(
         [require_tool("promtool"), "check", "rules", str(rule_groups(tmp_path))],
@@ -192,7 +209,41 @@ def test_promtool_checks_the_rules(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 6 rules found" in result.stdout
+    assert f"SUCCESS: {len(shipped_rules())} rules found" in result.stdout
+    assert len(shipped_rules()) == 9
+
+
+def test_every_alert_names_its_node_and_links_its_fix_in_the_readme() -> None:
+    """summary, description and a runbook_url into README.md#monitoring; `node` in every aggregation."""
+    import re
+
+    anchors = readme_anchors()
+    alerts = [r for r in shipped_rules() if "alert" in r]
+    assert alerts
+    for rule in alerts:
+        notes = rule["annotations"]
+        assert {"summary", "description", "runbook_url"} <= set(notes), rule["alert"]
+        assert "$labels.node" in notes["summary"], rule["alert"]
+        url, _, anchor = notes["runbook_url"].partition("#")
+        assert url == RUNBOOK, rule["alert"]
+        # A per-check link (HamiDevicePluginCheckFailing) names every check the rule can report.
+        wanted = (
+            [
+                anchor.replace("{{ $labels.check }}", c)
+                for c in ("plugin", "registered", "devices", "checkpoint")
+            ]
+            if "{{" in anchor
+            else [anchor]
+        )
+        for a in wanted:
+            assert a in anchors, f"{rule['alert']}: README.md has no #{a}"
+        assert rule["labels"]["severity"] in {"warning", "critical"}
+    for rule in shipped_rules():
+        for by in re.findall(r"\bby \(([^)]*)\)", rule["expr"]):
+            assert "node" in [label.strip() for label in by.split(",")], (
+                rule.get("alert", rule.get("record")),
+                by,
+            )
 
 
 def test_promtool_unit_tests_fire_and_stay_silent(tmp_path: Path) -> None:
@@ -206,13 +257,18 @@ def test_promtool_unit_tests_fire_and_stay_silent(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     tests = yaml.safe_load((tmp_path / "rules-test.yaml").read_text())["tests"]
-    alerts = yaml.safe_load((MANIFESTS / "monitoring" / "prometheusrule.yaml").read_text())["spec"]["groups"][
-        1
-    ]
-    tested = {a["alertname"] for t in tests for a in t["alert_rule_test"]}
-    assert tested == {r["alert"] for r in alerts["rules"]}  # every alert has a unit test
-    silent = [a for t in tests for a in t["alert_rule_test"] if a.get("exp_alerts") == []]
-    assert silent, "a test where an alert stays silent"
+    cases = [a for t in tests for a in t.get("alert_rule_test", [])]
+    for name in {r["alert"] for r in shipped_rules() if "alert" in r}:
+        mine = [a for a in cases if a["alertname"] == name]
+        fired = [e for a in mine for e in a["exp_alerts"]]
+        assert fired, f"{name}: no test where it fires"
+        assert all(e["exp_labels"].get("node") for e in fired), f"{name}: an alert without its node"
+        assert any(a["exp_alerts"] == [] for a in mine), f"{name}: no test where it stays silent"
+        assert all("runbook_url" in e["exp_annotations"] for e in fired), name
+    recorded = {t["expr"] for t in tests for t in t.get("promql_expr_test", [])}
+    for rule in shipped_rules():
+        if "record" in rule:
+            assert any(rule["record"] in expr for expr in recorded), f"{rule['record']}: no value test"
 
 
 def test_checkov_passes_on_manifests_and_dockerfiles(tmp_path: Path) -> None:
