@@ -409,13 +409,17 @@ async def test_plugin_registers_again_by_itself_after_a_kubelet_restart(
 
 async def test_stopped_kubelet_leaves_a_dead_socket_file(kubelet: FakeKubelet) -> None:
     """A killed kubelet leaves kubelet.sock behind (only a graceful devicemanager/plugin/v1beta1/server.go
-    Stop closes the listener, which unlinks it); the next start removes it with the other sockets."""
+    Stop closes the listener, which unlinks it); the next start removes it with the other sockets. So does
+    its PodResources socket, which the next start replaces (CreateListener, k8s.io/cri-client pkg/util)."""
     inode = os.stat(kubelet.socket_path).st_ino
     await kubelet.stop()
     assert os.stat(kubelet.socket_path).st_ino == inode
-    with socket.socket(socket.AF_UNIX) as s, pytest.raises(ConnectionRefusedError):
-        s.connect(kubelet.socket_path)
+    assert kubelet.pod_resources_socket
+    for path in (kubelet.socket_path, kubelet.pod_resources_socket):
+        with socket.socket(socket.AF_UNIX) as s, pytest.raises(ConnectionRefusedError):
+            s.connect(path)
     await kubelet.start()
+    assert len(await allocatable(kubelet)) == 0  # a new pod-resources server on the same path
 
 
 async def test_unknown_method_and_unknown_service_answer_with_grpc_go_wording(kubelet: FakeKubelet) -> None:

@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import stat
 import tempfile
 import time
@@ -377,8 +378,10 @@ class FakeKubelet:
             await self._server.stop(None)
             self._server = None
         if self._pr_server is not None:
-            await self._pr_server.stop(None)
+            await self._pr_server.stop(None)  # grpcio unlinks its socket
             self._pr_server = None
+            if not unlink_socket and self.pod_resources_socket:
+                _dead_socket_file(self.pod_resources_socket)  # a killed kubelet leaves it, refusing
 
     async def restart(self, unlink_socket: bool = False) -> None:
         await self.stop(unlink_socket=unlink_socket)
@@ -890,7 +893,9 @@ class FakeKubelet:
 
     # -- pod-resources (pkg/kubelet/apis/podresources/server_v1.go) -----------------
     async def _start_pod_resources(self, path: str) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        """pkg/kubelet/server/server.go ListenAndServePodResources → CreateListener (k8s.io/cri-client
+        pkg/util/util_unix.go): unlink the old socket, MkdirAll 0750, listen."""
+        os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         server = grpc.aio.server()
@@ -993,6 +998,12 @@ class FakeKubelet:
             grpc.StatusCode.UNKNOWN, f"pod {request.pod_name} in namespace {request.pod_namespace} not found"
         )
         raise AssertionError("unreachable")
+
+
+def _dead_socket_file(path: str) -> None:
+    """A socket file nothing listens on (connect() is refused), as a killed process leaves behind."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
+        s.bind(path)
 
 
 def _container_devices(resource: str, device_id: str, dev: dp.Device | None) -> list[pr.ContainerDevices]:
