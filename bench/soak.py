@@ -120,6 +120,88 @@ def check(ok: bool, what: str, failures: list[str]) -> None:
         print(f"FAIL: {what}", flush=True)
 
 
+class Faults:
+    """Each fault once: drive it, time the verdict, check its bound, recover. `failures` collects."""
+
+    def __init__(self, n: Node, poll: Poller, failures: list[str]) -> None:
+        self.n, self.poll, self.failures = n, poll, failures
+
+    def verdict(self, phase: str, i: int, took: float, bound: float, what: str = "503") -> None:
+        check(took <= bound, f"{phase} {i}: {what} after {took:.3f} s (bound {bound:.2f} s)", self.failures)
+
+    async def restart(self, i: int) -> None:
+        self.poll.phase = "restarts"
+        await kubelet_restart(self.n, plugins_first=i % 2 == 0)
+        await registered(self.n)
+
+    async def crash(self, i: int) -> None:
+        n = self.n
+        self.poll.phase = "crash"
+        await n.plugin.crash()
+        self.verdict("crash", i, await n.until(503, timeout=5), 0.5)
+        self.poll.phase = "recovering"
+        await n.plugin.restart()
+        await registered(n)
+
+    async def hang(self, i: int) -> None:
+        n = self.n
+        self.poll.phase = "hang"
+        n.plugin.hung = True
+        self.verdict("hang", i, await n.until(503, timeout=5), INTERVAL + TIMEOUT + 0.5)
+        self.poll.phase = "recovering"
+        n.plugin.hung = False
+        await registered(n)
+
+    async def drop(self, i: int) -> None:
+        n = self.n
+        self.poll.phase = "drop"
+        await n.kubelet.drop(GPU)  # the kubelet lets go; the plugin keeps serving
+        self.verdict("drop", i, await n.until(503, timeout=5), INTERVAL + TIMEOUT + CONFIRM + 0.5)
+        self.poll.phase = "recovering"
+        await n.plugin.restart()
+        await registered(n)
+
+    async def missed(self, i: int) -> None:
+        """The plugin misses kubelet.sock's creation and never registers again."""
+        n = self.n
+        self.poll.phase = "missed"
+        n.plugin.register_enabled = False
+        await kubelet_restart(n, plugins_first=i % 2 == 0)
+        self.verdict("missed registration", i, await n.until(503, timeout=10), GRACE + 1.0)
+        self.poll.phase = "recovering"
+        n.plugin.register_enabled = True
+        await n.plugin.restart()
+        await registered(n)
+
+    async def devices(self, i: int) -> None:
+        """Every GPU unhealthy, or none at all: registered still, not ready, never restarted."""
+        n = self.n
+        self.poll.phase = "unhealthy" if i % 2 == 0 else "zero devices"
+        if i % 2 == 0:
+            for device in ("GPU-0", "GPU-1"):
+                n.plugin.set_health(device, False)
+        else:
+            n.plugin.set_devices([])
+        self.verdict(self.poll.phase, i, await n.until(503, timeout=5, path="/readyz"), 0.5, "/readyz 503")
+        self.poll.phase = "recovering"
+        n.plugin.set_devices(["GPU-0", "GPU-1"])
+        await registered(n)
+
+    async def corrupt(self, i: int) -> None:
+        n = self.n
+        self.poll.phase = "corrupt"
+        tmp = n.kubelet.checkpoint_path + ".soak"
+        with open(tmp, "wb") as f:
+            f.write(CORRUPT[i % len(CORRUPT)])
+        os.replace(tmp, n.kubelet.checkpoint_path)
+        self.verdict(
+            "corrupt checkpoint", i, await n.until(503, timeout=5, path="/readyz"), 0.5, "/readyz 503"
+        )
+        self.poll.phase = "recovering"
+        n.plugin.set_health("GPU-0", True)  # any update makes the kubelet rewrite its checkpoint
+        await registered(n)
+
+
 async def main() -> int:
     log = tempfile.mktemp(prefix="hami-soak-", suffix=".log")
     failures: list[str] = []
@@ -139,94 +221,30 @@ async def main() -> int:
     # at the end can be compared with the baseline's.
     async with node(*args, log=log, keepalive=False, ascend=True) as n:
         poll = Poller(n)
-        # Warm-up: a few cycles of everything, then the baseline.
-        for i in range(10):
-            await kubelet_restart(n, plugins_first=i % 2 == 0)
-            await registered(n)
+        faults = Faults(n, poll, failures)
+        phases = [
+            (RESTARTS, faults.restart, "kubelet restarts with re-registration, both removal orders"),
+            (CRASHES, faults.crash, "plugin crashes and re-registrations"),
+            (HANGS, faults.hang, "hangs"),
+            (DROPS, faults.drop, "kubelet drops"),
+            (MISSED, faults.missed, "restarts without re-registration"),
+            (DEVICE_FAULTS, faults.devices, "device faults (all unhealthy, zero devices)"),
+            (CORRUPTIONS, faults.corrupt, "corrupt checkpoints"),
+        ]
+        # Warm-up: every fault a few times (first uses allocate for good), then the baseline.
+        for _, fault, _ in phases:
+            for i in range(4):
+                await fault(i)
+        poll.phase = "warm-up"
         await asyncio.sleep(1)
         base = await footprint(n)
 
-        poll.phase = "restarts"
-        for i in range(RESTARTS):
-            await kubelet_restart(n, plugins_first=i % 2 == 0)
-            await registered(n)
-            if time.monotonic() > DEADLINE:
-                break
-        print(
-            f"{RESTARTS} kubelet restarts with re-registration, both removal orders "
-            f"({time.monotonic() - START:.0f} s)",
-            flush=True,
-        )
-
-        for i in range(CRASHES):
-            poll.phase = "crash"
-            await n.plugin.crash()
-            t = await n.until(503, timeout=5)
-            check(t <= 0.5, f"crash {i}: 503 after {t:.3f} s (bound 0.5 s)", failures)
-            poll.phase = "recovering"
-            await n.plugin.restart()
-            await registered(n)
-        print(f"{CRASHES} plugin crashes and re-registrations ({time.monotonic() - START:.0f} s)", flush=True)
-
-        for i in range(HANGS):
-            poll.phase = "hang"
-            n.plugin.hung = True
-            t = await n.until(503, timeout=5)
-            check(t <= INTERVAL + TIMEOUT + 0.5, f"hang {i}: 503 after {t:.3f} s", failures)
-            poll.phase = "recovering"
-            n.plugin.hung = False
-            await registered(n)
-        print(f"{HANGS} hangs ({time.monotonic() - START:.0f} s)", flush=True)
-
-        for i in range(DROPS):
-            poll.phase = "drop"
-            await n.kubelet.drop(GPU)  # the kubelet lets go; the plugin keeps serving
-            t = await n.until(503, timeout=5)
-            bound = INTERVAL + TIMEOUT + CONFIRM + 0.5
-            check(t <= bound, f"drop {i}: 503 after {t:.3f} s (bound {bound:.1f} s)", failures)
-            poll.phase = "recovering"
-            await n.plugin.restart()
-            await registered(n)
-        print(f"{DROPS} kubelet drops ({time.monotonic() - START:.0f} s)", flush=True)
-
-        for i in range(MISSED):
-            poll.phase = "missed"  # the plugin misses kubelet.sock's creation and never registers again
-            n.plugin.register_enabled = False
-            await kubelet_restart(n, plugins_first=i % 2 == 0)
-            t = await n.until(503, timeout=10)
-            check(t <= GRACE + 1.0, f"missed registration {i}: 503 after {t:.3f} s", failures)
-            poll.phase = "recovering"
-            n.plugin.register_enabled = True
-            await n.plugin.restart()
-            await registered(n)
-        print(f"{MISSED} restarts without re-registration ({time.monotonic() - START:.0f} s)", flush=True)
-
-        for i in range(DEVICE_FAULTS):
-            poll.phase = "unhealthy" if i % 2 == 0 else "zero devices"
-            if i % 2 == 0:
-                for device in ("GPU-0", "GPU-1"):
-                    n.plugin.set_health(device, False)
-            else:
-                n.plugin.set_devices([])
-            t = await n.until(503, timeout=5, path="/readyz")
-            check(t <= 0.5, f"{poll.phase} {i}: /readyz 503 after {t:.3f} s", failures)
-            poll.phase = "recovering"
-            n.plugin.set_devices(["GPU-0", "GPU-1"])
-            await registered(n)
-        print(f"{DEVICE_FAULTS} device faults ({time.monotonic() - START:.0f} s)", flush=True)
-
-        for i in range(CORRUPTIONS):
-            poll.phase = "corrupt"
-            tmp = n.kubelet.checkpoint_path + ".soak"
-            with open(tmp, "wb") as f:
-                f.write(CORRUPT[i % len(CORRUPT)])
-            os.replace(tmp, n.kubelet.checkpoint_path)
-            t = await n.until(503, timeout=5, path="/readyz")
-            check(t <= 0.5, f"corrupt checkpoint {i}: /readyz 503 after {t:.3f} s", failures)
-            poll.phase = "recovering"
-            n.plugin.set_health("GPU-0", True)  # any update makes the kubelet rewrite its checkpoint
-            await registered(n)
-        print(f"{CORRUPTIONS} corrupt checkpoints ({time.monotonic() - START:.0f} s)", flush=True)
+        for count, fault, what in phases:
+            for i in range(count):
+                await fault(i)
+                if time.monotonic() > DEADLINE:
+                    break
+            print(f"{count} {what} ({time.monotonic() - START:.0f} s)", flush=True)
 
         poll.phase = "steady"
         while (rounds := int((await status(n))["probe_rounds"])) < ROUNDS and time.monotonic() < DEADLINE:  # type: ignore[call-overload]

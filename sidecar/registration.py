@@ -535,6 +535,9 @@ class Registrar:
         if cp is None:
             return f"not registered ({seen.checkpoint.error})"
         if cp.devices(r) is None:
+            since = self._plugins[r].connected_since
+            if since is not None:  # the kubelet dropped the resource (its stop grace ran out)
+                return f"not registered since {iso(since)} (the kubelet's checkpoint no longer lists {r})"
             return f"never registered (the kubelet's checkpoint does not list {r})"
         plugin = obs.identity_after
         if plugin is not None and cp.mtime_ns < plugin.mtime_ns:

@@ -16,7 +16,9 @@ from sidecar.app import Sidecar
 from sidecar.cli import serve
 from sidecar.config import PluginSpec, Settings
 from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
+from sidecar.testing.realkubelet import Release
 from tests.conftest import wait_for
+from tests.test_realkubelet import require_fixture
 
 GPU = "nvidia.com/gpu"
 # Short settings so that every scenario runs in a second or two.
@@ -72,6 +74,25 @@ async def sidecar_running(settings: Settings) -> AsyncIterator[tuple[Sidecar, as
 
 
 NodeFactory = Callable[..., contextlib.AbstractAsyncContextManager[Node]]
+
+
+@pytest.fixture(params=["new", "old"])
+def release(request: pytest.FixtureRequest) -> Release:
+    """A release of the real-kubelet fixture: skipped where it is not built, failing under CI=true."""
+    rel: Release = request.param
+    require_fixture(rel)
+    return rel
+
+
+@pytest.fixture
+def node_factory(dp_dir: str, short_tmp: str, release: Release) -> Any:
+    """Nodes whose kubelet is the real device manager of `release` (tests/e2e/realnode.py)."""
+    from tests.e2e.realnode import real_node
+
+    def make(**overrides: Any) -> contextlib.AbstractAsyncContextManager[Any]:
+        return real_node(dp_dir, short_tmp, release, **overrides)
+
+    return make
 
 
 @pytest.fixture

@@ -1,0 +1,145 @@
+"""An oracle: seeded random events through the kubelet's real device manager, the sidecar's verdicts
+compared at every quiet point with the truth read from the real kubelet and plugin.
+
+The truth: the kubelet holds the plugin when a ListAndWatch stream is open on the plugin's server
+(seen from the plugin's side), and the devices a user can get are the allocatable count of the
+kubelet's `GetCapacity`. The sidecar must agree within a settling window (its drop confirmation, the
+kubelet's checkpoint write), and must never fail liveness while the kubelet holds a serving plugin.
+
+`make test` runs a short sequence per release; `make real-slow` runs 200 events with three seeds on
+each (ORACLE_EVENTS, ORACLE_SEEDS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from sidecar.testing.realkubelet import FixtureError, RealPlugin
+from tests.e2e.realnode import GPU, RealNode
+
+EVENTS = int(os.environ.get("ORACLE_EVENTS", "25"))
+SEEDS = [int(s) for s in os.environ.get("ORACLE_SEEDS", "1").split(",")]
+SETTLE = 3.0  # seconds the sidecar has to agree: the drop confirmation, the kubelet's checkpoint write
+DEVICES = ("GPU-0@0", "GPU-1@0,1", "GPU-2@1", "GPU-3")
+
+
+@dataclass
+class Truth:
+    serving: bool
+    held: bool
+    allocatable: int
+
+
+@dataclass
+class Oracle:
+    node: RealNode
+    plugin: RealPlugin
+    rng: random.Random
+    history: list[str] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+    serving: bool = True
+    allocated: int = 0
+
+    async def truth(self) -> Truth:
+        held = self.serving and await self.plugin.streams_open() > 0
+        allocatable = int((await self.node.kubelet.capacity())["allocatable"].get(GPU, 0))
+        return Truth(self.serving, held, allocatable)
+
+    def verdicts(self) -> tuple[bool, bool, bool, int | None]:
+        """(registered ok, live, ready, healthy physical devices by pod-resources)."""
+        state = self.node.sidecar.state
+        registered = state.checks[f"registered:{GPU}"].status.value == "ok"
+        count = self.node.sidecar.registrar.devices()[GPU].get("pod_resources")
+        return registered, state.healthy(), self.node.sidecar.ready and state.all_ok(), count
+
+    async def settle(self) -> None:
+        """Agree within SETTLE seconds, and never a 503 while the kubelet holds a serving plugin."""
+        deadline = time.monotonic() + SETTLE
+        await asyncio.sleep(self.node.settings.drop_confirm)
+        while True:
+            self.node.sidecar.trigger()
+            await self.node.rounds(1)
+            truth = await self.truth()
+            registered, live, ready, count = self.verdicts()
+            if truth.held and truth.serving and not live:
+                self.mismatches.append(f"wrong liveness 503 while held, after {self.history}")
+            expected_ready = truth.held and self.node.sidecar.state.checks["kubelet"].status.value == "ok"
+            agree = registered == truth.held and ready == expected_ready
+            if truth.held:
+                agree = agree and count == truth.allocatable
+            if agree:
+                return
+            if time.monotonic() > deadline:
+                self.mismatches.append(
+                    f"after {self.history[-8:]}: sidecar registered={registered} ready={ready} "
+                    f"devices={count}, truth held={truth.held} allocatable={truth.allocatable}"
+                )
+                return
+
+    async def step(self) -> None:
+        p, k = self.plugin, self.node.kubelet
+        choices = ["health", "devices", "kubelet", "plugin-restart", "allocate", "capacity"]
+        choices.append("serve" if not self.serving else "stop")
+        event = self.rng.choice(choices)
+        if event == "health":
+            device = self.rng.choice(p.devices).split("@")[0] if p.devices else "GPU-0"
+            healthy = self.rng.random() < 0.6
+            await p.set_health(device, healthy)
+            self.history.append(f"health {device} {healthy}")
+        elif event == "devices":
+            ids = [d for d in DEVICES if self.rng.random() < 0.6]
+            await p.set_devices(ids)
+            self.history.append(f"devices {ids}")
+        elif event == "kubelet":
+            graceful = self.rng.random() < 0.5
+            again = self.rng.random() < 0.7
+            await k.restart(unlink_socket=graceful)
+            self.allocated = 0
+            self.history.append(f"kubelet restart graceful={graceful} plugin registers again={again}")
+            if again and self.serving:
+                await p.restart()
+        elif event == "plugin-restart" and self.serving:
+            await p.restart()
+            self.history.append("plugin restart")
+        elif event == "stop":
+            await p.stop_serving()
+            self.serving = False
+            self.history.append("plugin stops serving")
+        elif event == "serve":
+            await p.serve()
+            self.serving = True
+            await p.register()
+            self.history.append("plugin serves and registers")
+        elif event == "allocate":
+            try:
+                await k.allocate(f"pod-{len(self.history)}", "main", GPU, 1)
+                self.history.append("allocate 1")
+            except FixtureError as e:
+                self.history.append(f"allocate refused ({str(e).splitlines()[0][:60]})")
+        else:
+            await k.capacity()
+            self.history.append("capacity tick")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_the_sidecar_agrees_with_the_real_kubelet_over_random_events(
+    node_factory: Any, seed: int
+) -> None:
+    async with node_factory() as node:
+        plugin = await node.plugin(devices=list(DEVICES), watch_kubelet=False)
+        oracle = Oracle(node, plugin, random.Random(seed))
+        await oracle.settle()
+        started = time.monotonic()
+        for _ in range(EVENTS):
+            await oracle.step()
+            await oracle.settle()
+        took = time.monotonic() - started
+        print(f"oracle seed {seed} on {node.kubelet.version}: {EVENTS} events in {took:.1f} s")
+        assert not oracle.mismatches, "\n".join(oracle.mismatches[:10])
