@@ -128,6 +128,7 @@ class Oracle:
             self.history.append("capacity tick")
 
 
+@pytest.mark.timeout(max(90, EVENTS * 2))
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_the_sidecar_agrees_with_the_real_kubelet_over_random_events(
     node_factory: Any, seed: int
