@@ -1,6 +1,8 @@
 """`make demo`: the sidecar against the embedded kubelet simulator, with a short scripted tour.
 
 DEMO_TOUR_ONLY=1 exits after the tour (CI); otherwise it keeps serving until Ctrl-C.
+DEMO_KUBELET=real runs the tour against the kubelet's own device manager (the Go fixture of
+tests/realkubelet, built by `make kubelet-fixtures`) instead of the simulator.
 """
 
 from __future__ import annotations
@@ -20,11 +22,157 @@ import aiohttp
 from sidecar.cli import serve, setup_logging
 from sidecar.config import Settings
 from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
+from sidecar.testing.realkubelet import RealKubelet, RealPlugin, missing_reason
 
 GPU = "nvidia.com/gpu"
 
 
-async def _tour(tour_only: bool) -> int:
+Steps = Callable[["Tour"], Awaitable[None]]
+
+
+class Tour:
+    """The scripted part: act, wait for /healthz and /readyz to answer, show both."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str, settings: Settings) -> None:
+        self.http, self.url, self.settings = http, url, settings
+        self.registered = f"[+]registered:{GPU} ok"
+
+    async def get(self, path: str) -> tuple[int, str]:
+        async with self.http.get(f"{self.url}{path}?verbose") as r:
+            return r.status, await r.text()
+
+    async def until(self, path: str, status: int, text: str = "") -> None:
+        for _ in range(800):
+            with contextlib.suppress(aiohttp.ClientConnectionError):
+                code, body = await self.get(path)
+                if code == status and text in body:
+                    return
+            await asyncio.sleep(0.025)
+
+    async def step(
+        self, title: str, action: Callable[[], Awaitable[object]], expect: tuple[int, int], text: str
+    ) -> None:
+        print(f"\n== {title}", flush=True)
+        await action()
+        await self.until("/healthz", expect[0], text if expect[0] == 503 else "")
+        await self.until("/readyz", expect[1], text)
+        for path in ("/healthz", "/readyz"):
+            code, body = await self.get(path)
+            print(f"$ curl -s {self.url}{path}?verbose   -> HTTP {code}\n{body}", end="", flush=True)
+
+
+async def _nothing() -> None:
+    return None
+
+
+def simulator_tour(kubelet: FakeKubelet, plugin: FakeDevicePlugin) -> Steps:
+    async def registers_again() -> None:
+        while not kubelet.connected(GPU) or not kubelet.healthy_devices(GPU):
+            await asyncio.sleep(0.01)
+
+    async def restart() -> None:
+        await kubelet.restart()
+        await registers_again()
+
+    async def restart_unregistered() -> None:
+        plugin.register_enabled = False  # the plugin misses kubelet.sock's creation
+        await kubelet.restart()
+
+    async def restart_plugin() -> None:
+        plugin.register_enabled = True
+        await plugin.restart()  # what the kubelet does after the livenessProbe's 503s
+        await registers_again()
+
+    async def hang() -> None:
+        plugin.hung = True
+
+    async def recover() -> None:
+        plugin.hung = False
+
+    async def gpus(healthy: bool) -> None:
+        for device in ("GPU-0", "GPU-1"):
+            plugin.set_health(device, healthy)
+
+    async def steps(t: Tour) -> None:
+        await t.step("1. a healthy node", _nothing, (200, 200), t.registered)
+        await t.step(
+            "2. the kubelet restarts; the plugin registers again (never a 503)",
+            restart,
+            (200, 200),
+            t.registered,
+        )
+        await t.step(
+            "3. the kubelet restarts and the plugin does NOT register again: no GPU on the node. "
+            f"Pending for the grace ({t.settings.registration_grace:g} s), then liveness fails",
+            restart_unregistered,
+            (503, 503),
+            f"[-]registered:{GPU} failed",
+        )
+        await t.step(
+            "4. the kubelet restarts the plugin; it registers", restart_plugin, (200, 200), t.registered
+        )
+        await t.step(
+            "5. the kubelet drops the plugin, which keeps serving: liveness fails within an interval",
+            lambda: kubelet.drop(GPU),  # kubernetes issues 121994, 131013
+            (503, 503),
+            "no longer connected",
+        )
+        await t.step("6. a plugin restart registers it again", restart_plugin, (200, 200), t.registered)
+        await t.step("7. the plugin hangs: the next probe times out", hang, (503, 503), "timeout")
+        await t.step("8. the plugin answers again", recover, (200, 200), t.registered)
+        await t.step(
+            "9. every GPU turns unhealthy: still registered, a restart would not help; not ready",
+            lambda: gpus(False),
+            (200, 503),
+            f"[!]devices:{GPU} failed",
+        )
+        await t.step("10. the GPUs recover", lambda: gpus(True), (200, 200), f"[+]devices:{GPU} ok")
+
+    return steps
+
+
+def real_tour(kubelet: RealKubelet, plugin: RealPlugin) -> Steps:
+    async def restart(unlink: bool) -> None:
+        mark = plugin.mark()
+        await kubelet.restart(unlink_socket=unlink)
+        await plugin.restart()  # HAMi serves and registers again when kubelet.sock is created
+        await plugin.wait_event("stream-open", after=mark)
+
+    async def gpus(healthy: bool) -> None:
+        for device in ("GPU-0", "GPU-1"):
+            await plugin.set_health(device, healthy)
+
+    async def steps(t: Tour) -> None:
+        await t.step(f"1. a healthy node (kubernetes {kubelet.version})", _nothing, (200, 200), t.registered)
+        await t.step(
+            "2. the kubelet is killed and restarts; the plugin registers again (never a 503)",
+            lambda: restart(False),
+            (200, 200),
+            t.registered,
+        )
+        await t.step(
+            "3. the kubelet restarts and the plugin does NOT register again: no GPU on the node. "
+            f"Pending for the grace ({t.settings.registration_grace:g} s), then liveness fails",
+            kubelet.restart,
+            (503, 503),
+            f"[-]registered:{GPU} failed",
+        )
+        await t.step(
+            "4. the kubelet restarts the plugin; it registers", plugin.restart, (200, 200), t.registered
+        )
+        await t.step(
+            "5. every GPU turns unhealthy: still registered, a restart would not help; not ready",
+            lambda: gpus(False),
+            (200, 503),
+            f"[!]devices:{GPU} failed",
+        )
+        await t.step("6. the GPUs recover", lambda: gpus(True), (200, 200), f"[+]devices:{GPU} ok")
+        await t.step("7. the plugin stops serving", plugin.stop_serving, (503, 503), f"[-]plugin:{GPU}")
+
+    return steps
+
+
+async def _tour(tour_only: bool, real: bool) -> int:
     root = tempfile.mkdtemp(prefix="hami-guard-demo-")
     folder = os.path.join(root, "device-plugins")
     pod_resources = os.path.join(root, "pod-resources", "kubelet.sock")
@@ -44,120 +192,29 @@ async def _tour(tour_only: bool) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        async with (
-            FakeKubelet(folder, pod_resources, dial_timeout=1.0) as kubelet,
-            FakeDevicePlugin(
-                folder, GPU, "nvidia-gpu.sock", ["GPU-0", "GPU-1"], register_timeout=5
-            ) as plugin,
-        ):
+        async with contextlib.AsyncExitStack() as stack:
+            if real:
+                kubelet = await stack.enter_async_context(RealKubelet(folder, pod_resources))
+                plugin = await stack.enter_async_context(RealPlugin(folder, watch_kubelet=False))
+                steps = real_tour(kubelet, plugin)
+                where = f"the kubelet's own device manager ({kubelet.version}): {kubelet.socket_path}"
+            else:
+                fake = await stack.enter_async_context(FakeKubelet(folder, pod_resources, dial_timeout=1.0))
+                fake_plugin = FakeDevicePlugin(
+                    folder, GPU, "nvidia-gpu.sock", ["GPU-0", "GPU-1"], register_timeout=5
+                )
+                await stack.enter_async_context(fake_plugin)
+                steps = simulator_tour(fake, fake_plugin)
+                where = f"kubelet simulator: {fake.socket_path}"
             server = loop.create_task(serve(settings, stop))
             async with aiohttp.ClientSession() as http:
-
-                async def get(path: str) -> tuple[int, str]:
-                    async with http.get(f"{url}{path}?verbose") as r:
-                        return r.status, await r.text()
-
-                async def until(path: str, status: int, text: str = "") -> None:
-                    for _ in range(800):
-                        with contextlib.suppress(aiohttp.ClientConnectionError):
-                            code, body = await get(path)
-                            if code == status and text in body:
-                                return
-                        await asyncio.sleep(0.025)
-
-                async def step(
-                    title: str,
-                    action: Callable[[], Awaitable[None]],
-                    expect: tuple[int, int],
-                    text: str,
-                ) -> None:
-                    """Act, wait for /healthz and /readyz to answer `expect`, show both."""
-                    print(f"\n== {title}", flush=True)
-                    await action()
-                    await until("/healthz", expect[0], text if expect[0] == 503 else "")
-                    await until("/readyz", expect[1], text)
-                    for path in ("/healthz", "/readyz"):
-                        code, body = await get(path)
-                        print(f"$ curl -s {url}{path}?verbose   -> HTTP {code}\n{body}", end="", flush=True)
-
-                print(f"hami-sidecar demo in {root}\n  kubelet simulator: {kubelet.socket_path}")
+                print(f"hami-sidecar demo in {root}\n  {where}")
                 print(f"  endpoints: {url}/healthz  {url}/readyz  {url}/status  {url}/metrics")
                 print(
                     "  /healthz is the plugin's livenessProbe (503 = restart it), /readyz its readinessProbe"
                 )
                 print(f"  try: curl -s '{url}/readyz?verbose'", flush=True)
-                registered = f"[+]registered:{GPU} ok"
-
-                async def nothing() -> None:
-                    return None
-
-                async def registers_again() -> None:
-                    while not kubelet.connected(GPU) or not kubelet.healthy_devices(GPU):
-                        await asyncio.sleep(0.01)
-
-                async def restart() -> None:
-                    await kubelet.restart()
-                    await registers_again()
-
-                async def restart_unregistered() -> None:
-                    plugin.register_enabled = False  # the plugin misses kubelet.sock's creation
-                    await kubelet.restart()
-
-                async def restart_plugin() -> None:
-                    plugin.register_enabled = True
-                    await plugin.restart()  # what the kubelet does after the livenessProbe's 503s
-                    await registers_again()
-
-                async def drop() -> None:
-                    await kubelet.drop(GPU)  # the kubelet lets go (kubernetes 121994, 131013)
-
-                async def hang() -> None:
-                    plugin.hung = True
-
-                async def recover() -> None:
-                    plugin.hung = False
-
-                async def gpus_unhealthy() -> None:
-                    for device in ("GPU-0", "GPU-1"):
-                        plugin.set_health(device, False)
-
-                async def gpus_healthy() -> None:
-                    for device in ("GPU-0", "GPU-1"):
-                        plugin.set_health(device, True)
-
-                await step("1. a healthy node", nothing, (200, 200), registered)
-                await step(
-                    "2. the kubelet restarts; the plugin registers again (never a 503)",
-                    restart,
-                    (200, 200),
-                    registered,
-                )
-                await step(
-                    "3. the kubelet restarts and the plugin does NOT register again: no GPU on the node. "
-                    f"Pending for the grace ({settings.registration_grace:g} s), then liveness fails",
-                    restart_unregistered,
-                    (503, 503),
-                    f"[-]registered:{GPU} failed",
-                )
-                await step(
-                    "4. the kubelet restarts the plugin; it registers", restart_plugin, (200, 200), registered
-                )
-                await step(
-                    "5. the kubelet drops the plugin, which keeps serving: liveness fails within an interval",
-                    drop,
-                    (503, 503),
-                    "no longer connected",
-                )
-                await step("6. a plugin restart registers it again", restart_plugin, (200, 200), registered)
-                await step("7. the plugin hangs: the next probe times out", hang, (503, 503), "timeout")
-                await step("8. the plugin answers again", recover, (200, 200), registered)
-                await step(
-                    "9. every GPU turns unhealthy: still registered, a restart would not help; not ready",
-                    gpus_unhealthy,
-                    (200, 503),
-                    f"[!]devices:{GPU} failed",
-                )
-                await step("10. the GPUs recover", gpus_healthy, (200, 200), f"[+]devices:{GPU} ok")
+                await steps(Tour(http, url, settings))
                 async with http.get(f"{url}/metrics") as r:
                     lines = [
                         ln
@@ -180,7 +237,11 @@ def run_demo() -> int:
     setup_logging("text", "INFO")
     logging.getLogger("sidecar.testing").setLevel(logging.WARNING)
     tour_only = os.environ.get("DEMO_TOUR_ONLY", "") not in ("", "0")
-    return asyncio.run(_tour(tour_only))
+    real = os.environ.get("DEMO_KUBELET", "simulator") == "real"
+    if real and (why := missing_reason("new")) is not None:
+        print(f"error: DEMO_KUBELET=real: {why}", file=sys.stderr)
+        return 2
+    return asyncio.run(_tour(tour_only, real))
 
 
 if __name__ == "__main__":

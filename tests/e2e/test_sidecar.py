@@ -608,16 +608,25 @@ def test_demo_tour_runs_and_exits() -> None:
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    for step in (
-        "1. a healthy node",
-        "2. the kubelet restarts",
-        "3. the plugin hangs",
-        "4. the plugin answers",
-    ):
-        assert step in out
-    assert out.count("-> HTTP 200") == 3
-    assert out.count("-> HTTP 503") == 1
-    assert 'device_plugin_registration_success_total{plugin="hami",resource="nvidia.com/gpu"} 1.0' in out
+    # Each step shows /healthz, then /readyz: (liveness, readiness) per step.
+    expected = {
+        "1. a healthy node": (200, 200),
+        "2. the kubelet restarts; the plugin registers again": (200, 200),
+        "3. the kubelet restarts and the plugin does NOT register again": (503, 503),
+        "4. the kubelet restarts the plugin": (200, 200),
+        "5. the kubelet drops the plugin": (503, 503),
+        "6. a plugin restart registers it again": (200, 200),
+        "7. the plugin hangs": (503, 503),
+        "8. the plugin answers again": (200, 200),
+        "9. every GPU turns unhealthy": (200, 503),
+        "10. the GPUs recover": (200, 200),
+    }
+    sections = out.split("\n== ")[1:]
+    assert [next(t for t in expected if sec.startswith(t)) for sec in sections[:-1]] == list(expected)
+    for section, (live, ready) in zip(sections, expected.values(), strict=False):
+        assert f"/healthz?verbose   -> HTTP {live}" in section, section
+        assert f"/readyz?verbose   -> HTTP {ready}" in section, section
+    assert 'device_plugin_registration_success_total{plugin="hami",resource="nvidia.com/gpu"} 3.0' in out
     assert "Traceback" not in result.stderr
 
 
