@@ -17,6 +17,7 @@ import aiohttp
 import psutil
 
 from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
+from sidecar.testing.realkubelet import RealKubelet, Release
 
 GPU = "nvidia.com/gpu"
 # A second plugin whose socket name sorts before kubelet.sock (nvidia-gpu.sock sorts after).
@@ -36,18 +37,16 @@ def summary(values: Sequence[float], unit: float = 1000.0, name: str = "ms") -> 
 
 
 @dataclass
-class Node:
-    dir: str
-    kubelet: FakeKubelet
-    plugin: FakeDevicePlugin
-    sidecar: asyncio.subprocess.Process
+class Sidecar:
+    """The real sidecar in a process of its own, and an HTTP client for it."""
+
+    child: asyncio.subprocess.Process
     url: str
     http: aiohttp.ClientSession
-    others: tuple[FakeDevicePlugin, ...] = ()
 
     @property
     def process(self) -> psutil.Process:
-        return psutil.Process(self.sidecar.pid)
+        return psutil.Process(self.child.pid)
 
     async def status(self, path: str = "/healthz") -> int:
         async with self.http.get(self.url + path) as r:
@@ -64,18 +63,26 @@ class Node:
         return loop.time() - start
 
 
+@dataclass
+class Node(Sidecar):
+    """A simulated node: the kubelet simulator, HAMi-like plugins, and the sidecar."""
+
+    dir: str
+    kubelet: FakeKubelet
+    plugin: FakeDevicePlugin
+    others: tuple[FakeDevicePlugin, ...] = ()
+
+
 @contextlib.asynccontextmanager
-async def node(
+async def sidecar_process(
+    folder: str,
+    pod_resources: str,
     *sidecar_args: str,
     cpu: int | None = None,
     log: str | None = None,
     keepalive: bool = True,
-    ascend: bool = False,
-) -> AsyncIterator[Node]:
-    """A node with HAMi's NVIDIA plugin (and, with `ascend`, an Ascend plugin beside it)."""
-    root = tempfile.mkdtemp(prefix="hg-bench-")
-    folder = os.path.join(root, "device-plugins")
-    pod_resources = os.path.join(root, "pod-resources", "kubelet.sock")
+) -> AsyncIterator[Sidecar]:
+    """Start `python -m sidecar` on a free port against `folder`; wait until its first round ran."""
     port = free_port()
     argv = [
         sys.executable,
@@ -89,10 +96,41 @@ async def node(
         f"127.0.0.1:{port}",
         *sidecar_args,
     ]
-    if ascend:
-        argv += ["--plugin", f"{GPU}=nvidia-gpu.sock", "--plugin", f"{ASCEND}={ASCEND_SOCKET}"]
     if cpu is not None and shutil.which("taskset"):
         argv = ["taskset", "-c", str(cpu), *argv]
+    stderr = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
+    proc = await asyncio.create_subprocess_exec(*argv, stderr=stderr)
+    try:
+        connector = aiohttp.TCPConnector(limit=4, force_close=not keepalive)
+        async with aiohttp.ClientSession(connector=connector) as http:
+            sidecar = Sidecar(proc, f"http://127.0.0.1:{port}", http)
+            for _ in range(300):
+                with contextlib.suppress(aiohttp.ClientError):
+                    if await sidecar.status("/sidecarz") == 200:
+                        break
+                await asyncio.sleep(0.02)
+            yield sidecar
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 10)
+        if log:
+            stderr.close()  # type: ignore[union-attr]
+
+
+@contextlib.asynccontextmanager
+async def node(
+    *sidecar_args: str,
+    cpu: int | None = None,
+    log: str | None = None,
+    keepalive: bool = True,
+    ascend: bool = False,
+) -> AsyncIterator[Node]:
+    """A node with HAMi's NVIDIA plugin (and, with `ascend`, an Ascend plugin beside it)."""
+    root = tempfile.mkdtemp(prefix="hg-bench-")
+    folder = os.path.join(root, "device-plugins")
+    pod_resources = os.path.join(root, "pod-resources", "kubelet.sock")
+    if ascend:
+        sidecar_args += ("--plugin", f"{GPU}=nvidia-gpu.sock", "--plugin", f"{ASCEND}={ASCEND_SOCKET}")
     try:
         async with (
             FakeKubelet(folder, pod_resources, dial_timeout=1.0) as kubelet,
@@ -105,23 +143,36 @@ async def node(
                     folder, ASCEND, ASCEND_SOCKET, ["npu-0", "npu-1"], register_timeout=5, retry_interval=3600
                 )
                 others = (await stack.enter_async_context(npu),)
-            stderr = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
-            proc = await asyncio.create_subprocess_exec(*argv, stderr=stderr)
-            try:
-                connector = aiohttp.TCPConnector(limit=4, force_close=not keepalive)
-                async with aiohttp.ClientSession(connector=connector) as http:
-                    n = Node(folder, kubelet, plugin, proc, f"http://127.0.0.1:{port}", http, others)
-                    for _ in range(300):
-                        with contextlib.suppress(aiohttp.ClientError):
-                            if await n.status("/sidecarz") == 200:
-                                break
-                        await asyncio.sleep(0.02)
-                    await n.until(200)
-                    yield n
-            finally:
-                proc.terminate()
-                await asyncio.wait_for(proc.wait(), 10)
-                if log:
-                    stderr.close()  # type: ignore[union-attr]
+            async with sidecar_process(
+                folder, pod_resources, *sidecar_args, cpu=cpu, log=log, keepalive=keepalive
+            ) as sc:
+                n = Node(sc.child, sc.url, sc.http, folder, kubelet, plugin, others)
+                await n.until(200)
+                yield n
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@dataclass
+class RealNode:
+    """The kubelet's own device manager (tests/realkubelet) with one plugin, and the sidecar."""
+
+    dir: str
+    kubelet: RealKubelet
+    sidecar: Sidecar
+
+
+@contextlib.asynccontextmanager
+async def real_node(release: Release, *sidecar_args: str) -> AsyncIterator[RealNode]:
+    root = tempfile.mkdtemp(prefix="hg-bench-")
+    folder = os.path.join(root, "device-plugins")
+    pod_resources = os.path.join(root, "pod-resources", "kubelet.sock")
+    os.makedirs(folder)
+    try:
+        async with (
+            RealKubelet(folder, pod_resources, release=release) as kubelet,
+            sidecar_process(folder, pod_resources, *sidecar_args) as sc,
+        ):
+            yield RealNode(folder, kubelet, sc)
     finally:
         shutil.rmtree(root, ignore_errors=True)

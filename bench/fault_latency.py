@@ -4,15 +4,21 @@
 - plugin hung -> 503 (goal <= interval + timeout + 50 ms)
 - kubelet restarted, no re-registration -> 503 (goal: grace + <= 1 s)
 - kubelet dropped the plugin -> 503 (goal p99 <= interval + timeout + 0.2 s)
+And against the kubelet's own device manager (tests/realkubelet), where it is built:
+- kubelet restarted, no re-registration -> 503, both releases (goal: grace + <= 1 s)
+- kubernetes issue 121994 on the old release (the kubelet disconnects a re-registered plugin) -> 503
+  (goal p99 <= interval + timeout + 0.2 s)
 Compared with a probe-only design at Kubernetes defaults (periodSeconds 10 x failureThreshold 3).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
-from bench.common import GPU, node, summary
+from bench.common import GPU, node, real_node, summary
+from sidecar.testing.realkubelet import RealPlugin, Release, missing_reason
 
 TRIALS = int(os.environ.get("TRIALS", "50"))
 INTERVAL, TIMEOUT, GRACE = 1.0, 0.2, 1.0
@@ -83,6 +89,78 @@ async def dropped() -> list[float]:
     return out
 
 
+REAL_TRIALS = int(os.environ.get("REAL_TRIALS", "20"))
+REAL_ARGS = (
+    "--probe-interval",
+    str(INTERVAL),
+    "--probe-timeout",
+    str(TIMEOUT),
+    "--registration-grace",
+    str(GRACE),
+)
+
+
+async def real_restart_without_registration(release: Release) -> list[float]:
+    out = []
+    async with contextlib.AsyncExitStack() as stack:
+        n = await stack.enter_async_context(real_node(release, *REAL_ARGS))
+        plugin = await stack.enter_async_context(RealPlugin(n.dir, release=release, watch_kubelet=False))
+        for _ in range(REAL_TRIALS):
+            mark = plugin.mark()
+            await plugin.restart()
+            await plugin.wait_event("stream-open", after=mark)
+            await n.sidecar.until(200, path="/readyz")
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            await n.kubelet.restart()  # the plugin misses kubelet.sock's creation
+            await n.sidecar.until(503)
+            out.append(loop.time() - t0)
+    return out
+
+
+async def real_issue_121994() -> list[float]:
+    """A registered; B registers on the same socket path; A's stream ends: the old kubelet drops B."""
+    out = []
+    async with real_node("old", *REAL_ARGS) as n:
+        for _ in range(REAL_TRIALS):
+            a = RealPlugin(n.dir, release="old", watch_kubelet=False)
+            b = RealPlugin(n.dir, release="old", watch_kubelet=False, devices=("GPU-0", "GPU-1", "GPU-2"))
+            try:
+                await a.start()
+                await n.sidecar.until(200, path="/readyz")
+                mark = b.mark()
+                await b.start()
+                await b.wait_event("stream-open", after=mark)
+                await n.sidecar.until(200, path="/readyz")
+                loop = asyncio.get_running_loop()
+                t0 = loop.time()
+                await a.crash(remove_socket=True)
+                await n.sidecar.until(503)
+                out.append(loop.time() - t0)
+            finally:
+                await a.close()
+                await b.close()
+    return out
+
+
+async def real_figures() -> None:
+    goal = (INTERVAL + TIMEOUT + 0.2) * 1000
+    releases: tuple[Release, ...] = ("new", "old")
+    for release in releases:
+        why = missing_reason(release)
+        if why is not None:
+            print(f"real kubelet {release}: skipped ({why})")
+            continue
+        k = await real_restart_without_registration(release)
+        print(
+            f"real kubelet {release}: restart, no re-registration (grace {GRACE:g} s): {summary(k)}  "
+            f"(goal <= {GRACE + 1:g} s)"
+        )
+    if missing_reason("old") is None:
+        d = await real_issue_121994()
+        print(f"real kubelet old: issue 121994, B dropped: {summary(d)}  (goal p99 <= {goal:.0f} ms)")
+
+
 async def main() -> None:
     print(f"fault -> 503 on /healthz, {TRIALS} trials each, sidecar in its own process, polled back to back")
     r = await removed()
@@ -97,6 +175,7 @@ async def main() -> None:
     d = await dropped()
     goal = (INTERVAL + TIMEOUT + 0.2) * 1000
     print(f"kubelet dropped the plugin (interval {INTERVAL:g} s): {summary(d)}  (goal p99 <= {goal:.0f} ms)")
+    await real_figures()
     print(
         "probe-only design at Kubernetes defaults (exec probe every 10 s, 3 failures): 20-30 s to notice any "
         "of these, and never the lost registration unless the probe itself reads the kubelet's records"
