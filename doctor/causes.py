@@ -9,8 +9,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from doctor.evidence import KubeletProcess, NodeEvidence, PluginEvidence, PluginProcesses, SocketProbe
-from doctor.logscan import LogFindings
+from doctor.evidence import (
+    DriverNodes,
+    KubeletProcess,
+    NodeEvidence,
+    PluginEvidence,
+    PluginProcesses,
+    SocketProbe,
+)
+from doctor.logscan import DRIVER_FIX, RESTART_PLUGIN, RUNTIME_FIX, LogFindings, LogHit
+from doctor.shell import command
 from initcheck.checks import Finding
 from initcheck.flags import AUTO_DEVICES
 
@@ -21,6 +29,8 @@ CAUSES = (
     ("socket-path", "socket path mismatch"),
     ("socket-permission", "socket permission"),
     ("protocol", "API/protocol mismatch"),
+    ("driver-runtime", "GPU driver or container runtime"),
+    ("socket-owner", "another plugin owns the socket"),
     ("plugin-not-serving", "plugin not serving"),
     ("plugin-not-registered", "plugin not registered"),
     ("devices-not-registered", "devices visible, not registered"),
@@ -36,18 +46,18 @@ PERMISSION_CHECKS = frozenset(
     ("PERMISSION_DENIED", "OWNER_MISMATCH", "GROUP_MISMATCH", "MODE_MISMATCH", "MODE_TOO_OPEN")
 )
 # A fix line starting with "$ " is a command: printed so that it pastes (wrapped with backslashes).
-RESTART_PLUGIN = (
-    "$ kubectl -n kube-system delete pod -l app.kubernetes.io/component=hami-device-plugin "
-    "--field-selector spec.nodeName=$(hostname)"
-)
-KUBELET_LOG_FIX = (
-    "the kubelet rejected the plugin or could not dial it back; the newest lines say why:",
-    "$ journalctl -u kubelet --since -1h | grep -i 'device plugin'",
-)
-PLUGIN_LOG_FIX = (
-    "the plugin could not register: start it only once the kubelet listens (the hami-initcheck "
-    "init container with --wait 60), then restart it:",
+OTHER_PLUGIN_FIX = (
+    "two device plugins serve the same socket and resource on this node (the GPU Operator's NVIDIA "
+    "plugin beside HAMi): the kubelet keeps whichever registered last. Run one: turn the other off "
+    "(GPU Operator: the node label below, or devicePlugin.enabled=false in its chart), then restart "
+    "this plugin:",
+    "$ kubectl label node $(hostname) nvidia.com/gpu.deploy.device-plugin=false",
+    "$ kubectl get pods -A -o wide --field-selector spec.nodeName=$(hostname) | grep -i device-plugin",
     RESTART_PLUGIN,
+)
+DRIVER_FIRST = (
+    "the GPU driver or container runtime problem above explains this: fix it first, restarting the "
+    "plugin alone does not help"
 )
 # Growth between two samples that no healthy plugin shows.
 FD_GROWTH = 100
@@ -60,14 +70,17 @@ class Cause:
     verdict: Verdict
     evidence: list[str] = field(default_factory=list)
     fix: list[str] = field(default_factory=list)
+    _problems: int = field(default=0, repr=False, compare=False)
 
     @property
     def title(self) -> str:
         return TITLES[self.id]
 
     def problem(self, evidence: str, fix: Iterable[str] = ()) -> None:
+        """A problem's evidence goes before every note, so that the first line is the failing check."""
         self.verdict = "problem"
-        self.evidence.append(evidence)
+        self.evidence.insert(self._problems, evidence)
+        self._problems += 1
         self.fix += [f for f in fix if f not in self.fix]
 
     def as_dict(self) -> dict[str, Any]:
@@ -87,14 +100,21 @@ def diagnose(e: NodeEvidence) -> list[Cause]:
         path,
         permission,
         protocol_cause(e.kubelet_socket),
+        driver_cause(e.plugin_logs, e.driver),
+        owner_cause(e.plugins),
         serving_cause(e.plugins),
         registration_cause(e.plugins),
         devices_cause(e.plugins, e.expect_devices, e.device_glob, e.host_devices),
-        log_cause("kubelet-log", e.kubelet_logs, KUBELET_LOG_FIX),
-        log_cause("plugin-log", e.plugin_logs, PLUGIN_LOG_FIX),
+        log_cause("kubelet-log", e.kubelet_logs),
+        log_cause("plugin-log", e.plugin_logs),
         growth_cause(e.plugin_process, e.rss_growth_mib),
         version_cause(e.kubelet),
     ]
+    driver = causes[3]
+    if driver.verdict == "problem":  # restarting a plugin that cannot see a GPU mends nothing
+        for c in causes[5:8]:
+            if c.verdict == "problem":
+                c.fix = [DRIVER_FIRST]
     causes.sort(key=lambda c: (c.verdict != "problem", ORDER[c.id]))
     return causes
 
@@ -132,6 +152,64 @@ def protocol_cause(kubelet: SocketProbe) -> Cause:
     return Cause("protocol", "unknown", [f"kubelet.sock did not answer: {kubelet.reason}"])
 
 
+def driver_cause(plugin_logs: Sequence[LogFindings], nodes: DriverNodes) -> Cause:
+    """The plugin cannot reach a GPU: its NVML errors, or no NVIDIA device nodes on the host."""
+    cause = Cause("driver-runtime", "ok")
+    hits = [(f, h) for f in plugin_logs if f.read for h in f.current if h.pattern.cause == "driver-runtime"]
+    for f, h in hits:
+        fix: Sequence[str] = h.pattern.fix
+        if "container runtime" in h.meaning:
+            fix = RUNTIME_FIX
+        elif "kernel driver" in h.meaning or "kernel module" in h.meaning:
+            fix = DRIVER_FIX
+        elif h.text.startswith("No devices found") and nodes.checked:
+            # GPUs on the host, none in the container: the runtime; none on the host: the driver.
+            fix = RUNTIME_FIX if nodes.gpus else DRIVER_FIX
+        cause.problem(_hit_line(f.source, h), fix)
+    if nodes.checked:
+        if not nodes.control:
+            cause.problem(
+                f"no {nodes.folder}/nvidiactl on the host: the NVIDIA driver is not loaded, or this node "
+                "has no GPU",
+                DRIVER_FIX,
+            )
+        else:
+            cause.evidence.append(
+                f"{nodes.folder}/nvidiactl and {len(nodes.gpus)} GPU device node(s) on the host"
+            )
+    for f in plugin_logs:
+        for h in f.history:
+            if h.pattern.cause == "driver-runtime":
+                cause.evidence.append("history: " + _hit_line(f.source, h))
+    if cause.verdict == "ok" and not nodes.checked and not any(f.read and f.lines for f in plugin_logs):
+        cause.verdict = "unknown"
+        cause.evidence.append(
+            "no plugin log line was read, and the host's device nodes were not checked "
+            "(--expect-devices auto with --device-glob on the host's /dev)"
+        )
+    elif cause.verdict == "ok" and not cause.evidence:
+        cause.evidence.append("the plugin's log shows no NVML error")
+    return cause
+
+
+def owner_cause(plugins: Sequence[PluginEvidence]) -> Cause:
+    """Another process's listener behind the plugin's socket file: a second plugin took the socket."""
+    cause = Cause("socket-owner", "ok")
+    unknown = []
+    for p in plugins:
+        line = f"{p.spec.socket}: {p.owner.reason}"
+        if p.owner.verdict == "elsewhere":
+            cause.problem(line, OTHER_PLUGIN_FIX)
+        elif p.owner.verdict == "this-pod":
+            cause.evidence.append(line)
+        else:
+            unknown.append(line)
+    if cause.verdict == "ok" and unknown:
+        cause.verdict = "unknown"
+    cause.evidence += unknown
+    return cause
+
+
 def serving_cause(plugins: Sequence[PluginEvidence]) -> Cause:
     cause = Cause("plugin-not-serving", "ok")
     for p in plugins:
@@ -142,7 +220,7 @@ def serving_cause(plugins: Sequence[PluginEvidence]) -> Cause:
         stale = (
             [
                 "the plugin died and left its socket behind (hami-doctor --fix removes it):",
-                f"$ rm {p.probe.path}",
+                "$ " + command("rm", "--", p.probe.path),
             ]
             if p.probe.stale
             else []
@@ -199,18 +277,28 @@ def devices_cause(
     return cause
 
 
-def log_cause(cause_id: str, findings: Sequence[LogFindings], fix: Sequence[str]) -> Cause:
-    readable = [f for f in findings if f.read]
+def _hit_line(source: str, h: LogHit) -> str:
+    return f"{source}: {h.count} x '{h.text}': {h.meaning}; newest: {h.newest}"
+
+
+def log_cause(cause_id: str, findings: Sequence[LogFindings]) -> Cause:
+    """Each current error line of this row's patterns is a problem with its own fix; an error a later
+    registration followed is history. A log of which no line could be read is unknown, never ok."""
+    readable = [f for f in findings if f.read and f.lines]
     if not readable:
-        why = "; ".join(f.problem for f in findings) or "no log given"
+        why = "; ".join(f.problem or f"{f.source}: no line could be read" for f in findings) or "no log given"
         return Cause(cause_id, "unknown", [why])
     cause = Cause(cause_id, "ok")
     for f in readable:
-        if not f.errors:
-            cause.evidence.append(f"{f.source}: no registration error")
-            continue
-        for pattern, n in sorted(f.counts.items(), key=lambda kv: -kv[1]):
-            cause.problem(f"{f.source}: {n} x '{pattern}', newest: {f.last[pattern]}", fix)
+        mine = [h for h in f.hits if h.pattern.cause == cause_id]
+        for h in mine:
+            if h.history:
+                cause.evidence.append(f"history (registered since): {_hit_line(f.source, h)}")
+            else:
+                cause.problem(_hit_line(f.source, h), h.pattern.fix)
+        if not any(not h.history for h in mine):
+            last = f"; newest registration: {f.registered}" if f.registered else ""
+            cause.evidence.insert(cause._problems, f"{f.source}: no current registration error{last}")
     return cause
 
 
@@ -251,7 +339,12 @@ def version_cause(kubelet: KubeletProcess) -> Cause:
         why = kubelet.why or "the kubelet binary did not print a Kubernetes version"
         return Cause("kubelet-version", "unknown", [f"version unknown: {why}"])
     major, minor, _ = (int(x) for x in kubelet.version.split("."))
-    notes = [f"kubelet v{kubelet.version}; device plugin API v1beta1 is the only one served"]
+    where = (
+        f" (inside {kubelet.process}, {kubelet.distribution})"
+        if kubelet.process not in ("", "kubelet")
+        else ""
+    )
+    notes = [f"kubelet v{kubelet.version}{where}; device plugin API v1beta1 is the only one served"]
     if (major, minor) >= (1, 25):
         notes.append(
             "Register is synchronous since 1.25: the plugin must serve its socket before it registers"

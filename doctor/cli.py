@@ -1,37 +1,87 @@
-"""hami-doctor's command line: settings, evidence, causes, repairs, one of three outputs, exit code."""
+"""hami-doctor's command line: settings, evidence, causes, repairs, one of three outputs, exit code.
+
+Never a traceback: a usage error is one line (with --npd, NPD's Unknown line on stdout), and an
+internal error is one line in every output, exit 2.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import json
+import os
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from doctor import causes, evidence, render, repairs
+from doctor.npd import npd_error, npd_usage, one_line
 from doctor.settings import DoctorSettings, parse_settings
+from initcheck.envflags import env_name
+
+if TYPE_CHECKING:
+    from doctor.render import Report
+
+USAGE = 2
 
 
-def diagnose(settings: DoctorSettings) -> render.Report:
-    """Gather the evidence, judge it, plan the repairs and, with --fix, apply them."""
+def diagnose(settings: DoctorSettings) -> Report:
+    """Gather the evidence, judge it, plan the repairs and, with --fix, apply them.
+
+    The modules that need grpc and psutil are imported here, so that a broken installation is an
+    internal error the command line reports in one line, not a traceback at import.
+    """
+    from doctor import causes, evidence, render, repairs
+
     found = asyncio.run(evidence.gather(settings))
     planned = repairs.plan(found)
     return render.Report(
         causes.diagnose(found),
         repairs.apply(planned) if settings.fix else planned,
         found.kubelet,
+        found.errors,
     )
+
+
+def wants_npd(argv: Sequence[str], environ: dict[str, str] | os._Environ[str]) -> bool:
+    """--npd as the parser would read it, before the parser runs (a usage error must answer NPD too)."""
+    if "--npd" in argv:
+        return True
+    return environ.get(env_name("--npd"), "").lower() in ("1", "true", "yes", "on")
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     out = out or sys.stdout
-    settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if wants_npd(argv, os.environ):
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                settings = parse_settings(argv)
+        except SystemExit as e:
+            if e.code in (0, None):
+                raise
+            print(npd_usage(err.getvalue().splitlines()[0] if err.getvalue() else "bad flags"), file=out)
+            return USAGE
+    else:
+        settings = parse_settings(argv)
     try:
         report = diagnose(settings)
-    except Exception as e:  # an internal error is NPD's Unknown, never a traceback
+        from doctor import render
+    except Exception as e:  # an internal error is one line in every output, never a traceback
         if settings.npd:
-            print(render.npd_error(e), file=out)
-            return 2
-        raise
+            print(npd_error(e), file=out)
+        elif settings.output == "json":
+            print(
+                json.dumps({"healthy": None, "exit_code": USAGE, "error": f"{type(e).__name__}: {e}"}),
+                file=out,
+            )
+        else:
+            print(
+                f"hami-doctor: could not diagnose: {type(e).__name__}: {one_line(str(e))}",
+                file=sys.stderr,
+            )
+        return USAGE
     if settings.fix:
         to = out if not settings.npd and settings.output == "text" else sys.stderr
         for line in render.fix_lines(report.repairs):

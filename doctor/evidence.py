@@ -12,19 +12,23 @@ reports (NPD's Unknown), not a failed import.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import errno
 import glob
 import os
 import re
 import stat
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from doctor.logscan import (
-    KUBELET_ERRORS,
-    PLUGIN_ERRORS,
+    KUBELET_PATTERNS,
+    KUBELET_UNITS,
+    PLUGIN_PATTERNS,
+    RKE2_KUBELET_LOG,
     LogFindings,
     plugin_log_files,
     scan_file,
@@ -42,6 +46,7 @@ from sidecar.probes import (
     probe_plugin,
     registration_evidence,
 )
+from sidecar.unixdiag import SocketOwner, socket_owner
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,9 @@ class SocketProbe:
         return self.state == "refused"
 
 
+NOT_CHECKED = SocketOwner("unknown", "not checked")
+
+
 @dataclass(frozen=True)
 class PluginEvidence:
     spec: PluginSpec
@@ -69,6 +77,7 @@ class PluginEvidence:
     registered: bool  # the kubelet's records show it accepted the plugin since both sockets were made
     registration: str  # why, in a sentence
     listed: int  # devices the kubelet lists: pod-resources' count when it answered, else the checkpoint's
+    owner: SocketOwner = NOT_CHECKED  # whose listener serves the socket file
 
 
 @dataclass(frozen=True)
@@ -78,11 +87,30 @@ class KubeletProcess:
     pid: int | None = None
     version: str | None = None  # "1.29.3", or None when the binary did not say
     listening: tuple[str, ...] = ()
+    distribution: str = ""  # kubelet, k3s, rke2 or microk8s; "" when not visible
+    process: str = ""  # the process that runs the kubelet (kubelet, k3s-server, kubelite, ...)
 
     def as_dict(self) -> dict[str, Any]:
         if not self.visible:
             return {"visible": False, "why": self.why}
-        return {"visible": True, "pid": self.pid, "listening": list(self.listening), "version": self.version}
+        return {
+            "visible": True,
+            "pid": self.pid,
+            "listening": list(self.listening),
+            "version": self.version,
+            "distribution": self.distribution,
+            "process": self.process,
+        }
+
+
+@dataclass(frozen=True)
+class DriverNodes:
+    """The host's NVIDIA device nodes, in the folder of --device-glob (checked with --expect-devices auto)."""
+
+    checked: bool
+    folder: str = ""
+    control: bool = False  # <folder>/nvidiactl exists: the driver is loaded
+    gpus: tuple[str, ...] = ()  # <folder>/nvidia[0-9]*
 
 
 @dataclass(frozen=True)
@@ -118,6 +146,10 @@ class PluginProcesses:
 class SocketFile:
     path: str
     listening: bool  # connect() was accepted
+    # The file that was judged: (st_dev, st_ino, st_mtime_ns, st_ctime_ns), the same before and after the
+    # connect() test; None when it changed in between (then nothing is concluded about it).
+    identity: tuple[int, int, int, int] | None = None
+    age: float = 0.0  # seconds since it was made (its mtime: bind() sets it, nothing writes a socket)
 
 
 @dataclass(frozen=True)
@@ -136,6 +168,25 @@ class NodeEvidence:
     device_glob: str = ""
     host_devices: tuple[str, ...] = ()  # the glob's matches, read only for AUTO_DEVICES
     rss_growth_mib: float = 20.0
+    driver: DriverNodes = DriverNodes(checked=False)
+    errors: tuple[str, ...] = ()  # evidence that could not be gathered, and why
+
+
+T = TypeVar("T")
+
+
+class Gathering:
+    """Runs each reader; a reader that fails is said in `errors`, and its fallback stands in."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def take(self, what: str, read: Callable[[], T], fallback: T) -> T:
+        try:
+            return read()
+        except Exception as e:  # one broken reader never costs the whole report
+            self.errors.append(f"{what}: {type(e).__name__}: {e}")
+            return fallback
 
 
 async def gather(s: DoctorSettings) -> NodeEvidence:
@@ -148,8 +199,13 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
         expect_mode=s.expect_mode,
         kubelet_process=s.kubelet_process_name,
     )
+    g = Gathering()
     findings = tuple(run_checks(options))  # as the init container runs them: connect, not strict
     paths = [s.plugin_path(p) for p in s.plugins]
+    # Whose listener serves each plugin socket, read before the probes: a probe's own connection lingers.
+    owners = [
+        g.take(f"owner of {path}", partial(socket_owner, path, s.kubelet_path), _NO_OWNER) for path in paths
+    ]
     kubelet, *probes = await asyncio.gather(
         probe_kubelet(s.kubelet_path, s.probe_timeout),
         *(probe_plugin(path, s.probe_timeout) for path in paths),
@@ -163,25 +219,70 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
         checkpoint = e
     plugins = tuple(
         _plugin_evidence(
-            spec, path, probe=probe, kubelet=kubelet, checkpoint=checkpoint, pod_resources=pod_resources
+            spec,
+            path,
+            probe=probe,
+            kubelet=kubelet,
+            checkpoint=checkpoint,
+            pod_resources=pod_resources,
+            owner=owner,
         )
-        for spec, path, probe in zip(s.plugins, paths, probes, strict=True)
+        for spec, path, probe, owner in zip(s.plugins, paths, probes, owners, strict=True)
     )
+    process = g.take(
+        "the kubelet's process",
+        lambda: kubelet_process(s.kubelet_process_name),
+        KubeletProcess(False, "the kubelet's process could not be read"),
+    )
+    none: tuple[str, ...] = ()
+    host = (
+        g.take("host devices", lambda: tuple(sorted(glob.glob(s.device_glob))), none)
+        if s.expect_devices == AUTO_DEVICES
+        else none
+    )
+    nvidia = any(p.resource.startswith("nvidia.com/") for p in s.plugins)
     return NodeEvidence(
         findings=findings,
         kubelet_socket=_socket_probe(s.kubelet_path, kubelet),
         plugins=plugins,
-        kubelet=kubelet_process(s.kubelet_process_name),
-        kubelet_logs=tuple(kubelet_logs(s.kubelet_log, s.since)),
-        plugin_logs=tuple(plugin_logs(s.plugin_log, s.since)),
-        plugin_process=await asyncio.to_thread(sample_processes, s.plugin_process_name, s.sample_interval),
-        folder_sockets=tuple(folder_sockets(s.device_plugin_dir)),
+        kubelet=process,
+        kubelet_logs=tuple(g.take("kubelet log", lambda: kubelet_logs(s.kubelet_log, s.since), [])),
+        plugin_logs=tuple(g.take("plugin log", lambda: plugin_logs(s.plugin_log, s.since), [])),
+        plugin_process=await asyncio.to_thread(
+            g.take,
+            "plugin process",
+            lambda: sample_processes(s.plugin_process_name, s.sample_interval),
+            PluginProcesses(s.plugin_process_name, visible=False),
+        ),
+        folder_sockets=tuple(g.take("sockets", lambda: folder_sockets(s.device_plugin_dir), [])),
         kubelet_path=os.path.abspath(s.kubelet_path),
         expect_devices=s.expect_devices,
         device_glob=s.device_glob,
-        host_devices=tuple(sorted(glob.glob(s.device_glob))) if s.expect_devices == AUTO_DEVICES else (),
+        host_devices=host,
         rss_growth_mib=s.rss_growth_mib,
+        driver=g.take(
+            "driver nodes",
+            lambda: (
+                driver_nodes(s.device_glob)
+                if nvidia and s.expect_devices == AUTO_DEVICES
+                else DriverNodes(False)
+            ),
+            DriverNodes(False),
+        ),
+        errors=tuple(g.errors),
     )
+
+
+_NO_OWNER = SocketOwner("unknown", "could not be read")
+
+
+def driver_nodes(device_glob: str) -> DriverNodes:
+    """nvidiactl and the GPU nodes in the folder of the device glob (the host's /dev, as mounted)."""
+    folder = os.path.dirname(device_glob) or "/dev"
+    if not os.path.isdir(folder):
+        return DriverNodes(False, folder)
+    gpus = tuple(sorted(glob.glob(os.path.join(glob.escape(folder), "nvidia[0-9]*"))))
+    return DriverNodes(True, folder, os.path.exists(os.path.join(folder, "nvidiactl")), gpus)
 
 
 def _socket_probe(path: str, result: ProbeResult) -> SocketProbe:
@@ -196,6 +297,7 @@ def _plugin_evidence(
     kubelet: ProbeResult,
     checkpoint: Checkpoint | CheckpointError,
     pod_resources: dict[str, int] | str,
+    owner: SocketOwner,
 ) -> PluginEvidence:
     ev = registration_evidence(checkpoint, spec.resource, kubelet.identity, probe.identity)
     count = pod_resources.get(spec.resource) if isinstance(pod_resources, dict) else None
@@ -205,41 +307,57 @@ def _plugin_evidence(
         registered=ev.ok,
         registration=ev.reason,
         listed=count if count is not None else (ev.devices or 0),
+        owner=owner,
     )
 
 
 def kubelet_process(name: str) -> KubeletProcess:
-    """pid, version and listening paths of the kubelet, or why they are unknown."""
+    """pid, version and listening paths of the kubelet (in k3s or kubelite too), or why they are unknown."""
     if not process_visible(name):
         return KubeletProcess(False, f"no process named {name} is visible (run with hostPID)")
-    from initcheck.kubelet import KubeletLookupError, find_kubelet, listening_paths
+    from initcheck.kubelet import KubeletLookupError, listening_paths
 
     try:
-        proc = find_kubelet(name)
-        listening = listening_paths(name).paths
+        found = listening_paths(name)
     except KubeletLookupError as e:
         return KubeletProcess(False, str(e))
-    try:
-        out = subprocess.run(
-            [f"/proc/{proc.pid}/exe", "--version"], capture_output=True, text=True, timeout=5, check=False
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        out = ""
-    m = re.search(r"Kubernetes v(\d+)\.(\d+)\.(\d+)", out)
     return KubeletProcess(
-        True, pid=proc.pid, version=".".join(m.groups()) if m else None, listening=listening
+        True,
+        pid=found.pid,
+        version=kubelet_version(found.pid, found.process),
+        listening=found.paths,
+        distribution=found.distribution,
+        process=found.process,
     )
 
 
+def kubelet_version(pid: int, process: str) -> str | None:
+    """`--version` of the kubelet's binary: asked only of kubelet and k3s, which print it and exit."""
+    if process != "kubelet" and not process.startswith("k3s"):
+        return None
+    try:
+        out = subprocess.run(
+            [f"/proc/{pid}/exe", "--version"], capture_output=True, text=True, timeout=5, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"Kubernetes v(\d+)\.(\d+)\.(\d+)", out) or re.search(r"v(\d+)\.(\d+)\.(\d+)\+k3s", out)
+    return ".".join(m.groups()) if m else None
+
+
 def kubelet_logs(where: str, since: float) -> list[LogFindings]:
-    if where == "journal":
-        return [scan_journal("kubelet", KUBELET_ERRORS, since)]
-    return [scan_file(where, KUBELET_ERRORS, since)] if where else []
+    """auto: the journal units of every distribution, and RKE2's kubelet log file when there is one."""
+    if where in ("auto", "journal"):
+        found = [scan_journal(KUBELET_UNITS, KUBELET_PATTERNS, since)]
+        if where == "auto" and os.path.exists(RKE2_KUBELET_LOG):
+            found.append(scan_file(RKE2_KUBELET_LOG, KUBELET_PATTERNS, since))
+        return found
+    return [scan_file(where, KUBELET_PATTERNS, since)] if where else []
 
 
 def plugin_logs(where: str, since: float) -> list[LogFindings]:
     paths = plugin_log_files() if where == "auto" else [where]
-    found = [scan_file(p, PLUGIN_ERRORS, since) for p in paths]
+    found = [scan_file(p, PLUGIN_PATTERNS, since) for p in paths]
     return found or [LogFindings("/var/log/pods/*device-plugin*", problem="no device plugin log found")]
 
 
@@ -274,16 +392,35 @@ def sample_processes(name: str, interval: float) -> PluginProcesses:
 
 
 def folder_sockets(folder: str) -> list[SocketFile]:
-    """Every `*.sock` socket file in the folder, and whether something accepts connections on it."""
-    found = []
-    with contextlib.suppress(OSError):
-        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-            if not entry.name.endswith(".sock"):
-                continue
-            try:
-                if not stat.S_ISSOCK(os.lstat(entry.path).st_mode):
-                    continue
-            except OSError:
-                continue
-            found.append(SocketFile(entry.path, listening=try_connect(entry.path, timeout=0.2) is None))
+    """Every `*.sock` socket file in the folder, whether something accepts connections on it, and which
+    file was judged: its identity before and after the connect() test, None when it changed between."""
+    found: list[SocketFile] = []
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return found
+    for name in names:
+        if not name.endswith(".sock"):
+            continue
+        path = os.path.abspath(os.path.join(folder, name))
+        before = _identity(path)
+        if before is None:
+            continue
+        err = try_connect(path, timeout=0.2)
+        after = _identity(path)
+        if err is not None and err != errno.ECONNREFUSED:
+            continue  # vanished, denied: nothing to conclude
+        same = before if before == after else None
+        age = time.time() - before[2] / 1e9  # since its creation: a socket file is never written
+        found.append(SocketFile(path, listening=err is None, identity=same, age=age))
     return found
+
+
+def _identity(path: str) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(st.st_mode):
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns

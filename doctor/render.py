@@ -5,15 +5,16 @@ from __future__ import annotations
 import json
 import textwrap
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from doctor.causes import Cause
 from doctor.evidence import KubeletProcess
+from doctor.npd import NPD_MAX, one_line
 from doctor.repairs import Repair
+from doctor.shell import split_words
 
 WIDTH = 80
-NPD_MAX = 200  # node-problem-detector keeps this much of a custom plugin's message
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class Report:
     causes: list[Cause]  # problems first, in causal order
     repairs: list[Repair]
     kubelet: KubeletProcess
+    errors: tuple[str, ...] = ()  # evidence that could not be gathered
 
     @property
     def problems(self) -> list[Cause]:
@@ -36,8 +38,9 @@ class Report:
             "exit_code": self.exit_code,
             "most_likely": self.problems[0].id if self.problems else None,
             "causes": [c.as_dict() for c in self.causes],
-            "repairs": [asdict(r) for r in self.repairs],
+            "repairs": [r.as_dict() for r in self.repairs],
             "kubelet": self.kubelet.as_dict(),
+            "errors": list(self.errors),
         }
 
 
@@ -62,24 +65,30 @@ def as_text(report: Report, fixing: bool) -> str:
     room = WIDTH - 45  # after "NN  CAUSE (31) VERDICT (8) "
     for i, c in enumerate(report.causes, 1):
         verdict = "PROBLEM" if c.verdict == "problem" else c.verdict
-        summary = "; ".join(c.evidence)
+        summary = one_line("; ".join(c.evidence))
         if len(summary) > room:
             summary = summary[: room - 1] + "…"
         lines.append(f"{i:>2}  {c.title:<31} {verdict:<8} {summary}".rstrip())
         if c.verdict == "problem":
-            lines += [wrap.fill(line) for line in c.evidence]
-            lines += [shell_lines(f[2:]) if f.startswith("$ ") else wrap.fill("fix: " + f) for f in c.fix]
+            lines += [wrap.fill(one_line(line)) for line in c.evidence]
+            lines += [
+                shell_lines(f[2:]) if f.startswith("$ ") else wrap.fill(one_line("fix: " + f)) for f in c.fix
+            ]
     if report.repairs and not fixing:
         lines += ["", "repairs (hami-doctor --fix applies these and nothing else):"]
         for r in report.repairs:
-            lines += [wrap.fill(f"# {r.why}"), shell_lines(r.command)]
+            lines += [wrap.fill(one_line(f"# {r.why}")), shell_lines(r.command)]
+    if report.errors:
+        lines += ["", "not read (the rows above do without it):"]
+        lines += [wrap.fill(one_line(e)) for e in report.errors]
     return "\n".join(lines)
 
 
 def shell_lines(command: str, indent: int = 6) -> str:
-    """A command wrapped at 80 columns with backslashes, so that it still pastes into a shell."""
+    """A command wrapped at 80 columns with backslashes between its words (never inside a quoted word),
+    so that it still pastes into a shell."""
     lines, line = [], ""
-    for word in command.split(" "):
+    for word in split_words(command):
         if line and indent + len(line) + 1 + len(word) > WIDTH - 2:
             lines.append(line + " \\")
             line = "  " + word
@@ -93,13 +102,9 @@ def npd_line(report: Report) -> str:
     if not report.problems:
         return "hami-doctor: the device plugin is registered"
     c = report.problems[0]
-    return f"{c.title}: {c.evidence[0] if c.evidence else 'problem'}"[:NPD_MAX]
-
-
-def npd_error(error: BaseException) -> str:
-    return f"hami-doctor could not diagnose: {type(error).__name__}: {error}"[:NPD_MAX]
+    return one_line(f"{c.title}: {c.evidence[0] if c.evidence else 'problem'}")[:NPD_MAX]
 
 
 def fix_lines(repairs: Iterable[Repair]) -> list[str]:
     """What --fix did, one line per repair."""
-    return [f"fix: {r.command}: {'done' if r.applied else r.error}" for r in repairs]
+    return [one_line(f"fix: {r.command}: {'done' if r.applied else r.error}") for r in repairs]

@@ -35,7 +35,7 @@ class DoctorSettings:
     expect_owner: int | None = None  # None: not checked
     expect_group: int | None = None
     expect_mode: int | None = None
-    kubelet_log: str = "journal"  # a file, or journal (journalctl -u kubelet)
+    kubelet_log: str = "auto"  # a file; journal (the kubelet's units); auto (journal, and RKE2's file)
     plugin_log: str = "auto"  # a file, or auto (the newest /var/log/pods/*device-plugin* log)
     since: float = 3600.0
     kubelet_process_name: str = DEFAULT_KUBELET_PROCESS
@@ -77,7 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
             flags.kubelet_process_flag(kubelet_process_name=d.kubelet_process_name),
         ],
     )
-    p.add_argument("--kubelet-log", default=d.kubelet_log, help="a file, or journal (journalctl -u kubelet)")
+    p.add_argument(
+        "--kubelet-log",
+        default=d.kubelet_log,
+        help="a file; journal (units kubelet, k3s, k3s-agent, snap.microk8s.daemon-kubelite); or auto "
+        "(default: the journal, and RKE2's kubelet.log when present)",
+    )
     p.add_argument(
         "--plugin-log", default=d.plugin_log, help="a file, or auto (/var/log/pods/*device-plugin*)"
     )

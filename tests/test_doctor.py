@@ -4,6 +4,7 @@ every rule, repair and rendering in-process from evidence built by hand."""
 from __future__ import annotations
 
 import asyncio
+import calendar
 import contextlib
 import hashlib
 import json
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,8 +24,9 @@ import pytest
 
 from doctor.causes import (
     CAUSES,
+    DRIVER_FIRST,
     ORDER,
-    RESTART_PLUGIN,
+    OTHER_PLUGIN_FIX,
     Cause,
     devices_cause,
     diagnose,
@@ -35,6 +38,7 @@ from doctor.causes import (
     version_cause,
 )
 from doctor.evidence import (
+    DriverNodes,
     KubeletProcess,
     NodeEvidence,
     PluginEvidence,
@@ -43,15 +47,30 @@ from doctor.evidence import (
     ProcessSample,
     SocketFile,
     SocketProbe,
+    folder_sockets,
 )
-from doctor.logscan import LogFindings
+from doctor.logscan import (
+    DRIVER_FIX,
+    KUBELET_PATTERNS,
+    PLUGIN_PATTERNS,
+    RESTART_PLUGIN,
+    RUNTIME_FIX,
+    LogFindings,
+    lines_of,
+    read_tail,
+    scan,
+    scan_file,
+)
 from doctor.render import Report, as_json, as_text, fix_lines, npd_line, shell_lines
-from doctor.repairs import STALE, Repair, apply, plan
-from initcheck.checks import Finding
+from doctor.repairs import MIN_AGE, STALE, Repair, apply, plan, removal
+from doctor.shell import quote, split_words
+from initcheck.checks import Finding, try_connect
 from initcheck.flags import AUTO_DEVICES, PluginSpec
 from sidecar.rpc import unix_target
-from sidecar.testing import FakeDevicePlugin, FakeKubelet
+from sidecar.testing import FakeDevicePlugin, FakeKubelet, netns
 from sidecar.testing.grpcserve import GoStyleUnimplemented
+from sidecar.testing.netns import Netns
+from sidecar.unixdiag import SocketOwner
 from tests.conftest import wait_for
 
 GPU = "nvidia.com/gpu"
@@ -80,10 +99,14 @@ class Doctor:
             *extra,
         ]  # fmt: skip
 
-    async def run(self, *extra: str, env: dict[str, str] | None = None) -> tuple[int, str]:
-        """The one way a test starts hami-doctor: a real process, never a traceback on stderr."""
+    async def run(
+        self, *extra: str, env: dict[str, str] | None = None, ns: Netns | None = None
+    ) -> tuple[int, str]:
+        """The one way a test starts hami-doctor: a real process (in `ns`, a pod's network namespace, when
+        given), never a traceback on stderr."""
+        argv = self.argv(*extra)
         proc = await asyncio.create_subprocess_exec(
-            *self.argv(*extra),
+            *(ns.command(argv) if ns is not None else argv),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env={**os.environ, **(env or {})},
@@ -93,8 +116,10 @@ class Doctor:
         assert proc.returncode is not None
         return proc.returncode, out.decode()
 
-    async def report(self, *extra: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, object]]:
-        code, out = await self.run("--output", "json", *extra, env=env)
+    async def report(
+        self, *extra: str, env: dict[str, str] | None = None, ns: Netns | None = None
+    ) -> tuple[int, dict[str, object]]:
+        code, out = await self.run("--output", "json", *extra, env=env, ns=ns)
         doc: dict[str, object] = json.loads(out)
         return code, doc
 
@@ -105,24 +130,55 @@ def verdicts(doc: dict[str, object]) -> dict[str, str]:
     return {c["id"]: c["verdict"] for c in causes}
 
 
+def row(doc: dict[str, object], cause_id: str) -> dict[str, Any]:
+    causes = doc["causes"]
+    assert isinstance(causes, list)
+    (found,) = [c for c in causes if c["id"] == cause_id]
+    assert isinstance(found, dict)
+    return found
+
+
 @pytest.fixture
 def doctor(dp_dir: str, short_tmp: str) -> Doctor:
     os.makedirs(os.path.join(short_tmp, "dev"))
-    for i in range(2):  # the host's two GPUs, as the simulated plugin reports them
-        Path(short_tmp, "dev", f"nvidia{i}").touch()
+    for name in ("nvidia0", "nvidia1", "nvidiactl"):  # the host's two GPUs and the driver's control node
+        Path(short_tmp, "dev", name).touch()
     kubelet_log = os.path.join(short_tmp, "kubelet.log")
     plugin_log = os.path.join(short_tmp, "plugin.log")
-    Path(kubelet_log).write_text(
-        klog("I", '"Got registration request from device plugin with resource" resourceName="nvidia.com/gpu"')
+    Path(kubelet_log).write_text(klog("I", REQUEST, file="server.go:146"))
+    Path(plugin_log).write_text(
+        cri(klog("I", "Starting GRPC server for 'nvidia.com/gpu'", pid=1, file="server.go:528"))
+        + cri(
+            klog(
+                "I", "Registered device plugin for 'nvidia.com/gpu' with Kubelet", pid=1, file="server.go:330"
+            )
+        )
     )
-    Path(plugin_log).write_text("I1202 Starting GRPC server for 'nvidia.com/gpu'\nRegistered device plugin\n")
     return Doctor(dp_dir, short_tmp, kubelet_log, plugin_log)
 
 
-def klog(level: str, message: str, at: float | None = None) -> str:
+REQUEST = '"Got registration request from device plugin with resource" resourceName="nvidia.com/gpu"'
+
+
+def klog(
+    level: str, message: str, at: float | None = None, pid: int = 12345, file: str = "manager.go:123"
+) -> str:
+    """A line as klog writes it: `I1203 06:02:46.123456   12345 manager.go:123] message`."""
     t = time.localtime(at if at is not None else time.time())
-    stamp = f"{t.tm_mon:02d}{t.tm_mday:02d} {t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}.000000"
-    return f"{level}{stamp}    1234 manager.go:1] {message}\n"
+    stamp = f"{t.tm_mon:02d}{t.tm_mday:02d} {t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}.123456"
+    return f"{level}{stamp} {pid:>7} {file}] {message}\n"
+
+
+def cri(line: str, at: float | None = None, stream: str = "stderr") -> str:
+    """A container's line as the kubelet's CRI log file holds it: `<RFC 3339 UTC> stderr F <line>`."""
+    t = time.gmtime(at if at is not None else time.time())
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', t)}.123456789Z {stream} F {line}"
+
+
+def age(path: str, seconds: float = 60.0) -> None:
+    """Make a socket file look `seconds` old (its mtime: what hami-doctor dates a socket by)."""
+    then = time.time() - seconds
+    os.utime(path, (then, then), follow_symlinks=False)
 
 
 @pytest.fixture
@@ -141,11 +197,13 @@ async def test_healthy_node_exits_0_and_every_row_is_ok(
     assert code == 0
     assert doc["healthy"] is True
     rows = verdicts(doc)
-    # Every row is OK but the kubelet's version: no real kubelet binary runs here to ask.
-    assert {k: v for k, v in rows.items() if k != "kubelet-version"} == dict.fromkeys(
-        rows.keys() - {"kubelet-version"}, "ok"
-    )
-    assert rows["kubelet-version"] == "unknown"
+    # Every row is OK but two: no real kubelet binary runs here to ask its version, and the doctor shares
+    # the (simulated) kubelet's network namespace, where whose listener serves a socket cannot be told.
+    unknown = {"kubelet-version", "socket-owner"}
+    assert {k: v for k, v in rows.items() if k not in unknown} == dict.fromkeys(rows.keys() - unknown, "ok")
+    assert {rows[k] for k in unknown} == {"unknown"}
+    assert row(doc, "socket-owner")["evidence"][0].startswith("nvidia-gpu.sock: host network: ")
+    assert doc["errors"] == []
 
 
 async def test_socket_permission(
@@ -191,11 +249,14 @@ async def test_plugin_not_serving_a_stale_socket(
     await plugin.crash(remove_socket=False)
     code, doc = await doctor.report()
     assert (code, doc["most_likely"]) == (1, "plugin-not-serving")
+    assert doc["repairs"] == []  # a socket just made may be a plugin's between bind() and listen()
+    age(plugin.socket_path)
+    code, doc = await doctor.report()
     assert doc["repairs"] == [
         {
             "path": plugin.socket_path,
             "why": "a plugin socket nothing listens on (the plugin died)",
-            "command": f"rm {plugin.socket_path}",
+            "command": f"rm -- {plugin.socket_path}",
             "applied": False,
             "error": "",
         }
@@ -233,35 +294,74 @@ async def test_kubelet_registration_errors(
         f.write(old + bad * 3)
     code, doc = await doctor.report()
     assert (code, doc["most_likely"]) == (1, "kubelet-log")
-    causes = doc["causes"]
-    assert isinstance(causes, list)
-    (row,) = [c for c in causes if c["id"] == "kubelet-log"]
-    assert row["evidence"][0].startswith(
-        f"{doctor.kubelet_log}: 3 x 'Bad registration request from device plugin'"
+    evidence = row(doc, "kubelet-log")["evidence"]
+    assert evidence[0].startswith(
+        f"{doctor.kubelet_log}: 3 x 'Bad registration request from device plugin': the plugin asked for an "
+        "API version other than v1beta1; newest: E"
     )
-    assert "not supported" in row["evidence"][0]
+    assert "not supported" in evidence[0]
 
 
 async def test_kubelet_log_from_journalctl(
     doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin], short_tmp: str
 ) -> None:
-    fake = Path(short_tmp, "bin", "journalctl")
-    fake.parent.mkdir()
-    line = 'E1202 10:00:00.000000 1 x.go:1] "failed to dial device plugin" err="context deadline exceeded"'
-    fake.write_text(f'#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\necho \'{line}\'\n')
-    fake.chmod(0o755)
-    _, doc = await doctor.report(
-        "--kubelet-log", "journal", env={"PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    line = klog(
+        "E",
+        '"Failed to connect to new client" err="failed to dial device plugin: context deadline exceeded" '
+        'resource="nvidia.com/gpu"',
+        file="handler.go:94",
     )
+    _, doc = await doctor.report("--kubelet-log", "journal", env=fake_journal(short_tmp, {"kubelet": line}))
     assert doc["most_likely"] == "kubelet-log"
-    assert Path(short_tmp, "bin", "args").read_text().split()[:2] == ["-u", "kubelet"]
+    assert (
+        "-u kubelet -u k3s -u k3s-agent -u snap.microk8s.daemon-kubelite"
+        in Path(short_tmp, "bin", "args").read_text()
+    )
+    assert row(doc, "kubelet-log")["evidence"][0].endswith(line.strip())
+
+
+def fake_journal(tmp: str, units: dict[str, str]) -> dict[str, str]:
+    """A journalctl on the PATH that prints `units[u]` for each `-u u` asked (and records its arguments)."""
+    fake = Path(tmp, "bin", "journalctl")
+    fake.parent.mkdir(exist_ok=True)
+    script = ["#!/bin/sh", 'echo "$@" > "$(dirname "$0")/args"', 'for a in "$@"; do case "$a" in']
+    for unit, text in units.items():
+        Path(tmp, "bin", f"{unit}.log").write_text(text)
+        script.append(f'  {unit}) cat "$(dirname "$0")/{unit}.log";;')
+    script += ["esac; done", ""]
+    fake.write_text("\n".join(script))
+    fake.chmod(0o755)
+    return {"PATH": f"{fake.parent}:{os.environ['PATH']}"}
+
+
+async def test_k3s_logs_the_kubelet_under_its_own_unit(
+    doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin], short_tmp: str
+) -> None:
+    """On k3s `journalctl -u kubelet` has nothing: the k3s unit holds the kubelet's lines."""
+    _, doc = await doctor.report("--kubelet-log", "journal", env=fake_journal(short_tmp, {"kubelet": ""}))
+    assert row(doc, "kubelet-log")["verdict"] == "unknown"  # no line read: not "ok"
+    assert "no line could be read" in row(doc, "kubelet-log")["evidence"][0]
+    line = klog(
+        "E", '"ListAndWatch ended unexpectedly for device plugin" err="EOF" resource="nvidia.com/gpu"'
+    )
+    env = fake_journal(
+        short_tmp, {"kubelet": "", "k3s": f'time="x" level=info msg="Running kubelet"\n{line}'}
+    )
+    code, doc = await doctor.report("--kubelet-log", "journal", env=env)
+    assert (code, doc["most_likely"]) == (1, "kubelet-log")
 
 
 async def test_plugin_registration_errors(doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin]) -> None:
+    line = klog(
+        "I", "Could not register device plugin: context deadline exceeded", pid=1, file="server.go:325"
+    )
     with open(doctor.plugin_log, "a") as f:
-        f.write("2026-12-02T10:00:00Z Could not register device plugin: context deadline exceeded\n" * 2)
-    code, doc = await doctor.report("--since", "3650d")
+        f.write(cri(line) * 2)
+    code, doc = await doctor.report()
     assert (code, doc["most_likely"]) == (1, "plugin-log")
+    assert row(doc, "plugin-log")["evidence"][0].startswith(
+        f"{doctor.plugin_log}: 2 x 'Could not register device plugin:': kubelet.sock did not answer"
+    )
 
 
 @contextlib.contextmanager
@@ -309,16 +409,18 @@ async def test_fix_removes_only_stale_plugin_sockets_and_prints_each_change(
     other = os.path.join(doctor.dir, "Ascend910B3.sock")  # another dead plugin's socket
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(other)
+    for path in (plugin.socket_path, other):
+        age(path)
     protected = {p: fingerprint(p) for p in (kubelet.socket_path, kubelet.checkpoint_path)}
 
     _, out = await doctor.run()
     assert "repairs (hami-doctor --fix applies these and nothing else):" in out
-    assert f"rm {plugin.socket_path}" in out
+    assert f"rm -- {plugin.socket_path}" in out
     assert os.path.exists(plugin.socket_path)  # without --fix nothing changes
 
     _, out = await doctor.run("--fix")
-    assert f"fix: rm {plugin.socket_path}: done" in out
-    assert f"fix: rm {other}: done" in out
+    assert f"fix: rm -- {plugin.socket_path}: done" in out
+    assert f"fix: rm -- {other}: done" in out
     assert not os.path.exists(plugin.socket_path)
     assert not os.path.exists(other)
     assert {p: fingerprint(p) for p in protected} == protected
@@ -334,22 +436,39 @@ async def test_npd_mode_one_line_and_its_exit_codes(
     code, out = await doctor.run("--npd")
     assert (code, out.count("\n")) == (1, 1)
     assert out.startswith("plugin not serving: ")
-    # An internal error (here a broken psutil installation) is NPD's Unknown, in one line.
-    broken = Path(short_tmp, "broken", "psutil")
-    broken.mkdir(parents=True)
-    (broken / "__init__.py").write_text("raise ImportError('psutil C extension missing')\n")
-    code, out = await doctor.run("--npd", env={"PYTHONPATH": str(broken.parent)})
+    # An internal error (here a broken grpc installation) is NPD's Unknown, in one line.
+    broken = Path(short_tmp, "broken")
+    for name in ("grpc", "psutil"):
+        Path(broken, name).mkdir(parents=True)
+        Path(broken, name, "__init__.py").write_text(f"raise ImportError('{name} C extension missing')\n")
+    code, out = await doctor.run("--npd", env={"PYTHONPATH": str(broken)})
     assert code == 2
     assert out.count("\n") == 1
-    assert out.startswith("hami-doctor could not diagnose: ")
+    assert out.startswith("hami-doctor could not diagnose: ImportError: grpc C extension missing")
+    # A reader that fails costs only its own rows: without psutil, the rest is still judged.
+    Path(broken, "grpc", "__init__.py").unlink()
+    Path(broken, "grpc").rmdir()
+    code, doc = await doctor.report(env={"PYTHONPATH": str(broken)})
+    assert (code, doc["most_likely"]) == (1, "plugin-not-serving")
+    errors = doc["errors"]
+    assert isinstance(errors, list)
+    assert any("psutil C extension missing" in e for e in errors)
+    # Without grpc, each output still ends in one line and exit 2, never a traceback.
+    Path(broken, "grpc").mkdir()
+    Path(broken, "grpc", "__init__.py").write_text("raise ImportError('grpc C extension missing')\n")
+    code, out = await doctor.run("--output", "json", env={"PYTHONPATH": str(broken)})
+    assert (code, json.loads(out)["error"]) == (2, "ImportError: grpc C extension missing")
+    code, out = await doctor.run(env={"PYTHONPATH": str(broken)})
+    assert (code, out) == (2, "")
 
 
 async def test_json_shape(doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin]) -> None:
     _, doc = await doctor.report()
-    assert set(doc) == {"healthy", "exit_code", "most_likely", "causes", "repairs", "kubelet"}
+    assert set(doc) == {"healthy", "exit_code", "most_likely", "causes", "repairs", "kubelet", "errors"}
+    assert doc["errors"] == []
     causes = doc["causes"]
     assert isinstance(causes, list)
-    assert len(causes) == 10
+    assert len(causes) == 12
     for c in causes:
         assert set(c) == {"id", "title", "verdict", "evidence", "fix"}
         assert c["verdict"] in {"problem", "ok", "unknown"}
@@ -386,6 +505,7 @@ def plugin_evidence(**changes: Any) -> PluginEvidence:
         registered=True,
         registration="the kubelet lists 2 device(s)",
         listed=2,
+        owner=SocketOwner("this-pod", "this pod's network namespace holds the listener", 7),
     )
     return replace(healthy, **changes)
 
@@ -410,15 +530,17 @@ HEALTHY = NodeEvidence(
     kubelet_socket=SocketProbe(KUBELET_SOCK, "alive", "serving v1beta1.Registration"),
     plugins=(plugin_evidence(),),
     kubelet=KubeletProcess(True, pid=1, version="1.29.3", listening=(KUBELET_SOCK,)),
-    kubelet_logs=(LogFindings("/var/log/kubelet.log", read=True),),
-    plugin_logs=(LogFindings("/var/log/pods/plugin.log", read=True),),
+    kubelet_logs=(LogFindings("/var/log/kubelet.log", read=True, lines=40),),
+    plugin_logs=(LogFindings("/var/log/pods/plugin.log", read=True, lines=40),),
     plugin_process=PluginProcesses("nvidia-device-plugin", visible=True, growth=(growth(),)),
     folder_sockets=(SocketFile(KUBELET_SOCK, listening=True), SocketFile(PLUGIN_SOCK, listening=True)),
     kubelet_path=KUBELET_SOCK,
     expect_devices=AUTO_DEVICES,
     device_glob=GLOB,
     host_devices=("/dev/nvidia0", "/dev/nvidia1"),
+    driver=DriverNodes(True, "/dev", True, ("/dev/nvidia0", "/dev/nvidia1")),
 )
+IDENTITY = (1, 2, 3, 4)
 
 
 def one(causes: list[Cause], cause_id: str) -> Cause:
@@ -505,8 +627,8 @@ def test_a_stale_plugin_socket_is_not_serving_and_its_removal_is_the_fix() -> No
     cause = serving_cause([stale, hung])
     assert cause.verdict == "problem"
     assert cause.evidence == ["nvidia-gpu.sock: connection refused", "Ascend910B3.sock: timeout: no answer"]
-    assert f"$ rm {PLUGIN_SOCK}" in cause.fix
-    assert f"$ rm {DP}/Ascend910B3.sock" not in cause.fix  # a hung plugin still holds its socket
+    assert f"$ rm -- {PLUGIN_SOCK}" in cause.fix
+    assert f"$ rm -- {DP}/Ascend910B3.sock" not in cause.fix  # a hung plugin still holds its socket
     assert cause.fix.count(RESTART_PLUGIN) == 1
 
 
@@ -545,30 +667,35 @@ def test_devices_row_follows_expect_devices(
 
 
 def test_log_rows() -> None:
-    fix = ("read the log", "$ journalctl -u kubelet")
     unreadable = LogFindings("/var/log/kubelet.log", problem="cannot read /var/log/kubelet.log: denied")
-    assert log_cause("kubelet-log", [unreadable], fix).evidence == [unreadable.problem]
-    assert log_cause("kubelet-log", [unreadable], fix).verdict == "unknown"
-    assert log_cause("kubelet-log", [], fix).evidence == ["no log given"]
-    quiet = LogFindings("/var/log/kubelet.log", read=True)
-    assert log_cause("kubelet-log", [unreadable, quiet], fix).verdict == "ok"
-    noisy = LogFindings(
-        "/var/log/kubelet.log",
-        read=True,
-        counts={"failed to dial device plugin": 1, "Bad registration request from device plugin": 3},
-        last={
-            "failed to dial device plugin": "E1 dial",
-            "Bad registration request from device plugin": "E2 bad",
-        },
+    assert log_cause("kubelet-log", [unreadable]).evidence == [unreadable.problem]
+    assert log_cause("kubelet-log", [unreadable]).verdict == "unknown"
+    assert log_cause("kubelet-log", []).evidence == ["no log given"]
+    empty = LogFindings("journalctl -u kubelet", read=True)  # k3s: nothing under the kubelet's unit
+    assert (log_cause("kubelet-log", [empty]).verdict, log_cause("kubelet-log", [empty]).evidence) == (
+        "unknown",
+        ["journalctl -u kubelet: no line could be read"],
     )
-    cause = log_cause("kubelet-log", [noisy, quiet], fix)
+    quiet = LogFindings("/var/log/kubelet.log", read=True, lines=3)
+    assert log_cause("kubelet-log", [unreadable, quiet]).verdict == "ok"
+    bad = klog(
+        "I", '"Bad registration request from device plugin" err="the ResourceName \\"gpu\\" is invalid"'
+    )
+    dial = klog(
+        "E", '"Failed to connect to new client" err="failed to dial device plugin: context deadline exceeded"'
+    )
+    noisy = scan((bad * 3 + dial).encode(), KUBELET_PATTERNS, "/var/log/kubelet.log", None, time.time())
+    cause = log_cause("kubelet-log", [noisy, quiet])
     assert cause.verdict == "problem"
     assert cause.evidence == [
-        "/var/log/kubelet.log: 3 x 'Bad registration request from device plugin', newest: E2 bad",
-        "/var/log/kubelet.log: 1 x 'failed to dial device plugin', newest: E1 dial",
-        "/var/log/kubelet.log: no registration error",
+        "/var/log/kubelet.log: 3 x 'Bad registration request from device plugin': the resource name is not "
+        f"<domain>/<name>; newest: {bad.strip()}",
+        "/var/log/kubelet.log: 1 x 'Failed to connect to new client': the plugin did not answer on its "
+        f"socket within the kubelet's 10 s dial; newest: {dial.strip()}",
+        "/var/log/kubelet.log: no current registration error",
     ]
-    assert cause.fix == list(fix)
+    assert cause.fix[0].startswith("the plugin must speak v1beta1")
+    assert cause.fix[-1] == RESTART_PLUGIN
 
 
 @pytest.mark.parametrize(
@@ -626,12 +753,8 @@ def test_version_row_unknown_says_why() -> None:
 
 
 def test_problems_come_first_in_causal_order() -> None:
-    noisy = LogFindings(
-        "p.log",
-        read=True,
-        counts={"Could not register device plugin": 1},
-        last={"Could not register device plugin": "x"},
-    )
+    line = cri(klog("I", "Could not register device plugin: context deadline exceeded"))
+    noisy = scan(line.encode(), PLUGIN_PATTERNS, "p.log", None, time.time())
     evidence = replace(
         HEALTHY,
         plugin_logs=(noisy,),
@@ -644,36 +767,51 @@ def test_problems_come_first_in_causal_order() -> None:
     ]
 
 
-def test_repairs_plan_only_dead_plugin_sockets() -> None:
+def test_repairs_plan_only_old_dead_plugin_sockets_judged_whole() -> None:
+    old = MIN_AGE + 1
     evidence = replace(
         HEALTHY,
         folder_sockets=(
-            SocketFile(KUBELET_SOCK, listening=False),  # a dead kubelet.sock: the kubelet's to replace
-            SocketFile(PLUGIN_SOCK, listening=False),
-            SocketFile(f"{DP}/Ascend910B3.sock", listening=True),
+            SocketFile(KUBELET_SOCK, False, IDENTITY, old),  # a dead kubelet.sock: the kubelet's to replace
+            SocketFile(PLUGIN_SOCK, False, IDENTITY, old),
+            SocketFile(f"{DP}/Ascend910B3.sock", True, IDENTITY, old),
+            SocketFile(f"{DP}/young.sock", False, IDENTITY, MIN_AGE / 2),  # maybe between bind and listen
+            SocketFile(f"{DP}/changed.sock", False, None, old),  # another file after the connect() test
         ),
     )
-    assert plan(evidence) == [Repair(PLUGIN_SOCK, STALE, f"rm {PLUGIN_SOCK}")]
+    assert plan(evidence) == [Repair(PLUGIN_SOCK, STALE, f"rm -- {PLUGIN_SOCK}")]
+    assert plan(evidence)[0].identity == IDENTITY
+
+
+def dead_socket(path: str) -> None:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(path)
+    age(path)
 
 
 def test_repairs_apply_looks_again_before_removing(short_tmp: str) -> None:
-    dead, alive = os.path.join(short_tmp, "dead.sock"), os.path.join(short_tmp, "alive.sock")
-    with socket.socket(socket.AF_UNIX) as s:
-        s.bind(dead)
+    dead, alive, replaced = (os.path.join(short_tmp, f"{n}.sock") for n in ("dead", "alive", "replaced"))
+    for path in (dead, alive, replaced):
+        dead_socket(path)
+    judged = {s.path: s for s in folder_sockets(short_tmp)}
+    assert all(not s.listening and s.identity and s.age >= MIN_AGE for s in judged.values())
+    os.unlink(replaced)  # a plugin re-binds it after the doctor judged it
+    dead_socket(replaced)
     with socket.socket(socket.AF_UNIX) as listener:
+        os.unlink(alive)
         listener.bind(alive)
         listener.listen()
-        done = apply([Repair(dead, STALE, f"rm {dead}"), Repair(alive, STALE, f"rm {alive}")])
-    assert [(r.applied, r.error) for r in done] == [
-        (True, ""),
-        (False, "skipped: it accepts connections again"),
-    ]
-    assert not os.path.exists(dead)
-    assert os.path.exists(alive)
-    assert fix_lines(done) == [
-        f"fix: rm {dead}: done",
-        f"fix: rm {alive}: skipped: it accepts connections again",
-    ]
+        age(alive)
+        done = apply([removal(p, judged[p].identity) for p in (dead, alive, replaced)])
+        assert [(r.applied, r.error) for r in done] == [
+            (True, ""),
+            (False, "skipped: another file is there now (a plugin re-created it)"),
+            (False, "skipped: another file is there now (a plugin re-created it)"),
+        ]
+        assert not os.path.exists(dead)
+        assert os.path.exists(alive) and os.path.exists(replaced)
+    assert fix_lines(done)[0] == f"fix: rm -- {dead}: done"
+    assert sorted(os.listdir(short_tmp)) == ["alive.sock", "replaced.sock"]  # nothing left aside
 
 
 def test_text_json_and_npd_renderings() -> None:
@@ -681,7 +819,7 @@ def test_text_json_and_npd_renderings() -> None:
     evidence = replace(
         HEALTHY,
         plugins=(plugin_evidence(probe=SocketProbe(PLUGIN_SOCK, "refused", f"refused {long}")),),
-        folder_sockets=(SocketFile(PLUGIN_SOCK, listening=False),),
+        folder_sockets=(SocketFile(PLUGIN_SOCK, False, IDENTITY, MIN_AGE + 1),),
     )
     report = Report(diagnose(evidence), plan(evidence), evidence.kubelet)
     text = as_text(report, fixing=False).splitlines()
@@ -691,7 +829,14 @@ def test_text_json_and_npd_renderings() -> None:
     assert "repairs (hami-doctor --fix applies these and nothing else):" in text
     doc = json.loads(as_json(report))
     assert (doc["healthy"], doc["exit_code"], doc["most_likely"]) == (False, 1, "plugin-not-serving")
-    assert doc["kubelet"] == {"visible": True, "pid": 1, "listening": [KUBELET_SOCK], "version": "1.29.3"}
+    assert doc["kubelet"] == {
+        "visible": True,
+        "pid": 1,
+        "listening": [KUBELET_SOCK],
+        "version": "1.29.3",
+        "distribution": "",
+        "process": "",
+    }
     line = npd_line(report)
     assert line.startswith("plugin not serving: nvidia-gpu.sock: refused xxx")
     assert "\n" not in line and len(line) == 200
@@ -706,3 +851,552 @@ def test_long_commands_wrap_with_backslashes_and_still_paste() -> None:
     assert len(lines) > 1 and max(map(len, lines)) <= 80
     assert all(line.endswith(" \\") for line in lines[:-1])
     assert " ".join(w for w in wrapped.replace("\\\n", " ").split()) == RESTART_PLUGIN[2:]
+
+
+# -- the log catalog: each real line, as the program writes it ---------------------------------------------
+def kl(level: str, file: str, message: str) -> str:
+    return klog(level, message, file=file)
+
+
+def pl(level: str, file: str, message: str) -> str:
+    """A plugin's klog line inside the CRI log file the kubelet keeps for its container."""
+    return cri(klog(level, message, pid=1, file=file))
+
+
+# Every error pattern, with a line the program prints (kubernetes v1.33-v1.37, HAMi, NVIDIA's plugin),
+# the row it feeds and what the doctor must say it means.
+CATALOG: dict[str, tuple[str, str, str]] = {
+    "Bad registration request from device plugin": (
+        kl(
+            "I",
+            "server.go:154",
+            '"Bad registration request from device plugin with resource" resourceName="nvidia.com/gpu" '
+            'err="requested API version \\"v1alpha\\" is not supported by kubelet. Supported version is '
+            '[\\"v1beta1\\"]"',
+        ),
+        "kubelet-log",
+        "the plugin asked for an API version other than v1beta1",
+    ),
+    "Error connecting to device plugin client": (
+        kl(
+            "I",
+            "server.go:170",
+            '"Error connecting to device plugin client" err="failed to dial device plugin: context deadline '
+            'exceeded"',
+        ),
+        "kubelet-log",
+        "the plugin did not answer on its socket within the kubelet's 10 s dial",
+    ),
+    "Failed to connect to new client": (
+        kl(
+            "E",
+            "handler.go:94",
+            '"Failed to connect to new client" err="failed to dial device plugin: context deadline exceeded" '
+            'resource="nvidia.com/gpu"',
+        ),
+        "kubelet-log",
+        "the plugin did not answer on its socket within the kubelet's 10 s dial",
+    ),
+    "Unable to connect to device plugin client with socket path": (
+        kl(
+            "E",
+            "client.go:66",
+            '"Unable to connect to device plugin client with socket path" err="failed to dial device plugin: '
+            'dial unix /var/lib/kubelet/device-plugins/nvidia-gpu.sock: connect: no such file or directory" '
+            'path="/var/lib/kubelet/device-plugins/nvidia-gpu.sock"',
+        ),
+        "kubelet-log",
+        "no plugin socket at the path the kubelet joins to its own folder",
+    ),
+    "ListAndWatch ended unexpectedly for device plugin": (
+        kl(
+            "E",
+            "client.go:90",
+            '"ListAndWatch ended unexpectedly for device plugin" err="rpc error: code = Unavailable desc = '
+            'error reading from server: EOF" resource="nvidia.com/gpu"',
+        ),
+        "kubelet-log",
+        "the plugin's device stream ended",
+    ),
+    "Failed to serve device plugin registration grpc server": (
+        kl(
+            "E",
+            "server.go:122",
+            '"Failed to serve device plugin registration grpc server, retrying..." err="accept unix '
+            '/var/lib/kubelet/device-plugins/kubelet.sock: use of closed network connection"',
+        ),
+        "kubelet-log",
+        "the kubelet's registration server stopped serving kubelet.sock",
+    ),
+    "Failed to listen to socket while starting device plugin registry": (
+        kl(
+            "E",
+            "server.go:130",
+            '"Failed to listen to socket while starting device plugin registry" err="listen unix '
+            '/var/lib/kubelet/device-plugins/kubelet.sock: bind: read-only file system" '
+            'socket="/var/lib/kubelet/device-plugins/"',
+        ),
+        "kubelet-log",
+        "the kubelet could not create kubelet.sock",
+    ),
+    "Failed to cleanup the device plugin directory": (
+        kl(
+            "E",
+            "server.go:104",
+            '"Failed to cleanup the device plugin directory" err="unlinkat /var/lib/kubelet/device-plugins/'
+            'nvidia-gpu.sock: operation not permitted" directory="/var/lib/kubelet/device-plugins/"',
+        ),
+        "kubelet-log",
+        "the kubelet could not remove the old sockets",
+    ),
+    "Could not set selinux context on socket dir": (
+        kl(
+            "I",
+            "server.go:96",
+            '"Unprivileged containerized plugins might not work. Could not set selinux context on socket '
+            'dir" '
+            'path="/var/lib/kubelet/device-plugins/" err="operation not supported"',
+        ),
+        "kubelet-log",
+        "SELinux",
+    ),
+    "Allocate failed due to": (
+        kl(
+            "I",
+            "allocation_manager.go:525",
+            '"Pod admission denied" podUID="8a1c" pod="default/cuda-job" reason="UnexpectedAdmissionError" '
+            'message="Allocate failed due to requested number of devices unavailable for nvidia.com/gpu. '
+            'Requested: 1, Available: 0, which is unexpected"',
+        ),
+        "kubelet-log",
+        "fewer healthy devices than the pod requested",
+    ),
+    "Could not register device plugin:": (
+        pl("I", "server.go:325", "Could not register device plugin: context deadline exceeded"),
+        "plugin-log",
+        "kubelet.sock did not answer within the plugin's 5 s dial",
+    ),
+    "Failed to start one or more plugins. Retrying in 30s...": (
+        pl("I", "main.go:299", "Failed to start one or more plugins. Retrying in 30s..."),
+        "plugin-log",
+        "retried in 30 s",
+    ),
+    "Could not start device plugin for": (
+        pl(
+            "I",
+            "server.go:317",
+            "Could not start device plugin for 'nvidia.com/gpu': listen unix "
+            "/var/lib/kubelet/device-plugins/nvidia-gpu.sock: bind: read-only file system",
+        ),
+        "plugin-log",
+        "could not serve its socket",
+    ),
+    "Failed to start plugin:": (
+        pl("E", "main.go:413", "Failed to start plugin: context deadline exceeded"),
+        "plugin-log",
+        "a dial timed out",
+    ),
+    "No devices found. Waiting indefinitely.": (
+        pl("I", "main.go:420", "No devices found. Waiting indefinitely."),
+        "driver-runtime",
+        "the plugin found no GPU in its container",
+    ),
+    "failed to create FS watcher for": (
+        pl(
+            "E",
+            "main.go:132",
+            "failed to create FS watcher for /var/lib/kubelet/device-plugins/: too many open files",
+        ),
+        "plugin-log",
+        "cannot watch the device-plugins folder",
+    ),
+    "has repeatedly crashed recently. Quitting": (
+        pl(
+            "F", "server.go:535", "GRPC server for 'nvidia.com/gpu' has repeatedly crashed recently. Quitting"
+        ),
+        "plugin-log",
+        "crashed more than 5 times",
+    ),
+    "device marked unhealthy": (
+        pl(
+            "I",
+            "server.go:621",
+            "'nvidia.com/gpu' device marked unhealthy: GPU-8e5f7c3a-4e1b-9d2c-1a6f-0b7e3d9c2f41",
+        ),
+        "plugin-log",
+        "reported a GPU unhealthy",
+    ),
+    "Failed to register annotation:": (
+        pl(
+            "E",
+            "register.go:340",
+            'Failed to register annotation: Patch "https://10.96.0.1:443/api/v1/nodes/gpu-1": context '
+            "deadline exceeded. Retrying in 30s...",
+        ),
+        "plugin-log",
+        "could not write the node's GPU annotations",
+    ),
+    "Failed to initialize NVML": (
+        pl("E", "factory.go:116", "Failed to initialize NVML: ERROR_LIBRARY_NOT_FOUND."),
+        "driver-runtime",
+        "libnvidia-ml.so.1 is not in the plugin's container",
+    ),
+    "nvml init failed": (
+        pl("W", "factory.go:124", "nvml init failed: ERROR_DRIVER_NOT_LOADED"),
+        "driver-runtime",
+        "the NVIDIA kernel driver is not loaded on the host",
+    ),
+    "Incompatible strategy detected": (
+        pl("E", "factory.go:135", "Incompatible strategy detected auto"),
+        "driver-runtime",
+        "neither NVML nor Tegra",
+    ),
+}
+
+
+def test_every_error_pattern_has_a_real_line() -> None:
+    errors = {p.text for p in KUBELET_PATTERNS + PLUGIN_PATTERNS if p.kind == "error"}
+    assert errors == set(CATALOG)
+    assert all(p.source for p in KUBELET_PATTERNS + PLUGIN_PATTERNS)
+
+
+@pytest.mark.parametrize("text", list(CATALOG))
+def test_each_real_line_names_its_cause_and_fix(text: str) -> None:
+    line, cause_id, meaning = CATALOG[text]
+    kubelet = cause_id == "kubelet-log"
+    patterns = KUBELET_PATTERNS if kubelet else PLUGIN_PATTERNS
+    found = scan(line.encode(), patterns, "log", 3600, time.time())
+    (hit,) = found.hits
+    assert (hit.text, hit.count, hit.history) == (text, 1, False)
+    assert meaning in hit.meaning
+    logs = {"kubelet_logs": (found,)} if kubelet else {"plugin_logs": (found,)}
+    causes = diagnose(replace(HEALTHY, **logs))  # type: ignore[arg-type]
+    assert causes[0].id == cause_id
+    assert meaning in causes[0].evidence[0]
+    assert causes[0].evidence[0].endswith(line.split(" F ", 1)[-1].strip())
+    assert causes[0].fix and all(f for f in causes[0].fix)
+    assert [c.id for c in causes if c.verdict == "problem"] == [cause_id]
+
+
+def test_generic_strings_alone_decide_nothing() -> None:
+    """`context deadline exceeded` from an API call, or a dial error quoted alone, is no cause."""
+    plugin = (
+        pl("E", "reflector.go:158", '"Unhandled Error" err="failed to list *v1.Node: Get '
+           '\\"https://10.96.0.1:443/api/v1/nodes\\": context deadline exceeded"')
+        + pl("I", "main.go:301", "failed to dial device plugin: context deadline exceeded")
+    )  # fmt: skip
+    kubelet = kl(
+        "E", "kubelet_node_status.go:549", '"Error updating node status" err="context deadline exceeded"'
+    )
+    p = scan(plugin.encode(), PLUGIN_PATTERNS, "p", None, time.time())
+    k = scan(kubelet.encode(), KUBELET_PATTERNS, "k", None, time.time())
+    assert (p.hits, k.hits, p.lines, k.lines) == ([], [], 2, 1)
+    assert {
+        c.id: c.verdict for c in diagnose(replace(HEALTHY, plugin_logs=(p,), kubelet_logs=(k,)))
+    } == dict.fromkeys(ORDER, "ok")
+
+
+def test_an_error_before_a_later_registration_is_history() -> None:
+    register_failed = pl("I", "server.go:325", "Could not register device plugin: context deadline exceeded")
+    registered = pl("I", "server.go:330", "Registered device plugin for 'nvidia.com/gpu' with Kubelet")
+    found = scan((register_failed + registered).encode(), PLUGIN_PATTERNS, "p.log", None, time.time())
+    assert [(h.text, h.history) for h in found.hits] == [("Could not register device plugin:", True)]
+    cause = log_cause("plugin-log", [found])
+    assert cause.verdict == "ok"
+    assert cause.evidence[0].startswith("p.log: no current registration error; newest registration: ")
+    assert cause.evidence[1].startswith("history (registered since): p.log: 1 x 'Could not register")
+    # The kubelet: a stream that ended, then a Register that nothing rejected, is history (every
+    # restart hami-guard causes writes one); a Register rejected after it keeps it current.
+    ended = CATALOG["ListAndWatch ended unexpectedly for device plugin"][0]
+    request = kl("I", "server.go:146", REQUEST)
+    rejected = CATALOG["Bad registration request from device plugin"][0]
+    history = scan((ended + request).encode(), KUBELET_PATTERNS, "k", None, time.time())
+    assert [h.history for h in history.hits] == [True]
+    assert log_cause("kubelet-log", [history]).verdict == "ok"
+    current = scan((ended + request + rejected).encode(), KUBELET_PATTERNS, "k", None, time.time())
+    assert sorted((h.text, h.history) for h in current.hits) == [
+        ("Bad registration request from device plugin", False),
+        ("ListAndWatch ended unexpectedly for device plugin", False),
+    ]
+    again = scan((ended + request + rejected + request).encode(), KUBELET_PATTERNS, "k", None, time.time())
+    assert all(h.history for h in again.hits)
+
+
+def test_log_lines_and_their_times() -> None:
+    now = time.time()
+    old = cri(klog("I", "Could not register device plugin: x", at=now - 7200), at=now - 7200)
+    part = cri("Could not register device ", at=now).replace(" F ", " P ", 1)
+    split = part + "\n" + cri("plugin: context deadline exceeded\n", at=now)  # one line, in two parts
+    found = scan((old + split).encode(), PLUGIN_PATTERNS, "p", 3600, now)
+    assert [(h.text, h.count, h.newest) for h in found.hits] == [
+        (
+            "Could not register device plugin:",
+            1,
+            "Could not register device plugin: context deadline exceeded",
+        )
+    ]
+    assert lines_of(b"2026-12-03T06:02:46+01:00 stdout F x\n")[0] == (
+        calendar.timegm((2026, 12, 3, 5, 2, 46, 0, 0, 0)),
+        "x",
+    )
+
+
+def test_log_reading_refuses_what_is_not_a_regular_file(short_tmp: str) -> None:
+    fifo = os.path.join(short_tmp, "fifo.log")
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="not a regular file \\(a named pipe\\)"):
+        read_tail(fifo)
+    assert (
+        scan_file(fifo, PLUGIN_PATTERNS, None).problem
+        == f"cannot read {fifo}: not a regular file (a named pipe)"
+    )
+    assert "a folder" in scan_file(short_tmp, PLUGIN_PATTERNS, None).problem
+
+
+async def test_a_fifo_as_the_plugin_log_does_not_hang(doctor: Doctor, short_tmp: str) -> None:
+    fifo = os.path.join(short_tmp, "plugin.fifo")
+    os.mkfifo(fifo)
+    code, doc = await doctor.report("--plugin-log", fifo, "--kubelet-log", short_tmp)
+    assert code == 1  # no kubelet here
+    assert row(doc, "plugin-log")["verdict"] == "unknown"
+    assert row(doc, "plugin-log")["evidence"] == [f"cannot read {fifo}: not a regular file (a named pipe)"]
+    assert row(doc, "kubelet-log")["evidence"] == [f"cannot read {short_tmp}: not a regular file (a folder)"]
+
+
+async def test_an_old_error_then_a_registration_is_shown_as_history(
+    doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin]
+) -> None:
+    ended = CATALOG["ListAndWatch ended unexpectedly for device plugin"][0]
+    with open(doctor.kubelet_log, "w") as f:
+        f.write(ended + klog("I", REQUEST, file="server.go:146"))
+    code, doc = await doctor.report()
+    assert (code, row(doc, "kubelet-log")["verdict"]) == (0, "ok")
+    assert row(doc, "kubelet-log")["evidence"][1].startswith("history (registered since): ")
+
+
+async def test_no_nvml_in_the_plugin_names_the_runtime_not_a_restart(
+    doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin], short_tmp: str
+) -> None:
+    """HAMi 861, 2280, 452, 136; NVIDIA 1220: the plugin cannot start NVML and serves nothing."""
+    _, plugin = node
+    await plugin.crash()
+    with open(doctor.plugin_log, "w") as f:
+        f.write(
+            CATALOG["Failed to initialize NVML"][0] + CATALOG["No devices found. Waiting indefinitely."][0]
+        )
+    code, doc = await doctor.report()
+    assert (code, doc["most_likely"]) == (1, "driver-runtime")
+    driver = row(doc, "driver-runtime")
+    assert "libnvidia-ml.so.1 is not in the plugin's container" in driver["evidence"][0]
+    assert driver["fix"] == list(RUNTIME_FIX)
+    assert row(doc, "plugin-not-serving")["fix"] == [DRIVER_FIRST]  # not "restart the plugin"
+    # No driver on the host at all: the driver is named.
+    os.unlink(os.path.join(short_tmp, "dev", "nvidiactl"))
+    _, doc = await doctor.report()
+    assert any(
+        e.startswith(f"no {short_tmp}/dev/nvidiactl on the host")
+        for e in row(doc, "driver-runtime")["evidence"]
+    )
+    assert DRIVER_FIX[-1] in row(doc, "driver-runtime")["fix"]
+
+
+# -- usage errors, NPD -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "env", "flag"),
+    [
+        (["--probe-timeout", "0"], {}, "--probe-timeout"),
+        (["--probe-timeout", "nan"], {}, "--probe-timeout"),
+        (["--sample-interval", "-1"], {}, "--sample-interval"),
+        (["--since", "99999999999999999999d"], {}, "--since"),
+        ([], {"HAMI_GUARD_PROBE_TIMEOUT": "inf"}, "HAMI_GUARD_PROBE_TIMEOUT"),
+    ],
+)
+async def test_bad_numbers_are_one_line_usage_errors_and_npd_unknown(
+    doctor: Doctor, args: list[str], env: dict[str, str], flag: str
+) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        PY, "-m", "doctor", *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env}
+    )
+    out, err = await proc.communicate()
+    assert (proc.returncode, out) == (2, b"")
+    assert err.decode().startswith("hami-doctor: error: ") and err.count(b"\n") == 1 and flag.encode() in err
+    for npd in (["--npd"], []):
+        npd_env = {**os.environ, **env, **({} if npd else {"HAMI_GUARD_NPD": "true"})}
+        proc = await asyncio.create_subprocess_exec(
+            PY, "-m", "doctor", *npd, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=npd_env
+        )
+        out, err = await proc.communicate()
+        assert proc.returncode == 2
+        assert out.decode().startswith("hami-doctor: usage error: ") and out.count(b"\n") == 1
+        assert flag.encode() in out
+
+
+async def test_npd_cites_the_failing_check(doctor: Doctor) -> None:
+    code, out = await doctor.run("--npd")  # no kubelet.sock at all
+    assert code == 1
+    assert out.startswith(f"socket path mismatch: SOCKET_MISSING: {doctor.dir}/kubelet.sock: nothing")
+
+
+# -- another plugin on the same socket -----------------------------------------------------------------
+async def test_another_device_plugin_serving_the_same_socket(
+    doctor: Doctor, kubelet: FakeKubelet, dp_dir: str
+) -> None:
+    """The GPU Operator's NVIDIA plugin beside HAMi (HAMi 829, 736): it re-binds nvidia-gpu.sock from a
+    network namespace of its own and registers last; the doctor runs in this pod's namespace."""
+    netns.require()
+    with Netns() as pod, Netns() as other:
+        ours = await pod.aplugin(dp_dir)
+        try:
+            await wait_for(lambda: kubelet.healthy_devices(GPU) == ["GPU-0", "GPU-1"])
+            code, doc = await doctor.report(ns=pod)
+            assert row(doc, "socket-owner")["verdict"] == "ok"
+            assert (
+                "this pod's network namespace holds the listener" in row(doc, "socket-owner")["evidence"][0]
+            )
+            theirs = await other.aplugin(dp_dir, devices=["GPU-other-0"])  # re-binds the file, registers
+            try:
+                code, doc = await doctor.report(ns=pod)
+                assert (code, doc["most_likely"]) == (1, "socket-owner")
+                owner = row(doc, "socket-owner")
+                assert owner["evidence"][0].startswith(
+                    "nvidia-gpu.sock: another device plugin serves nvidia-gpu.sock: its listener is in "
+                    "another network namespace"
+                )
+                assert owner["fix"] == list(OTHER_PLUGIN_FIX)
+                assert (
+                    verdicts(doc)["plugin-not-serving"] == "ok"
+                )  # the other plugin answers: only this row sees it
+                code, out = await doctor.run("--npd", ns=pod)
+                assert out.startswith(
+                    "another plugin owns the socket: nvidia-gpu.sock: another device plugin"
+                )
+                # From the host's network namespace (the kubelet's), it cannot be told: said so.
+                _, doc = await doctor.report()
+                assert row(doc, "socket-owner")["verdict"] == "unknown"
+                assert "host network" in row(doc, "socket-owner")["evidence"][0]
+            finally:
+                theirs.stop()
+        finally:
+            ours.stop()
+
+
+# -- --fix and printed commands under races and hostile names -----------------------------------------------
+HOSTILE = [
+    "x;touch${IFS}PWNED;.sock",
+    "a b.sock",
+    "new\nline.sock",
+    "$(touch PWNED).sock",
+    "`touch PWNED`.sock",
+    "-rf.sock",
+    "it's.sock",
+    "tab\tand \\ back.sock",
+]
+
+
+def pasted_commands(text: str) -> list[str]:
+    """The repair commands of a text report, as a person would paste them (continuations joined)."""
+    lines = text.split("repairs (hami-doctor --fix applies these and nothing else):\n", 1)[1].splitlines()
+    commands, current = [], ""
+    for line in lines:
+        if line.startswith("    # ") or not line.strip():
+            continue
+        current += line.strip()[:-1] + " " if line.endswith(" \\") else line.strip()
+        if not line.endswith(" \\"):
+            commands.append(current)
+            current = ""
+    return commands
+
+
+async def paste(shell: str, line: str, cwd: str) -> None:
+    proc = await asyncio.create_subprocess_exec(shell, "-c", line, cwd=cwd)
+    assert await asyncio.wait_for(proc.wait(), 30) == 0, line
+
+
+async def test_pasted_repair_commands_remove_exactly_the_named_file(doctor: Doctor, short_tmp: str) -> None:
+    bystander = os.path.join(doctor.dir, "bystander")
+    Path(bystander).touch()
+    for name in HOSTILE:
+        dead_socket(os.path.join(doctor.dir, name))
+    _, out = await doctor.run("--output", "text")
+    commands = pasted_commands(out)
+    assert len(commands) == len(HOSTILE)
+    for name, line in zip(sorted(HOSTILE), commands, strict=True):
+        assert line.startswith("rm -- ")
+        before = set(os.listdir(doctor.dir))
+        await paste("bash", line, short_tmp)
+        assert before - set(os.listdir(doctor.dir)) == {name}, line
+    assert sorted(os.listdir(doctor.dir)) == ["bystander"]
+    assert not os.path.exists(os.path.join(short_tmp, "PWNED"))
+    # Printable names paste into POSIX sh as well.
+    dead_socket(os.path.join(doctor.dir, HOSTILE[0]))
+    _, out = await doctor.run("--output", "text")
+    await paste("sh", pasted_commands(out)[0], short_tmp)
+    assert sorted(os.listdir(doctor.dir)) == ["bystander"]
+
+
+def test_quoting_and_wrapping_keep_words_whole() -> None:
+    for name in HOSTILE:
+        assert split_words(f"rm -- {quote(name)}") == ["rm", "--", quote(name)]
+    long = "/var/lib/kubelet/device-plugins/" + "a b " * 12 + ".sock"
+    wrapped = shell_lines(f"rm -- {quote(long)} {quote(long)}")
+    assert wrapped.count("\\\n") == 2
+    assert quote(long) in wrapped.replace(" \\\n        ", " ")
+
+
+REBINDER = """
+import os, socket, sys, time
+path = sys.argv[1]
+listener = None
+print("ready", flush=True)
+for line in sys.stdin:  # a plugin re-binding its socket (HAMi: os.Remove, then net.Listen), on cue
+    deadline = time.perf_counter() + float(line)
+    while time.perf_counter() < deadline:
+        pass
+    new = socket.socket(socket.AF_UNIX)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    new.bind(path)
+    new.listen()
+    if listener is not None:
+        listener.close()
+    listener = new
+    print("bound", flush=True)
+"""
+
+
+def test_fix_never_removes_a_socket_a_plugin_rebinds_meanwhile(short_tmp: str) -> None:
+    """500 rounds: an old dead socket is judged, and while --fix removes it the plugin re-binds the path
+    at a random moment; the plugin's new socket must stay, reachable, every time."""
+    import random
+
+    path = os.path.join(short_tmp, "nvidia-gpu.sock")
+    proc = subprocess.Popen(
+        [PY, "-c", REBINDER, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    outcomes: Counter[str] = Counter()
+    removed_live = 0
+    try:
+        for _ in range(500):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # the last round's live socket: its listener goes on the next cue
+            dead_socket(path)
+            judged = [s for s in folder_sockets(short_tmp) if s.path == path]
+            repairs_ = plan(replace(HEALTHY, folder_sockets=tuple(judged), kubelet_path=KUBELET_SOCK))
+            assert len(repairs_) == 1
+            proc.stdin.write(f"{random.uniform(0, 0.00015)}\n")
+            proc.stdin.flush()
+            (done,) = apply(repairs_)
+            assert proc.stdout.readline() == "bound\n"
+            outcomes["removed" if done.applied else done.error] += 1
+            if try_connect(path, timeout=1.0) is not None:
+                removed_live += 1
+            assert [n for n in os.listdir(short_tmp) if n.endswith(".removing")] == []
+    finally:
+        proc.kill()
+        proc.wait()
+    assert removed_live == 0, outcomes
+    assert sum(outcomes.values()) == 500
