@@ -7,6 +7,7 @@ import asyncio
 import calendar
 import contextlib
 import hashlib
+import io
 import json
 import os
 import socket
@@ -1400,3 +1401,38 @@ def test_fix_never_removes_a_socket_a_plugin_rebinds_meanwhile(short_tmp: str) -
         proc.wait()
     assert removed_live == 0, outcomes
     assert sum(outcomes.values()) == 500
+
+
+def test_json_under_a_kubelet_restarting_every_3_ms(dp_dir: str, short_tmp: str) -> None:
+    """A kubelet.sock deleted and re-created every 3 ms: every run prints its JSON report, never a
+    traceback (30 runs in-process, then a small batch of real processes)."""
+    from doctor.cli import main
+    from tests.test_initcheck import FLIPPER
+
+    log = os.path.join(short_tmp, "k.log")
+    Path(log).write_text(klog("I", REQUEST))
+    argv = [
+        "--device-plugin-dir", dp_dir, "--output", "json", "--kubelet-log", log, "--plugin-log", log,
+        "--pod-resources-socket", os.path.join(short_tmp, "none.sock"), "--sample-interval", "0",
+        "--plugin-process-name", "none", "--kubelet-process-name", "none", "--probe-timeout", "0.2",
+    ]  # fmt: skip
+    flipper = subprocess.Popen(
+        [PY, "-c", FLIPPER, os.path.join(dp_dir, "kubelet.sock"), "0.003"], stdout=subprocess.PIPE
+    )
+    try:
+        assert flipper.stdout is not None and flipper.stdout.readline() == b"ready\n"
+        seen: Counter[str] = Counter()
+        for _ in range(30):
+            out = io.StringIO()
+            assert main(argv, out) == 1  # the plugin is missing: a problem, found
+            doc = json.loads(out.getvalue())
+            assert doc["errors"] == []
+            seen.update(c["id"] for c in doc["causes"] if c["verdict"] == "problem")
+        assert seen["plugin-not-serving"] == 30
+        for _ in range(3):
+            done = subprocess.run([PY, "-m", "doctor", *argv], capture_output=True, text=True, timeout=60)
+            assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+            json.loads(done.stdout)
+    finally:
+        flipper.kill()
+        flipper.wait()
