@@ -29,7 +29,7 @@ CAUSES = (
     ("socket-path", "socket path mismatch"),
     ("socket-permission", "socket permission"),
     ("protocol", "API/protocol mismatch"),
-    ("driver-runtime", "GPU driver or container runtime"),
+    ("driver-runtime", "GPU driver or runtime"),
     ("socket-owner", "another plugin owns the socket"),
     ("plugin-not-serving", "plugin not serving"),
     ("plugin-not-registered", "plugin not registered"),
