@@ -12,7 +12,7 @@ REALKUBELET := tests/realkubelet
 KUBELET_NEW := v1.37.2
 KUBELET_OLD := v1.36.5
 
-.PHONY: test lint typecheck pytest demo proto bench soak clean lock manifests
+.PHONY: test lint typecheck pytest demo proto bench soak clean lock manifests dashboard
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -95,6 +95,11 @@ proto: $(STAMP)
 manifests:
 	{ cat manifests/standalone/header.yaml.in; kubectl kustomize manifests/example-hami; } \
 		> manifests/standalone/hami-device-plugin.yaml
+
+# Regenerate the Grafana dashboard (manifests/monitoring/dashboard.json) with grafana-foundation-sdk, a dev
+# dependency (tests/test_monitoring.py checks the committed JSON is current).
+dashboard: $(STAMP)
+	$(PY) -m manifests.monitoring.dashboard
 
 # Re-pin the images' dependencies (requirements/*.txt) from a clean install of the project.
 lock:
