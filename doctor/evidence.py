@@ -315,7 +315,7 @@ def kubelet_process(name: str) -> KubeletProcess:
     """pid, version and listening paths of the kubelet (in k3s or kubelite too), or why they are unknown."""
     if not process_visible(name):
         return KubeletProcess(False, f"no process named {name} is visible (run with hostPID)")
-    from initcheck.kubelet import KubeletLookupError, listening_paths
+    from initcheck.kubelet import KubeletLookupError, listening_paths  # psutil: an ImportError is said
 
     try:
         found = listening_paths(name)

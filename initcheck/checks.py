@@ -356,8 +356,10 @@ def try_connect(path: str, timeout: float = 1.0) -> int | None:
 def check_kubelet_path(o: Options) -> Finding:
     if not process_visible(o.kubelet_process):
         return Finding("PATH_MISMATCH", "skip", o.socket_path, no_kubelet(o.kubelet_process))
-    from initcheck.kubelet import KubeletLookupError, listening_paths
-
+    try:
+        from initcheck.kubelet import KubeletLookupError, listening_paths
+    except ImportError as e:  # a broken psutil costs this check, not the run
+        return Finding("PATH_MISMATCH", "skip", o.socket_path, f"psutil cannot be imported: {e}")
     try:
         found = listening_paths(o.kubelet_process)
     except KubeletLookupError as e:
