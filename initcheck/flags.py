@@ -200,7 +200,8 @@ def kubelet_process_flag(*, kubelet_process_name: str) -> argparse.ArgumentParse
     p.add_argument(
         "--kubelet-process-name",
         default=kubelet_process_name,
-        help=f"process name of the kubelet (default {kubelet_process_name})",
+        help=f"process name of the kubelet (default {kubelet_process_name}, which also finds it inside "
+        "k3s-server, k3s-agent, k3s and microk8s's kubelite)",
     )
     return p
 
