@@ -34,7 +34,16 @@ from sidecar.probes import (
     socket_refuses,
 )
 from sidecar.registration import Plugin, PluginRound, Registrar, Round, Rules, Vanish, iso
-from sidecar.unixdiag import KUBELET_BOUND_PATH, kubelet_connections
+from sidecar.unixdiag import (
+    KUBELET_BOUND_PATH,
+    KUBELET_PROCESS_NAMES,
+    DiagUnavailable,
+    SocketOwner,
+    UnixSocket,
+    diag_dump,
+    kubelet_connections,
+    socket_owner,
+)
 from sidecar.watcher import FolderWatcher, FsEvent
 
 logger = logging.getLogger(__name__)
@@ -296,7 +305,12 @@ class Sidecar:
         if self._folder_id is not None and self._folder_replaced():
             self._await_folder()
         # The kubelet's connections before the probes: a probe's own connection lingers a few ms.
-        connections = kubelet_connections(s.kubelet_path)
+        try:
+            mine: list[UnixSocket] | str = diag_dump()
+        except DiagUnavailable as e:
+            mine = str(e)
+        names = {*KUBELET_PROCESS_NAMES, s.kubelet_process_name}
+        connections = kubelet_connections(s.kubelet_path, names=names, mine=mine)
         kubelet, *plugins = await asyncio.gather(
             probe_kubelet(s.kubelet_path, s.probe_timeout),
             *(probe_plugin(s.plugin_path(p), s.probe_timeout) for p in s.plugins),
@@ -318,7 +332,14 @@ class Sidecar:
                 # Where the folder is mounted elsewhere, the plugin bound it at the kubelet's own path.
                 bound = os.path.join(os.path.dirname(KUBELET_BOUND_PATH), plugin.socket)
                 held = Reading(connections.to(path, (bound,)))
-            observed[plugin.resource] = PluginRound(result, socket_identity(path), held)
+            owner = (
+                socket_owner(path, s.kubelet_path, mine, names=names)
+                if result.ok and not isinstance(mine, str)
+                else SocketOwner("unknown", "")
+            )
+            observed[plugin.resource] = PluginRound(
+                result, socket_identity(path), held, owner.verdict, owner.reason
+            )
         self._connections_source = connections if isinstance(connections, str) else connections.source
         seen = Round(kubelet, observed, checkpoint, pod_resources, host_devices)
         for resource in self.registrar.round(seen):

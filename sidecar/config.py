@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from initcheck import flags
-from initcheck.checks import DEFAULT_DIR, DEFAULT_SOCKET
+from initcheck.checks import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, DEFAULT_SOCKET
 from initcheck.envflags import parse_with_env
 from initcheck.flags import AUTO_DEVICES, PluginSpec
 
@@ -55,6 +55,9 @@ class Settings:
     # How long the kubelet's connection to a plugin must stay lost to be a drop: a kubelet on its way
     # out closes its plugin connections a few ms before its socket goes.
     drop_confirm: float = 0.2
+    # The kubelet's process, besides kubelet, k3s and kubelite: its network namespace holds its
+    # connections to the plugins (read from /proc/<pid>/net/unix under hostPID).
+    kubelet_process_name: str = DEFAULT_KUBELET_PROCESS
 
     @property
     def kubelet_path(self) -> str:
@@ -82,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                 probe_timeout=d.probe_timeout,
                 device_glob=d.device_glob,
             ),
+            flags.kubelet_process_flag(kubelet_process_name=d.kubelet_process_name),
         ],
     )
     p.add_argument(
@@ -144,4 +148,5 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
         log_level=args.log_level,
         watch_mode=args.watch_mode,
         polling_interval=args.polling_interval,
+        kubelet_process_name=args.kubelet_process_name,
     )

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from sidecar.checkpoint import Checkpoint
 from sidecar.health import Check, CheckKey, HealthState, Kind, Status
 from sidecar.probes import ProbeResult, Reading, SocketId
+from sidecar.unixdiag import Owner
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ class PluginRound:
     probe: ProbeResult
     identity_after: SocketId | None  # the socket file right after the probe (replaced while probed?)
     connections: Reading[int]  # the kubelet's open connections to the listener of that file
+    # Whose listener serves the file: "elsewhere" is another device plugin (not this pod's).
+    owner: Owner = "unknown"
+    owner_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -417,6 +421,12 @@ class Registrar:
                 self.plugin_socket_created(plugin.resource, result.identity)  # seen before its event
             else:
                 p.identity, p.kubelet_then, p.known = result.identity, self._kubelet_id, True  # at start
+        if result.ok and obs.owner == "elsewhere":
+            # Another device plugin re-bound the socket (and the kubelet keeps whichever registered
+            # last): restarting this one would start a tug of war, not end it.
+            why = f"{obs.owner_reason}; run one device plugin per resource (remove the other DaemonSet)"
+            self.state.report(name, False, why, result.latency, definitive=True, restarts=False)
+            return False
         # While the kubelet is away its cleanup explains a missing socket: a restart would not help.
         restarts = not (self._kubelet_down and result.state == "absent")
         self.state.report(

@@ -15,7 +15,7 @@ import os
 import socket
 import stat
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -174,56 +174,89 @@ class Connections:
         return sum(1 for s in self.sockets if s.state == ESTABLISHED and s.path in names)
 
 
-def kubelet_connections(kubelet_path: str, proc: str = "/proc") -> Connections | str:
+def kubelet_connections(
+    kubelet_path: str,
+    proc: str = "/proc",
+    names: Collection[str] = KUBELET_PROCESS_NAMES,
+    mine: Sequence[UnixSocket] | str | None = None,
+) -> Connections | str:
     """The Unix sockets of the kubelet's network namespace, or why they cannot be seen.
 
     This process's namespace when the kubelet's listener on `kubelet_path` is in it (a pod
     with the host network, or a test); else the namespace of a visible kubelet process
-    (`hostPID`), read from its `/proc/<pid>/net/unix`; else none can be seen.
+    (`hostPID`; its process named one of `names`), read from its `/proc/<pid>/net/unix`; else
+    none can be seen. `mine` is this namespace's `diag_dump()` (or why it failed) when the
+    caller has one.
     """
-    why = ""
     try:
         st = os.stat(kubelet_path)
-        mine = diag_dump()
     except OSError:
         return f"{kubelet_path} is missing"
-    except DiagUnavailable as e:
-        why, mine = str(e), []
+    if mine is None:
+        try:
+            mine = diag_dump()
+        except DiagUnavailable as e:
+            mine = str(e)
+    why, own = (mine, ()) if isinstance(mine, str) else ("", mine)
     vfs = (st.st_dev, st.st_ino)
-    if any(s.state == LISTEN and s.vfs == vfs for s in mine):
-        return Connections("this network namespace (sock_diag)", tuple(mine), exact=True)
+    if any(s.state == LISTEN and s.vfs == vfs for s in own):
+        return Connections("this network namespace (sock_diag)", tuple(own), exact=True)
+    # Every namespace where a kubelet-named process listens on the kubelet's path counts: on a node
+    # that is one, but the path is the same in every mount namespace, so a path cannot pick one out
+    # (several kubelets run side by side in tests), and connections to this plugin's socket are only
+    # in the namespace of the kubelet that holds it. A namespace is taken once, by its listener.
     bound = {KUBELET_BOUND_PATH, normalise(kubelet_path)}
-    for pid in [*_kubelet_pids(proc), "1"]:
+    listeners: set[int] = set()
+    found: list[UnixSocket] = []
+    pids: list[str] = []
+    for pid in _kubelet_pids(proc, names) or ["1"]:
         try:
             theirs = proc_net_unix(os.path.join(proc, pid))
         except OSError:
             continue
-        if any(s.state == LISTEN and s.path in bound for s in theirs):
-            return Connections(
-                f"the kubelet's network namespace ({proc}/{pid}/net/unix)", tuple(theirs), False
-            )
+        listener = next((s.ino for s in theirs if s.state == LISTEN and s.path in bound), None)
+        if listener is not None and listener not in listeners:
+            listeners.add(listener)
+            found += theirs
+            pids.append(pid)
+    if pids:
+        where = ", ".join(f"{proc}/{pid}/net/unix" for pid in pids)
+        return Connections(f"the kubelet's network namespace ({where})", tuple(found), exact=False)
     return why or (
         "the kubelet's network namespace is not visible from this pod (neither hostNetwork nor a "
         "kubelet process under hostPID)"
     )
 
 
-def _kubelet_pids(proc: str) -> list[str]:
-    pids = []
+_PID_CACHE: dict[tuple[str, frozenset[str]], list[str]] = {}
+
+
+def _kubelet_pids(proc: str, names: Collection[str] = KUBELET_PROCESS_NAMES) -> list[str]:
+    """The pids of visible kubelet processes (`comm` is cut to 15 characters, so are the names).
+
+    The last answer is kept while each of its processes still bears its name: a scan of /proc is
+    done when a kubelet restarts, not every probe round.
+    """
+    wanted = frozenset(n[:15] for n in names)
+    key = (proc, wanted)
+    cached = _PID_CACHE.get(key)
+    if cached and all(_comm(proc, pid) in wanted for pid in cached):
+        return cached
     try:
         entries = os.listdir(proc)
     except OSError:
         return []
-    for pid in entries:
-        if not pid.isdigit():
-            continue
-        try:
-            with open(os.path.join(proc, pid, "comm"), encoding="utf-8", errors="replace") as f:
-                if f.read().strip() in KUBELET_PROCESS_NAMES:
-                    pids.append(pid)
-        except OSError:
-            continue
+    pids = [pid for pid in entries if pid.isdigit() and _comm(proc, pid) in wanted]
+    _PID_CACHE[key] = pids
     return pids
+
+
+def _comm(proc: str, pid: str) -> str:
+    try:
+        with open(os.path.join(proc, pid, "comm"), encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 # -- who serves a socket file: this pod, or another process --------------------------------------------
@@ -251,6 +284,7 @@ def socket_owner(
     kubelet_path: str | None = None,
     sockets: Sequence[UnixSocket] | None = None,
     proc: str = "/proc",
+    names: Collection[str] = KUBELET_PROCESS_NAMES,
 ) -> SocketOwner:
     """Does the listener behind the socket file at `path` belong to this pod?
 
@@ -277,7 +311,7 @@ def socket_owner(
             return SocketOwner("unknown", f"this network namespace's listeners cannot be read: {e}")
     vfs = (st.st_dev, st.st_ino)
     mine = [s for s in sockets if s.state == LISTEN and s.vfs == vfs]
-    host = _host_namespace(kubelet_path, sockets, proc)
+    host = _host_namespace(kubelet_path, sockets, proc, names)
     name = os.path.basename(path)
     if host:
         return SocketOwner(
@@ -301,7 +335,9 @@ def socket_owner(
     )
 
 
-def _host_namespace(kubelet_path: str | None, sockets: Sequence[UnixSocket], proc: str) -> str:
+def _host_namespace(
+    kubelet_path: str | None, sockets: Sequence[UnixSocket], proc: str, names: Collection[str]
+) -> str:
     """Why this network namespace is the host's, or "" when it is not known to be."""
     if kubelet_path is not None:
         try:
@@ -313,7 +349,7 @@ def _host_namespace(kubelet_path: str | None, sockets: Sequence[UnixSocket], pro
             if any(s.state == LISTEN and s.vfs == kvfs for s in sockets):
                 return "the kubelet's listener on kubelet.sock is in this network namespace"
     mine = _netns_inode(os.path.join(proc, "self"))
-    for pid in _kubelet_pids(proc):
+    for pid in _kubelet_pids(proc, names):
         if mine is not None and _netns_inode(os.path.join(proc, pid)) == mine:
             return f"the kubelet's process (pid {pid}) runs in this network namespace"
     return ""

@@ -302,7 +302,12 @@ class RealKubelet:
         release: Release = "new",
         capacity_interval: float = 10.0,
         numa_nodes: int = 2,
+        netns: bool = False,
     ) -> None:
+        """`netns`: run in a network namespace of its own (root), as a kubelet beside a pod that does
+        not use the host network: its connections to the plugins are then not in the test's. The
+        process then also bears a name of its own (`process_name`, through a link to the binary),
+        so that a sidecar told that name finds this kubelet and no other test's."""
         self.dir = device_plugin_dir
         self.socket_path = os.path.join(device_plugin_dir, KUBELET_SOCKET)
         self.checkpoint_path = os.path.join(device_plugin_dir, CHECKPOINT_NAME)
@@ -310,10 +315,20 @@ class RealKubelet:
         self.release = release
         self.version = RELEASES[release]
         self.restarts = 0
-        argv = [str(_binary(release)), "kubelet", "--dir", device_plugin_dir]
+        self._link_dir = ""
+        binary = str(_binary(release))
+        self.process_name = f"realkubelet-{self.version}"[:15]
+        if netns:
+            self._link_dir = tempfile.mkdtemp(prefix="hg-kubelet-")
+            self.process_name = f"kubelet-{os.path.basename(self._link_dir)[-6:]}"
+            os.symlink(binary, os.path.join(self._link_dir, self.process_name))
+            binary = os.path.join(self._link_dir, self.process_name)
+        argv = [binary, "kubelet", "--dir", device_plugin_dir]
         if pod_resources_socket:
             argv += ["--pod-resources", pod_resources_socket]
         argv += ["--capacity-interval", f"{capacity_interval}s", "--numa-nodes", str(numa_nodes)]
+        if netns:
+            argv = ["unshare", "--net", "--", *argv]
         self.process = FixtureProcess(argv, f"kubelet-{self.version}")
 
     @property
@@ -344,6 +359,14 @@ class RealKubelet:
         await self.start()
 
     async def close(self) -> None:
+        """Stop (gracefully where it can), reap, and remove what it was started with."""
+        try:
+            await self._close()
+        finally:
+            if self._link_dir:
+                shutil.rmtree(self._link_dir, ignore_errors=True)
+
+    async def _close(self) -> None:
         try:
             if self.running:
                 await self.stop(unlink_socket=True)

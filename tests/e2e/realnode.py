@@ -76,8 +76,11 @@ async def real_node(
     short_tmp: str,
     release: Release,
     sockets: Iterable[str] = ("nvidia-gpu.sock",),
+    kubelet_netns: bool = False,
     **overrides: Any,
 ) -> AsyncIterator[RealNode]:
+    """`kubelet_netns`: the kubelet in a network namespace of its own, the sidecar and plugins in the
+    test's, as in a pod without hostNetwork (the sidecar reads the kubelet's /proc/<pid>/net/unix)."""
     pod_resources = os.path.join(short_tmp, "pod-resources", "kubelet.sock")
     settings = replace(
         SETTINGS,
@@ -88,7 +91,9 @@ async def real_node(
         **overrides,
     )
     plugins: list[RealPlugin] = []
-    async with RealKubelet(dp_dir, pod_resources, release=release) as kubelet:
+    async with RealKubelet(dp_dir, pod_resources, release=release, netns=kubelet_netns) as kubelet:
+        if kubelet_netns:
+            settings = replace(settings, kubelet_process_name=kubelet.process_name)
         try:
             async with sidecar_running(settings) as (sidecar, _), aiohttp.ClientSession() as http:
                 yield RealNode(dp_dir, kubelet, sidecar, settings, http, release, plugins)

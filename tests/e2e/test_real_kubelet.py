@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from sidecar.testing import netns
 from sidecar.testing.realkubelet import fast_takeover
 from tests.conftest import wait_for
 from tests.e2e.realnode import GPU, UUIDS, restarts_seen
@@ -183,3 +184,28 @@ async def test_pr_139338_takeover_on_the_new_release(node_factory: Any) -> None:
         await second.wait_event("stream-open", after=mark)
         await node.until("/readyz", 200)
         assert '"restart_budget_spent": false' in (await node.get("/status"))[1]
+
+
+async def test_from_a_pod_network_namespace_the_kubelets_connections_and_a_competing_plugin(
+    node_factory: Any,
+) -> None:
+    """The layout of a pod without hostNetwork: the kubelet's connections to the plugin live in the
+    kubelet's network namespace (the connecting side's), read through /proc/<pid>/net/unix; and a
+    second device plugin that re-binds the socket from a namespace of its own is named, not restarted."""
+    netns.require()
+    async with node_factory(kubelet_netns=True) as node:
+        await node.plugin(watch_kubelet=False)
+        await node.until("/readyz", 200)
+        source = node.sidecar.status_document()["kubelet_connections_from"]
+        assert source.startswith("the kubelet's network namespace (/proc/"), source
+        await node.kubelet.restart()  # the plugin misses it: the new kubelet's namespace, no connection
+        await node.until("/healthz?verbose", 503, contains="holds no connection")
+        with netns.Netns() as other:
+            theirs = netns.PluginProcess.start(other, node.dir, devices=["GPU-7"])
+            try:
+                await node.until("/readyz?verbose", 503, contains="another device plugin serves")
+                body = (await node.get("/readyz?verbose"))[1]
+                assert f"[!]plugin:{GPU} failed (no restart" in body
+                assert (await node.get(f"/healthz/plugin:{GPU}"))[0] == 200  # not a restart's remedy
+            finally:
+                theirs.stop()

@@ -32,6 +32,11 @@ func enterMountNamespace(args []string) int {
 		fmt.Fprintln(os.Stderr, "realkubelet:", err)
 		return 1
 	}
+	// Started through a link of another name, keep that name (the process's comm): a test that
+	// gives this kubelet a name of its own finds it by that name after the re-exec.
+	if filepath.IsAbs(os.Args[0]) {
+		self = os.Args[0]
+	}
 	argv := append([]string{self, nsChildCommand}, args...)
 	env := append(os.Environ(), nsEnvMarker+"=1")
 	if os.Geteuid() == 0 {
