@@ -50,7 +50,7 @@ FOR = "1s"
 WINDOW = "6s"
 # With a 1 s scrape interval Grafana's $__rate_interval is 4 x 1 s.
 RATE_INTERVAL = "4s"
-# Each wait's bound; the whole test takes about 40 s on 2 loaded cores.
+# Each wait's bound; the whole test takes about 31 s, 33-37 s with both cores of a 2-core machine busy.
 STEP_TIMEOUT = 15.0
 
 
