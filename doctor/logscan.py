@@ -524,14 +524,25 @@ def match(line: str, patterns: tuple[Pattern, ...]) -> Pattern | None:
     return None
 
 
+_RESOURCE = re.compile(r"resource(?:Name)?=\"([^\"]+)\"|'([\w.-]+/[\w.-]+)'")
+
+
+def resource_of(line: str) -> str | None:
+    """The extended resource a line names: klog's resource="..." / resourceName="...", or a quoted
+    'domain/name' as HAMi and NVIDIA print it; None when it names none."""
+    m = _RESOURCE.search(line)
+    return (m.group(1) or m.group(2)) if m else None
+
+
 def scan(
     data: bytes, patterns: tuple[Pattern, ...], source: str, since: float | None, now: float
 ) -> LogFindings:
     """Every pattern's lines in the window, each error judged current or history.
 
-    History: an error before the newest successful registration. The plugin says "Registered
-    device plugin for"; the kubelet logs each Register attempt, and one that none of its
-    rejections follows (before the next attempt) succeeded.
+    History: an error before the newest successful registration of the resource it names (of any
+    resource when it names none). The plugin says "Registered device plugin for"; the kubelet
+    logs each Register attempt, and one that none of its rejections follows (before the next
+    attempt) succeeded.
     """
     found = LogFindings(source, read=True)
     cutoff = None if since is None else now - since
@@ -543,23 +554,29 @@ def scan(
         p = match(line, patterns)
         if p is not None:
             seen.append((p, line.strip()))
-    success = -1  # the index of the newest successful registration
-    attempt = -1
+    successes: dict[str | None, int] = {}  # resource (None: any) -> the newest successful registration
+    attempt: tuple[int, str | None] | None = None
+
+    def succeeded(i: int, resource: str | None) -> None:
+        successes[resource] = successes[None] = i
+        found.registered = seen[i][1]
+
     for i, (p, line) in enumerate(seen):
         if p.kind == "success":
-            success, found.registered = i, line
+            succeeded(i, resource_of(line))
         elif p.kind == "attempt":
-            if attempt >= 0:
-                success, found.registered = attempt, seen[attempt][1]
-            attempt = i
+            if attempt is not None:
+                succeeded(*attempt)
+            attempt = (i, resource_of(line))
         elif p.text in KUBELET_REJECTIONS:
-            attempt = -1
-    if attempt >= 0:
-        success, found.registered = attempt, seen[attempt][1]
+            attempt = None
+    if attempt is not None:
+        succeeded(*attempt)
     grouped: dict[tuple[str, bool], list[str]] = {}
     for i, (p, line) in enumerate(seen):
         if p.kind == "error":
-            grouped.setdefault((p.text, i < success), []).append(line)
+            later = successes.get(resource_of(line), -1)  # a registration of the same resource, or any
+            grouped.setdefault((p.text, i < later), []).append(line)
     by_text = {p.text: p for p in patterns}
     for (text, history), lines in grouped.items():
         p = by_text[text]

@@ -1121,6 +1121,10 @@ def test_an_error_before_a_later_registration_is_history() -> None:
     ]
     again = scan((ended + request + rejected + request).encode(), KUBELET_PATTERNS, "k", None, time.time())
     assert all(h.history for h in again.hits)
+    # Another resource's registration is not this one's: the stream that ended stays current.
+    ascend = kl("I", "server.go:146", REQUEST.replace("nvidia.com/gpu", "huawei.com/Ascend910B3"))
+    other = scan((ended + ascend).encode(), KUBELET_PATTERNS, "k", None, time.time())
+    assert [h.history for h in other.hits] == [False]
 
 
 def test_log_lines_and_their_times() -> None:
