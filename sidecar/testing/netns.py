@@ -211,6 +211,10 @@ class PluginProcess:
                 with contextlib.suppress(BrokenPipeError):
                     stream.close()
 
+    async def astop(self, remove_socket: bool = True) -> None:
+        """`stop()` without blocking the caller's event loop."""
+        await asyncio.to_thread(self.stop, remove_socket)
+
 
 async def _serve(args: argparse.Namespace) -> None:
     from sidecar.testing.plugin import FakeDevicePlugin
