@@ -515,23 +515,72 @@ def _klog_time(text: bytes, now: float | None = None) -> float | None:
     return when
 
 
-def match(line: str, patterns: tuple[Pattern, ...]) -> Pattern | None:
-    """The first pattern whose text the line holds (the message itself, never a generic fragment)."""
-    lower = line.lower()
-    for p in patterns:
-        if (p.text.lower() in lower) if p.ignore_case else (p.text in line):
-            return p
-    return None
+_CRI_PARTIAL = re.compile(
+    rb"^\d{4}-\d{2}-\d{2}T[0-9:.]+(?:Z|[+-]\d{2}:\d{2}) (?:stdout|stderr) P ", re.MULTILINE
+)
+_RESOURCE = re.compile(rb"resource(?:Name)?=\"([^\"]+)\"|'([\w.-]+/[\w.-]+)'")
+_COMPILED: dict[tuple[Pattern, ...], tuple[re.Pattern[bytes], dict[bytes, Pattern]]] = {}
 
 
-_RESOURCE = re.compile(r"resource(?:Name)?=\"([^\"]+)\"|'([\w.-]+/[\w.-]+)'")
+def _variants(p: Pattern) -> list[bytes]:
+    """The spellings a pattern is searched for: itself, and for a case-blind one the usual others
+    (klog's message capitalised, an error string in lower case)."""
+    text = p.text.encode()
+    if not p.ignore_case:
+        return [text]
+    return list(dict.fromkeys([text, text[:1].swapcase() + text[1:], text.lower()]))
+
+
+def _compiled(patterns: tuple[Pattern, ...]) -> tuple[re.Pattern[bytes], dict[bytes, Pattern]]:
+    """One regular expression of literal alternatives (a single pass over the buffer), and which
+    pattern each spelling belongs to."""
+    if patterns not in _COMPILED:
+        spelling = {v: p for p in patterns for v in _variants(p)}
+        _COMPILED[patterns] = (re.compile(b"|".join(re.escape(v) for v in spelling)), spelling)
+    return _COMPILED[patterns]
 
 
 def resource_of(line: str) -> str | None:
     """The extended resource a line names: klog's resource="..." / resourceName="...", or a quoted
     'domain/name' as HAMi and NVIDIA print it; None when it names none."""
-    m = _RESOURCE.search(line)
-    return (m.group(1) or m.group(2)) if m else None
+    m = _RESOURCE.search(line.encode(errors="replace"))
+    return (m.group(1) or m.group(2)).decode(errors="replace") if m else None
+
+
+def _time_at(data: bytes, offset: int) -> tuple[int, float | None]:
+    """The start of the first line at or after `offset` and its time (None: no time, or no line)."""
+    begin = offset if offset == 0 or data[offset - 1 : offset] == b"\n" else data.find(b"\n", offset) + 1
+    if begin <= 0 < offset or begin >= len(data):
+        return len(data), None
+    end = data.find(b"\n", begin)
+    raw = data[begin : end if end >= 0 else len(data)]
+    return begin, (lines_of(raw)[0][0] if raw.strip() else None)
+
+
+def _window_start(data: bytes, cutoff: float | None) -> int:
+    """The first line not older than `cutoff`: bisection (a log is written in time order), then line
+    by line. A line without a time never makes anything skipped."""
+    if cutoff is None or not data:
+        return 0
+    low, high = 0, len(data)
+    while high - low > 4096:
+        mid = (low + high) // 2
+        begin, when = _time_at(data, mid)
+        if when is None or when >= cutoff:
+            high = mid
+        else:
+            low = begin + 1
+    begin, when = _time_at(data, low)
+    while begin < len(data) and when is not None and when < cutoff:
+        begin, when = _time_at(data, begin + 1)
+    return begin
+
+
+def match(line: str, patterns: tuple[Pattern, ...]) -> Pattern | None:
+    """The pattern whose text the line holds first (the message itself, never a generic fragment)."""
+    regex, spelling = _compiled(patterns)
+    m = regex.search(line.encode(errors="replace"))
+    return spelling[m.group()] if m else None
 
 
 def scan(
@@ -539,49 +588,66 @@ def scan(
 ) -> LogFindings:
     """Every pattern's lines in the window, each error judged current or history.
 
-    History: an error before the newest successful registration of the resource it names (of any
-    resource when it names none). The plugin says "Registered device plugin for"; the kubelet
-    logs each Register attempt, and one that none of its rejections follows (before the next
-    attempt) succeeded.
+    One pass of one regular expression over the buffer; only matched lines are looked at. History:
+    an error before the newest successful registration of the resource it names (of any resource
+    when it names none). The plugin says "Registered device plugin for"; the kubelet logs each
+    Register attempt, and one that none of its rejections follows (before the next attempt)
+    succeeded.
     """
     found = LogFindings(source, read=True)
     cutoff = None if since is None else now - since
-    seen: list[tuple[Pattern, str]] = []
-    for when, line in lines_of(data):
-        if cutoff is not None and when is not None and when < cutoff:
-            continue
-        found.lines += 1
-        p = match(line, patterns)
-        if p is not None:
-            seen.append((p, line.strip()))
+    if _CRI_PARTIAL.search(data):  # lines the runtime split in parts: joined first (rare, slower)
+        kept = [line for when, line in lines_of(data) if cutoff is None or when is None or when >= cutoff]
+        data, start = "\n".join(kept).encode(errors="replace"), 0
+        found.lines = len(kept)
+    else:
+        start = _window_start(data, cutoff)
+        tail = start < len(data) and not data.endswith(b"\n")
+        found.lines = data.count(b"\n", start) + (1 if tail else 0)
+    regex, spelling = _compiled(patterns)
+    seen: list[tuple[Pattern, int, int, str | None]] = []  # pattern, line start and end, resource
+    last = -1
+    for m in regex.finditer(data, start):
+        begin = data.rfind(b"\n", 0, m.start()) + 1
+        if begin == last:
+            continue  # one line, one pattern: the first in it
+        last = begin
+        end = data.find(b"\n", m.end())
+        end = len(data) if end < 0 else end
+        p = spelling[m.group()]
+        if cutoff is not None and p.kind == "error":  # an error out of order in time is judged by its own
+            when = lines_of(data[begin:end])[0][0]
+            if when is not None and when < cutoff:
+                continue
+        r = _RESOURCE.search(data, begin, end)
+        seen.append((p, begin, end, (r.group(1) or r.group(2)).decode() if r else None))
+
+    def text(i: int) -> str:
+        _, begin, end, _ = seen[i]
+        return lines_of(data[begin:end])[0][1].strip()
+
     successes: dict[str | None, int] = {}  # resource (None: any) -> the newest successful registration
-    attempt: tuple[int, str | None] | None = None
-
-    def succeeded(i: int, resource: str | None) -> None:
-        successes[resource] = successes[None] = i
-        found.registered = seen[i][1]
-
-    for i, (p, line) in enumerate(seen):
+    attempt: int | None = None
+    for i, (p, _, _, resource) in enumerate(seen):
         if p.kind == "success":
-            succeeded(i, resource_of(line))
+            successes[resource] = successes[None] = i
         elif p.kind == "attempt":
             if attempt is not None:
-                succeeded(*attempt)
-            attempt = (i, resource_of(line))
+                successes[seen[attempt][3]] = successes[None] = attempt
+            attempt = i
         elif p.text in KUBELET_REJECTIONS:
             attempt = None
     if attempt is not None:
-        succeeded(*attempt)
-    grouped: dict[tuple[str, bool], list[str]] = {}
-    for i, (p, line) in enumerate(seen):
+        successes[seen[attempt][3]] = successes[None] = attempt
+    if None in successes:
+        found.registered = text(successes[None])[:MAX_LINE]
+    grouped: dict[tuple[Pattern, bool], list[int]] = {}
+    for i, (p, _, _, resource) in enumerate(seen):
         if p.kind == "error":
-            later = successes.get(resource_of(line), -1)  # a registration of the same resource, or any
-            grouped.setdefault((p.text, i < later), []).append(line)
-    by_text = {p.text: p for p in patterns}
-    for (text, history), lines in grouped.items():
-        p = by_text[text]
-        newest = lines[-1][:MAX_LINE]
-        found.hits.append(LogHit(p, len(lines), newest, p.explain(lines[-1]), history))
+            grouped.setdefault((p, i < successes.get(resource, -1)), []).append(i)
+    for (p, history), indices in grouped.items():
+        newest = text(indices[-1])
+        found.hits.append(LogHit(p, len(indices), newest[:MAX_LINE], p.explain(newest), history))
     found.hits.sort(key=lambda h: (h.history, -h.count))
     return found
 

@@ -1440,3 +1440,16 @@ def test_json_under_a_kubelet_restarting_every_3_ms(dp_dir: str, short_tmp: str)
     finally:
         flipper.kill()
         flipper.wait()
+
+
+def test_the_window_starts_at_the_first_line_within_since() -> None:
+    now = time.time()
+    old = kl(
+        "E", "client.go:90", '"ListAndWatch ended unexpectedly for device plugin" resource="nvidia.com/gpu"'
+    )
+    old = klog("E", old.split("] ", 1)[1].strip(), at=now - 7200)
+    fresh = klog("I", REQUEST, at=now - 60)
+    found = scan((old * 20000 + fresh * 3).encode(), KUBELET_PATTERNS, "k", 3600, now)
+    assert (found.lines, found.hits) == (3, [])
+    assert scan((old * 3).encode(), KUBELET_PATTERNS, "k", 3600, now).lines == 0
+    assert scan((old * 3).encode(), KUBELET_PATTERNS, "k", None, now).hits[0].count == 3
