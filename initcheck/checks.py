@@ -397,12 +397,18 @@ WRONG_DIRS = {
 def path_remedy(path: str, listening: tuple[str, ...], dist: str) -> str:
     """Mount the folder the kubelet really listens in: named from what it listens on."""
     name = os.path.basename(path)
-    same = [p for p in listening if os.path.basename(p) == name] or [
-        p for p in listening if os.path.basename(os.path.dirname(p)) == "device-plugins"
-    ]
+
+    def rank(p: str) -> tuple[bool, bool]:  # the same name in a device-plugins folder first
+        return os.path.basename(os.path.dirname(p)) != "device-plugins", os.path.basename(p) != name
+
+    same = sorted(
+        (p for p in listening if os.path.basename(p) == name or "/device-plugins/" in p), key=rank
+    )  # never pod-resources/kubelet.sock, which has the same name
+    same = [p for p in same if "/pod-resources/" not in p]
     folder = os.path.dirname(same[0]) if same else DEVICE_PLUGIN_DIRS.get(dist, DEFAULT_DIR)
+    where = f"where this {dist} kubelet listens" if same else f"where a {dist} kubelet listens"
     remedy = (
-        f"mount the host folder {folder} (where this {dist} kubelet listens) at {os.path.dirname(path)} "
+        f"mount the host folder {folder} ({where}) at {os.path.dirname(path)} "
         f"in the plugin's pod (HAMi chart: devicePlugin.pluginPath={folder}), or pass --kubelet-socket "
         "with the kubelet's path"
     )
