@@ -20,7 +20,7 @@ from typing import Any
 
 from sidecar import __version__
 from sidecar.checkpoint import CHECKPOINT_NAME
-from sidecar.config import Settings
+from sidecar.config import PluginSpec, Settings
 from sidecar.health import Check, Status
 from sidecar.metrics import Metrics
 from sidecar.probes import (
@@ -33,7 +33,7 @@ from sidecar.probes import (
     socket_identity,
     socket_refuses,
 )
-from sidecar.registration import Plugin, PluginRound, Registrar, Round, Rules, Vanish, iso
+from sidecar.registration import PluginRound, Registrar, Round, Rules, Vanish, iso
 from sidecar.unixdiag import (
     KUBELET_BOUND_PATH,
     KUBELET_PROCESS_NAMES,
@@ -126,7 +126,7 @@ class Sidecar:
         self.clock = clock
         self.metrics = Metrics()
         rules = Rules(
-            plugins=tuple(Plugin(p.resource, p.socket) for p in s.plugins),
+            plugins=s.plugins,
             grace=s.registration_grace,
             kubelet_socket=s.kubelet_socket,
             expect_devices=s.expect_devices,
@@ -258,11 +258,11 @@ class Sidecar:
             return
         self.trigger()
 
-    def _judge_vanished(self, plugin: Plugin) -> None:
+    def _judge_vanished(self, plugin: PluginSpec) -> None:
         self.registrar.plugin_socket_deleted(plugin.resource)
         self._spawn(self._observe_vanished(plugin), f"vanish:{plugin.resource}")
 
-    async def _observe_vanished(self, plugin: Plugin) -> None:
+    async def _observe_vanished(self, plugin: PluginSpec) -> None:
         """Look at the folder a moment after a plugin socket was deleted; the registrar judges.
 
         First once kubelet.sock's own events have landed; where no kubelet restart explains the
@@ -343,12 +343,9 @@ class Sidecar:
         self._connections_source = connections if isinstance(connections, str) else connections.source
         seen = Round(kubelet, observed, checkpoint, pod_resources, host_devices)
         for resource in self.registrar.round(seen):
-            self._spawn(self._observe_vanished(self._plugin(resource)), f"vanish:{resource}")
+            self._spawn(self._observe_vanished(self.registrar.plugin_for(resource)), f"vanish:{resource}")
         self.rounds += 1
         self._schedule_refresh()
-
-    def _plugin(self, resource: str) -> Plugin:
-        return next(p for p in self.registrar.rules.plugins if p.resource == resource)
 
     def _observe_probe(self, socket: str, result: ProbeResult) -> None:
         if result.latency:

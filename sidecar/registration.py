@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from initcheck.flags import PluginSpec
 from sidecar.checkpoint import Checkpoint
 from sidecar.health import Check, CheckKey, HealthState, Kind, Status
 from sidecar.probes import ProbeResult, Reading, SocketId
@@ -44,16 +45,10 @@ def physical_devices(ids: Iterable[str]) -> set[str]:
 
 
 @dataclass(frozen=True)
-class Plugin:
-    resource: str
-    socket: str  # file name in the device-plugins folder
-
-
-@dataclass(frozen=True)
 class Rules:
     """The settings the verdicts depend on."""
 
-    plugins: tuple[Plugin, ...]
+    plugins: tuple[PluginSpec, ...]
     grace: float
     kubelet_socket: str = "kubelet.sock"
     expect_devices: int | None = None  # None: no devices check; -1: count host device nodes
@@ -131,7 +126,7 @@ class _PluginState:
     kubelet_then: SocketId | None = None  # kubelet.sock as last seen answering when `identity` was set
     known: bool = False  # seen at all since start
     judging: bool = False  # a deleted socket awaits its verdict
-    vanished: tuple[str, bool] | None = None  # a vanished socket's verdict and whether it restarts
+    vanished: tuple[str, bool] | None = None  # a vanished socket's verdict; whether the plugin is gone
     connected_pair: tuple[SocketId | None, SocketId | None] | None = None  # (plugin, kubelet) seen held
     connected_since: float | None = None  # wall
     lost_at: float | None = None  # monotonic: the connection was first seen lost
@@ -143,10 +138,6 @@ class _PluginState:
     @property
     def budget_spent(self) -> bool:
         return self.restarts_in_vain >= RESTART_BUDGET
-
-
-def check_key(kind: Kind, resource: str = "") -> CheckKey:
-    return CheckKey(kind, resource)
 
 
 KUBELET = CheckKey(Kind.KUBELET)
@@ -183,8 +174,12 @@ class Registrar:
         self._kubelet_recreated = False
 
     # -- what the views read ------------------------------------------------------------
-    def plugin(self, socket: str) -> Plugin | None:
+    def plugin(self, socket: str) -> PluginSpec | None:
+        """The configured plugin serving on `socket` (a file name in the folder), if any."""
         return self._by_socket.get(socket)
+
+    def plugin_for(self, resource: str) -> PluginSpec:
+        return next(p for p in self.rules.plugins if p.resource == resource)
 
     def devices(self) -> dict[str, dict[str, int]]:
         return {r: dict(p.devices) for r, p in self._plugins.items()}
@@ -274,7 +269,7 @@ class Registrar:
         if seen.plugin is not None:
             self.plugin_socket_created(resource, seen.plugin)
             return False
-        plugin = self._by_socket_of(resource)
+        plugin = self.plugin_for(resource)
         restart = self._restart_removed(p, seen)
         if not restart and not restart_window_over:
             return True
@@ -317,9 +312,6 @@ class Registrar:
         if then is not None and seen.kubelet != then:
             return f"{name} is a new file"
         return ""
-
-    def _by_socket_of(self, resource: str) -> Plugin:
-        return next(p for p in self.rules.plugins if p.resource == resource)
 
     # -- kubelet restarts, registration cycles --------------------------------------------
     def _kubelet_gone(self, why: str) -> None:
@@ -399,7 +391,7 @@ class Registrar:
         else:
             self.state.report(CHECKPOINT.name, False, checkpoint.error, definitive=True, restarts=False)
 
-    def _judge_plugin(self, plugin: Plugin, obs: PluginRound) -> bool:
+    def _judge_plugin(self, plugin: PluginSpec, obs: PluginRound) -> bool:
         """The plugin check; True when its socket vanished unannounced and awaits `judge_vanished`."""
         p, result = self._plugins[plugin.resource], obs.probe
         name = CheckKey(Kind.PLUGIN, plugin.resource).name
@@ -434,7 +426,7 @@ class Registrar:
         )
         return False
 
-    def _judge_registration(self, plugin: Plugin, obs: PluginRound, seen: Round) -> None:
+    def _judge_registration(self, plugin: PluginSpec, obs: PluginRound, seen: Round) -> None:
         r = plugin.resource
         p, name = self._plugins[r], CheckKey(Kind.REGISTERED, r).name
         if self._kubelet_down:
@@ -463,7 +455,7 @@ class Registrar:
         self.state.report(name, held, why, definitive=definitive, restarts=restarts)
 
     def _held(
-        self, plugin: Plugin, p: _PluginState, obs: PluginRound, seen: Round
+        self, plugin: PluginSpec, p: _PluginState, obs: PluginRound, seen: Round
     ) -> tuple[bool | None, str, bool]:
         """Does the kubelet hold the plugin now? (held, why, whether waiting cannot mend it)."""
         r, sock = plugin.resource, plugin.socket
@@ -561,7 +553,7 @@ class Registrar:
         n = len(physical_devices(live.get(r, ())))
         return f"; pod-resources lists {n} healthy device(s)" if n else "; no healthy device listed"
 
-    def _count_devices(self, plugin: Plugin, seen: Round) -> None:
+    def _count_devices(self, plugin: PluginSpec, seen: Round) -> None:
         """Healthy physical devices the kubelet lists now; a stale checkpoint's count is never one."""
         r = plugin.resource
         p = self._plugins[r]

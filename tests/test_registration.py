@@ -7,12 +7,12 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
+from initcheck.flags import PluginSpec
 from sidecar.checkpoint import Checkpoint
 from sidecar.health import Check, Status
 from sidecar.probes import ProbeResult, Reading, SocketId
 from sidecar.registration import (
     RESTART_BUDGET,
-    Plugin,
     PluginRound,
     Registrar,
     Round,
@@ -110,7 +110,7 @@ class Node:
 
 def make(grace: float = 60.0, **rules: object) -> tuple[Registrar, Clock, Published]:
     clock, seen = Clock(), Published()
-    base = Rules(plugins=(Plugin(GPU, SOCK),), grace=grace)
+    base = Rules(plugins=(PluginSpec(GPU, SOCK),), grace=grace)
     return Registrar(replace(base, **rules), seen, clock, clock), clock, seen  # type: ignore[arg-type]
 
 
