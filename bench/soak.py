@@ -52,6 +52,7 @@ class Poller:
     def __init__(self, n: Node) -> None:
         self.n, self.phase = n, "warm-up"
         self.samples: list[tuple[str, int, int]] = []  # phase, liveness, readiness
+        self.wrong: list[str] = []  # the verbose answers of liveness failures where none is due
         self.task = asyncio.get_running_loop().create_task(self.run())
 
     async def run(self) -> None:
@@ -60,6 +61,9 @@ class Poller:
             live, ready = await self.n.status(), await self.n.status("/readyz")
             if phase == self.phase:  # an answer that straddles two phases belongs to neither
                 self.samples.append((phase, live, ready))
+                if live != 200 and phase in LIVE_PHASES and len(self.wrong) < 5:
+                    async with self.n.http.get(self.n.url + "/healthz?verbose") as r:
+                        self.wrong.append(f"{phase}: {r.status} {await r.text()}")
             await asyncio.sleep(0.05)
 
 
@@ -260,6 +264,8 @@ async def main() -> int:
             not bad, f"{len(bad)} liveness answers of 503 during phases it must pass ({set(bad)})", failures
         )
         print(f"wrong verdicts: {len(bad)} (goal 0)")
+        for answer in poll.wrong:
+            print(f"  a wrong liveness answer, then ?verbose: {answer}")
         check(end.fds[0] <= base.fds[1], f"open fds {base.fds} -> {end.fds} (least, most)", failures)
         check(end.threads[0] <= base.threads[1], f"threads {base.threads} -> {end.threads}", failures)
         leaked = {

@@ -304,13 +304,18 @@ class Sidecar:
         s = self.settings
         if self._folder_id is not None and self._folder_replaced():
             self._await_folder()
+        generation = self.registrar.generation
         # The kubelet's connections before the probes: a probe's own connection lingers a few ms.
+        # Only the sockets bound to the files that matter are kept (a host namespace holds thousands).
+        files = [s.kubelet_path, *(s.plugin_path(p) for p in s.plugins)]
+        bound = {os.path.join(os.path.dirname(KUBELET_BOUND_PATH), p.socket) for p in s.plugins}
         try:
-            mine: list[UnixSocket] | str = diag_dump()
+            mine: list[UnixSocket] | str = diag_dump({i for f in files if (i := _file_id(f))})
         except DiagUnavailable as e:
             mine = str(e)
         names = {*KUBELET_PROCESS_NAMES, s.kubelet_process_name}
-        connections = kubelet_connections(s.kubelet_path, names=names, mine=mine)
+        paths = {*files, *bound}
+        connections = kubelet_connections(s.kubelet_path, names=names, mine=mine, paths=paths)
         kubelet, *plugins = await asyncio.gather(
             probe_kubelet(s.kubelet_path, s.probe_timeout),
             *(probe_plugin(s.plugin_path(p), s.probe_timeout) for p in s.plugins),
@@ -330,8 +335,9 @@ class Sidecar:
                 held: Reading[int] = Reading.failed(connections)
             else:
                 # Where the folder is mounted elsewhere, the plugin bound it at the kubelet's own path.
-                bound = os.path.join(os.path.dirname(KUBELET_BOUND_PATH), plugin.socket)
-                held = Reading(connections.to(path, (bound,)))
+                held = Reading(
+                    connections.to(path, (os.path.join(os.path.dirname(KUBELET_BOUND_PATH), plugin.socket),))
+                )
             owner = (
                 socket_owner(path, s.kubelet_path, mine, names=names)
                 if result.ok and not isinstance(mine, str)
@@ -341,7 +347,7 @@ class Sidecar:
                 result, socket_identity(path), held, owner.verdict, owner.reason
             )
         self._connections_source = connections if isinstance(connections, str) else connections.source
-        seen = Round(kubelet, observed, checkpoint, pod_resources, host_devices)
+        seen = Round(kubelet, observed, checkpoint, pod_resources, host_devices, generation)
         for resource in self.registrar.round(seen):
             self._spawn(self._observe_vanished(self.registrar.plugin_for(resource)), f"vanish:{resource}")
         self.rounds += 1
@@ -421,6 +427,14 @@ class Sidecar:
                 "plugins": {p.resource: p.socket for p in s.plugins},
             },
         }
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _runtime() -> dict[str, Any]:

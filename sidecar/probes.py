@@ -169,48 +169,6 @@ async def pod_resources_devices(path: str, timeout: float) -> Reading[dict[str, 
     return Reading({r: frozenset(v) for r, v in ids.items()})
 
 
-async def allocatable_devices(path: str, timeout: float) -> dict[str, int] | str:
-    """Distinct device IDs per resource from pod-resources, or why there are none (hami-doctor's view)."""
-    reading = await pod_resources_devices(path, timeout)
-    if reading.value is None:
-        return reading.error
-    return {r: len(ids) for r, ids in reading.value.items()}
-
-
-@dataclass(frozen=True)
-class Evidence:
-    ok: bool
-    reason: str
-    devices: int | None  # as the checkpoint lists them; None when unknown
-
-
-def registration_evidence(
-    checkpoint: Checkpoint | CheckpointError, resource: str, kubelet: SocketId | None, plugin: SocketId | None
-) -> Evidence:
-    """The kubelet accepted the plugin: its checkpoint was rewritten after both sockets were created,
-    listing at least one device of the resource (docs/kubelet.md#checkpoint); hami-doctor's view."""
-    if isinstance(checkpoint, CheckpointError):
-        return Evidence(False, str(checkpoint), None)
-    devices = checkpoint.devices(resource)
-    if devices is None:
-        return Evidence(False, f"the kubelet's checkpoint does not list {resource}: never registered", None)
-    if plugin is None:
-        return Evidence(False, "the plugin socket is missing", len(devices))
-    if kubelet is None:
-        return Evidence(False, "kubelet.sock is missing", len(devices))
-    newest = max(kubelet.mtime_ns, plugin.mtime_ns)
-    if checkpoint.mtime_ns < newest:
-        which = "plugin socket" if plugin.mtime_ns >= kubelet.mtime_ns else "kubelet.sock"
-        return Evidence(
-            False,
-            f"not registered since the {which} was created: the checkpoint is older than it",
-            len(devices),
-        )
-    if not devices:
-        return Evidence(False, f"the kubelet lists no healthy device of {resource}", 0)
-    return Evidence(True, f"the kubelet lists {len(devices)} device(s)", len(devices))
-
-
 async def read_checkpoint_async(path: str, executor: Executor) -> Reading[Checkpoint]:
     """Off the loop: a checkpoint can be megabytes of JSON, and /healthz must not wait for it."""
     try:

@@ -44,6 +44,49 @@ def physical_devices(ids: Iterable[str]) -> set[str]:
     return out
 
 
+def accepted_devices(
+    checkpoint: Checkpoint | None, resource: str, plugin: SocketId | None, kubelet: SocketId | None
+) -> int | None:
+    """Healthy physical devices the checkpoint lists for `resource`, if it was rewritten since both
+    sockets were made (`plugin`, `kubelet`: the plugin's socket and kubelet.sock); else None."""
+    if checkpoint is None or plugin is None or kubelet is None:
+        return None
+    devices = checkpoint.devices(resource)
+    if devices is None or checkpoint.mtime_ns < max(plugin.mtime_ns, kubelet.mtime_ns):
+        return None
+    return len(physical_devices(devices))
+
+
+def unrecorded_connection(connections: int, checkpoint: Checkpoint | None, accepted: int | None) -> bool:
+    """Connected, and no device list recorded since the plugin socket was made: no registration.
+
+    A Register under way, or a dial the kubelet kept after refusing the Register (seen with the real
+    kubelet in the state of kubernetes PR 139338). An unreadable checkpoint (None) cannot tell.
+    `accepted` is `accepted_devices()`.
+    """
+    return connections > 0 and checkpoint is not None and accepted is None
+
+
+def not_held_reason(
+    checkpoint: Reading[Checkpoint], resource: str, plugin: SocketId | None, connected_since: float | None
+) -> str:
+    """Why the plugin is not registered, as the checkpoint's history tells it (`connected_since`: wall
+    time the kubelet was last seen holding it, None when never)."""
+    cp = checkpoint.value
+    if cp is None:
+        return f"not registered ({checkpoint.error})"
+    if cp.devices(resource) is None:
+        if connected_since is not None:  # the kubelet dropped the resource (its stop grace ran out)
+            return (
+                f"not registered since {iso(connected_since)} (the kubelet's checkpoint no longer lists "
+                f"{resource})"
+            )
+        return f"never registered (the kubelet's checkpoint does not list {resource})"
+    if plugin is not None and cp.mtime_ns < plugin.mtime_ns:
+        return "not registered since the plugin socket was created"
+    return "not registered now (the kubelet's checkpoint shows an earlier acceptance)"
+
+
 @dataclass(frozen=True)
 class Rules:
     """The settings the verdicts depend on."""
@@ -75,6 +118,7 @@ class Round:
     checkpoint: Reading[Checkpoint]
     pod_resources: Reading[dict[str, frozenset[str]]]  # healthy device IDs by resource
     host_devices: int | None = None
+    generation: int | None = None  # Registrar.generation when the round began (None: current)
 
 
 @dataclass(frozen=True)
@@ -169,6 +213,7 @@ class Registrar:
         self._by_socket = {p.socket: p for p in rules.plugins}
         self.kubelet_restarts = 0
         self.history: deque[Attempt] = deque(maxlen=50)
+        self.generation = 0  # kubelet restarts seen: a round begun before one is stale
         self._kubelet_down = False  # a kubelet restart is under way
         self._kubelet_id: SocketId | None = None  # kubelet.sock as last seen answering
         self._kubelet_recreated = False
@@ -319,6 +364,7 @@ class Registrar:
         if self._kubelet_down:
             return
         self._kubelet_down = True
+        self.generation += 1
         for p in self._plugins.values():
             p.lost_at = None
         if self._kubelet_id is None:
@@ -354,7 +400,13 @@ class Registrar:
     # -- probe rounds -------------------------------------------------------------------------
     def round(self, seen: Round) -> list[str]:
         """Judge one probe round; returns the resources whose socket vanished unannounced (the caller
-        observes the folder and calls `judge_vanished` for each)."""
+        observes the folder and calls `judge_vanished` for each).
+
+        A round begun before a kubelet restart was seen (an event's verdict landed while it probed) is
+        dropped: its kubelet answered before the restart, and the event has asked for a new round.
+        """
+        if seen.generation not in (None, self.generation):
+            return []
         self._judge_kubelet(seen.kubelet)
         self._judge_checkpoint(seen.checkpoint)
         vanished = []
@@ -367,8 +419,12 @@ class Registrar:
         return vanished
 
     def _judge_kubelet(self, k: ProbeResult) -> None:
+        # Another kubelet.sock than the one last seen answering is a restart, whatever the probe got
+        # from it (a new kubelet may be between bind and listen, or still starting its server).
+        if self._kubelet_id is not None and k.identity is not None and k.identity != self._kubelet_id:
+            self._kubelet_gone(f"{self.rules.kubelet_socket} is a new file")
         if k.ok:
-            if self._kubelet_recreated or (self._kubelet_id is not None and k.identity != self._kubelet_id):
+            if self._kubelet_recreated:
                 self._kubelet_gone(f"a new {self.rules.kubelet_socket} answers")
             self._kubelet_down = False
             self._kubelet_recreated = False
@@ -463,7 +519,7 @@ class Registrar:
         self.listener.connected(r, conns)
         pair = (obs.identity_after, self._kubelet_id)
         if conns is not None:
-            if conns > 0 and seen.checkpoint.value is not None and self._accepted(r, seen, obs) is None:
+            if unrecorded_connection(conns, seen.checkpoint.value, self._accepted(r, seen, obs)):
                 # A connection with no device list recorded since this socket was made is no
                 # registration: a Register under way, or a dial the kubelet kept after refusing the
                 # Register (seen with the real kubelet in the state of kubernetes PR 139338).
@@ -523,28 +579,10 @@ class Registrar:
 
     def _accepted(self, r: str, seen: Round, obs: PluginRound) -> int | None:
         """Healthy devices the checkpoint lists for `r`, if rewritten since both sockets were made."""
-        cp = seen.checkpoint.value
-        plugin, kubelet = obs.identity_after, self._kubelet_id
-        if cp is None or plugin is None or kubelet is None:
-            return None
-        devices = cp.devices(r)
-        if devices is None or cp.mtime_ns < max(plugin.mtime_ns, kubelet.mtime_ns):
-            return None
-        return len(physical_devices(devices))
+        return accepted_devices(seen.checkpoint.value, r, obs.identity_after, self._kubelet_id)
 
     def _not_held(self, r: str, seen: Round, obs: PluginRound) -> str:
-        cp = seen.checkpoint.value
-        if cp is None:
-            return f"not registered ({seen.checkpoint.error})"
-        if cp.devices(r) is None:
-            since = self._plugins[r].connected_since
-            if since is not None:  # the kubelet dropped the resource (its stop grace ran out)
-                return f"not registered since {iso(since)} (the kubelet's checkpoint no longer lists {r})"
-            return f"never registered (the kubelet's checkpoint does not list {r})"
-        plugin = obs.identity_after
-        if plugin is not None and cp.mtime_ns < plugin.mtime_ns:
-            return "not registered since the plugin socket was created"
-        return "not registered now (the kubelet's checkpoint shows an earlier acceptance)"
+        return not_held_reason(seen.checkpoint, r, obs.identity_after, self._plugins[r].connected_since)
 
     def _device_note(self, r: str, seen: Round) -> str:
         live = seen.pod_resources.value

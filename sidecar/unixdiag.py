@@ -61,8 +61,9 @@ def _kdev_to_st_dev(kdev: int) -> int:
     return os.makedev(kdev >> 20, kdev & 0xFFFFF)
 
 
-def diag_dump() -> list[UnixSocket]:
-    """Every listening and connected Unix socket of this network namespace."""
+def diag_dump(files: Collection[tuple[int, int]] | None = None) -> list[UnixSocket]:
+    """Every listening and connected Unix socket of this network namespace; with `files`, only those
+    bound to one of these (st_dev, st_ino) (a host's namespace holds thousands: keep what matters)."""
     states = (1 << ESTABLISHED) | (1 << LISTEN)
     show = UDIAG_SHOW_NAME | UDIAG_SHOW_VFS | UDIAG_SHOW_PEER
     body = _REQ.pack(socket.AF_UNIX, 0, 0, states, 0, show, 0xFFFFFFFF, 0xFFFFFFFF)
@@ -85,7 +86,9 @@ def diag_dump() -> list[UnixSocket]:
                         code = -struct.unpack_from("=i", payload)[0]
                         raise DiagUnavailable(f"sock_diag: {os.strerror(code or errno.EIO)}")
                     if kind == SOCK_DIAG_BY_FAMILY:
-                        out.append(_parse(payload))
+                        sock = _parse(payload)
+                        if files is None or sock.vfs in files:
+                            out.append(sock)
         except OSError as e:
             raise DiagUnavailable(f"sock_diag: {e.strerror or e}") from None
 
@@ -122,8 +125,9 @@ def _parse(payload: bytes) -> UnixSocket:
     return UnixSocket(ino, state, path, vfs, peer, shutdown)
 
 
-def proc_net_unix(proc: str = "/proc/self") -> list[UnixSocket]:
-    """The Unix sockets of `proc`'s network namespace, from `<proc>/net/unix` (paths, no inodes)."""
+def proc_net_unix(proc: str = "/proc/self", paths: Collection[str] | None = None) -> list[UnixSocket]:
+    """The Unix sockets of `proc`'s network namespace, from `<proc>/net/unix` (paths, no inodes);
+    with `paths`, only those bound to one of them."""
     out: list[UnixSocket] = []
     with open(os.path.join(proc, "net", "unix"), encoding="utf-8", errors="replace") as f:
         next(f, None)  # the header
@@ -136,7 +140,8 @@ def proc_net_unix(proc: str = "/proc/self") -> list[UnixSocket]:
             if state is None or (state == LISTEN and not flags & 0x10000):  # __SO_ACCEPTCON
                 continue
             path = normalise(fields[7].rstrip("\n")) if len(fields) > 7 else ""
-            out.append(UnixSocket(int(fields[6]), state, path, None, 0, 0))
+            if paths is None or path in paths:
+                out.append(UnixSocket(int(fields[6]), state, path, None, 0, 0))
     return out
 
 
@@ -179,6 +184,7 @@ def kubelet_connections(
     proc: str = "/proc",
     names: Collection[str] = KUBELET_PROCESS_NAMES,
     mine: Sequence[UnixSocket] | str | None = None,
+    paths: Collection[str] | None = None,
 ) -> Connections | str:
     """The Unix sockets of the kubelet's network namespace, or why they cannot be seen.
 
@@ -186,7 +192,8 @@ def kubelet_connections(
     with the host network, or a test); else the namespace of a visible kubelet process
     (`hostPID`; its process named one of `names`), read from its `/proc/<pid>/net/unix`; else
     none can be seen. `mine` is this namespace's `diag_dump()` (or why it failed) when the
-    caller has one.
+    caller has one; `paths`, the plugin sockets' paths as bound, keeps only their entries of a
+    kubelet's `/proc/<pid>/net/unix`.
     """
     try:
         st = os.stat(kubelet_path)
@@ -211,7 +218,7 @@ def kubelet_connections(
     pids: list[str] = []
     for pid in _kubelet_pids(proc, names) or ["1"]:
         try:
-            theirs = proc_net_unix(os.path.join(proc, pid))
+            theirs = proc_net_unix(os.path.join(proc, pid), None if paths is None else {*paths, *bound})
         except OSError:
             continue
         listener = next((s.ino for s in theirs if s.state == LISTEN and s.path in bound), None)

@@ -440,3 +440,19 @@ def test_a_stale_checkpoint_count_is_never_reported_after_a_kubelet_restart() ->
     reg.round(node.round())
     assert "checkpoint" not in seen.counts
     assert status(reg, f"devices:{GPU}")[0] != "ok"
+
+
+def test_a_round_begun_before_a_kubelet_restart_was_seen_is_dropped() -> None:
+    """Its kubelet probe answered before the restart: applied after it, it would end the restart."""
+    reg, _, seen = make()
+    node = Node()
+    reg.round(node.round())
+    stale = replace(node.round(), generation=reg.generation)
+    reg.plugin_socket_deleted(GPU)
+    reg.judge_vanished(GPU, Vanish(None, K1, kubelet_refuses=True), restart_window_over=False)
+    assert reg.kubelet_restarts == 1
+    reg.round(stale)  # the in-flight round lands: ignored
+    node.kubelet = alive(K2)  # the new kubelet answers: the same restart, not a second one
+    reg.round(replace(node.round(), generation=reg.generation))
+    assert reg.kubelet_restarts == 1
+    assert seen.kubelet_restarts == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -76,6 +77,31 @@ async def sidecar_running(settings: Settings) -> AsyncIterator[tuple[Sidecar, as
 NodeFactory = Callable[..., contextlib.AbstractAsyncContextManager[Node]]
 
 
+class Watch:
+    """Polls a path in the background (`/healthz?verbose` by default) and records every answer."""
+
+    def __init__(self, node: Any, path: str = "/healthz?verbose", pause: float = 0.003) -> None:
+        self.node, self.path, self.pause = node, path, pause
+        self.seen: list[tuple[float, int, str]] = []
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            code, body = await self.node.get(self.path)
+            self.seen.append((time.monotonic(), code, body))
+            await asyncio.sleep(self.pause)
+
+    async def started(self) -> None:
+        """Return once the first answers are in."""
+        await wait_for(lambda: len(self.seen) >= 2, what="the watch's first answers")
+
+    async def stop(self) -> list[int]:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        return [code for _, code, _ in self.seen]
+
+
 @pytest.fixture(params=["new", "old"])
 def release(request: pytest.FixtureRequest) -> Release:
     """A release of the real-kubelet fixture: skipped where it is not built, failing under CI=true."""
@@ -120,4 +146,4 @@ async def node(make_node: NodeFactory) -> AsyncIterator[Node]:
         yield n
 
 
-__all__ = ["FAST", "GPU", "Node", "NodeFactory", "PluginSpec", "sidecar_running"]
+__all__ = ["FAST", "GPU", "Node", "NodeFactory", "PluginSpec", "Watch", "sidecar_running"]

@@ -16,7 +16,7 @@ import yaml
 
 from sidecar.registration import RESTART_BUDGET
 from tests.conftest import wait_for
-from tests.e2e.conftest import GPU, Node, NodeFactory
+from tests.e2e.conftest import GPU, Node, NodeFactory, Watch
 
 PATCH = Path(__file__).parents[2] / "manifests" / "hami-patch" / "patch.yaml"
 UUIDS = ("GPU-6b8a5c0e-2f0e-4d4c-9c4b-0a1b2c3d4e5f", "GPU-7c9b6d1f-3a1f-5e5d-ad5c-1b2c3d4e5f60")
@@ -145,14 +145,7 @@ async def test_both_socket_removal_orders_of_a_kubelet_restart_are_pending_never
     async with make_node() as node:
         await node.until(READY, 200)
         k = node.kubelet
-        answers: list[int] = []
-
-        async def poll() -> None:
-            while True:
-                answers.append((await node.get(LIVE))[0])
-                await asyncio.sleep(0.005)
-
-        poller = asyncio.get_running_loop().create_task(poll())
+        watch = Watch(node, LIVE, pause=0.005)
         try:
             for plugin_first in (True, False, True, False):
                 await k.stop()  # a killed kubelet: kubelet.sock stays as a dead file
@@ -169,7 +162,7 @@ async def test_both_socket_removal_orders_of_a_kubelet_restart_are_pending_never
                 await wait_for(partial(registered_since, node, before), what="re-registration")
                 await node.until(READY, 200, timeout=3)
         finally:
-            poller.cancel()
+            answers = await watch.stop()
         assert answers
         assert set(answers) == {200}
         assert node.sidecar.registrar.kubelet_restarts == 4

@@ -9,7 +9,6 @@ CI=true they fail.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from functools import partial
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 from sidecar.testing import netns
 from sidecar.testing.realkubelet import fast_takeover
 from tests.conftest import wait_for
+from tests.e2e.conftest import Watch
 from tests.e2e.realnode import GPU, UUIDS, restarts_seen
 
 
@@ -39,14 +39,7 @@ async def test_a_kubelet_restart_with_reregistration_never_fails_liveness(
     async with node_factory() as node:
         plugin = await node.plugin()  # watches kubelet.sock and registers again, as HAMi does
         await node.until("/readyz", 200)
-        answers: list[int] = []
-
-        async def poll() -> None:
-            while True:
-                answers.append((await node.get("/healthz"))[0])
-                await asyncio.sleep(0.005)
-
-        poller = asyncio.get_running_loop().create_task(poll())
+        watch = Watch(node, "/healthz", pause=0.005)
         try:
             for i in range(3):
                 mark = plugin.mark()
@@ -57,7 +50,7 @@ async def test_a_kubelet_restart_with_reregistration_never_fails_liveness(
                 await wait_for(lambda: node.sidecar.registrar.history[-1].outcome == "registered")
                 await node.until("/readyz", 200)
         finally:
-            poller.cancel()
+            answers = await watch.stop()
         assert answers
         assert set(answers) == {200}
         assert node.sidecar.registrar.kubelet_restarts == 3
