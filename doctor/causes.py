@@ -21,6 +21,13 @@ from doctor.logscan import DRIVER_FIX, RESTART_PLUGIN, RUNTIME_FIX, LogFindings,
 from doctor.shell import command
 from initcheck.checks import Finding
 from initcheck.flags import AUTO_DEVICES
+from sidecar.registration import (
+    accepted_devices,
+    iso,
+    not_held_reason,
+    physical_devices,
+    unrecorded_connection,
+)
 
 Verdict = Literal["problem", "ok", "unknown"]
 
@@ -58,6 +65,13 @@ OTHER_PLUGIN_FIX = (
 DRIVER_FIRST = (
     "the GPU driver or container runtime problem above explains this: fix it first, restarting the "
     "plugin alone does not help"
+)
+REREGISTER_FIX = ("restart the plugin so that it registers again:", RESTART_PLUGIN)
+UNRECORDED_FIX = (
+    "run hami-doctor again in a few seconds: a Register under way has its device list recorded by then",
+    "if it stays so, the kubelet refused the Register: restart the plugin; on Kubernetes 1.37 a kubelet "
+    "restart clears the refused state",
+    RESTART_PLUGIN,
 )
 # Growth between two samples that no healthy plugin shows.
 FD_GROWTH = 100
@@ -103,8 +117,8 @@ def diagnose(e: NodeEvidence) -> list[Cause]:
         driver_cause(e.plugin_logs, e.driver),
         owner_cause(e.plugins),
         serving_cause(e.plugins),
-        registration_cause(e.plugins),
-        devices_cause(e.plugins, e.expect_devices, e.device_glob, e.host_devices),
+        registration_cause(e),
+        devices_cause(e),
         log_cause("kubelet-log", e.kubelet_logs),
         log_cause("plugin-log", e.plugin_logs),
         growth_cause(e.plugin_process, e.rss_growth_mib),
@@ -229,28 +243,129 @@ def serving_cause(plugins: Sequence[PluginEvidence]) -> Cause:
     return cause
 
 
-def registration_cause(plugins: Sequence[PluginEvidence]) -> Cause:
+@dataclass(frozen=True)
+class Registration:
+    """Whether the kubelet holds a plugin now: True, False, or None when it cannot be told; and why."""
+
+    held: bool | None
+    why: str
+    fix: tuple[str, ...] = ()
+
+
+def registration(p: PluginEvidence, e: NodeEvidence) -> Registration:
+    """Judged as the sidecar judges `registered:` (docs/design.md#registration), from one look.
+
+    The kubelet's live connection to the plugin's socket first; where it cannot be seen, pod-resources
+    (live); the checkpoint is history: it dates an acceptance, and is not rewritten when the kubelet
+    drops a plugin (kubernetes issues 121994, 131013).
+    """
+    r, sock = p.spec.resource, p.spec.socket
+    cp, plugin, live = e.checkpoint.value, p.probe.identity, e.pod_resources.value
+    accepted = accepted_devices(cp, r, plugin, e.kubelet_socket.identity)
+    conns = p.connections.value
+    if conns is not None:
+        if unrecorded_connection(conns, cp, accepted):
+            return Registration(
+                False,
+                f"the kubelet is connected to {sock} but has recorded no device list from it since the "
+                "socket was created (a Register under way, or refused; a kubelet restart clears the "
+                "refused state on Kubernetes 1.37)",
+                UNRECORDED_FIX,
+            )
+        if conns > 0:  # zero devices, or only unhealthy ones, while held is registered
+            return Registration(
+                True, f"the kubelet holds a connection to {sock}{_device_note(r, e, accepted)}"
+            )
+        if cp is not None and accepted is not None:
+            return Registration(
+                False,
+                f"the kubelet is no longer connected to {sock}, though its checkpoint recorded {accepted} "
+                f"healthy device(s) from it at {iso(cp.mtime_ns / 1e9)} (history): it dropped the plugin, "
+                "which keeps serving (kubernetes issues 121994, 131013)",
+                REREGISTER_FIX,
+            )
+        why = not_held_reason(e.checkpoint, r, plugin, None)
+        return Registration(False, f"the kubelet holds no connection to {sock}: {why}", REREGISTER_FIX)
+    unseen = f"the kubelet's connections cannot be seen: {p.connections.error}"
+    if live is not None and live.get(r):
+        n = len(physical_devices(live[r]))
+        return Registration(True, f"pod-resources lists {n} healthy device(s) of {r} ({unseen})")
+    listing = "pod-resources lists none" if live is not None else e.pod_resources.error
+    if cp is None and not e.checkpoint.error.startswith("no checkpoint"):
+        return Registration(None, f"cannot be told: {unseen}; {listing}; {e.checkpoint.error}")
+    if accepted is None:
+        why = not_held_reason(e.checkpoint, r, plugin, None)
+        return Registration(False, f"{why} ({unseen})", REREGISTER_FIX)
+    if live is not None and accepted:
+        return Registration(
+            False,
+            f"pod-resources lists no device of {r} although the kubelet recorded {accepted} healthy: it "
+            f"dropped the plugin ({unseen})",
+            REREGISTER_FIX,
+        )
+    assert cp is not None  # accepted_devices() read it
+    return Registration(
+        None,
+        f"the kubelet's checkpoint recorded {accepted} healthy device(s) of {r} at "
+        f"{iso(cp.mtime_ns / 1e9)}, since both sockets were made; that is history (it is not rewritten when "
+        f"the kubelet drops a plugin) and nothing live tells whether the kubelet holds it now ({unseen}; "
+        f"{listing})",
+    )
+
+
+def _device_note(r: str, e: NodeEvidence, accepted: int | None) -> str:
+    live = e.pod_resources.value
+    n = len(physical_devices(live.get(r, ()))) if live is not None else accepted
+    if n is None:
+        return ""
+    where = "pod-resources lists" if live is not None else "its checkpoint recorded"
+    return (
+        f"; {where} {n} healthy device(s)" if n else f"; {where} no healthy device (registered all the same)"
+    )
+
+
+def registration_cause(e: NodeEvidence) -> Cause:
     cause = Cause("plugin-not-registered", "ok")
-    for p in plugins:
-        line = f"{p.spec.resource}: {p.registration}"
-        if p.registered:
+    unknown = []
+    for p in e.plugins:
+        found = registration(p, e)
+        line = f"{p.spec.resource}: {found.why}"
+        if found.held is None:
+            unknown.append(line)
+        elif found.held:
             cause.evidence.append(line)
         else:
-            cause.problem(line, ["restart the plugin so that it registers again:", RESTART_PLUGIN])
+            cause.problem(line, found.fix)
+    if cause.verdict == "ok" and unknown:
+        cause.verdict = "unknown"
+    cause.evidence += unknown
     return cause
 
 
-def devices_cause(
-    plugins: Sequence[PluginEvidence], expect: int | None, device_glob: str, host: Sequence[str]
-) -> Cause:
+def listed(p: PluginEvidence, e: NodeEvidence) -> int:
+    """Healthy physical devices the kubelet lists now: pod-resources when it answers, else the checkpoint
+    when written since kubelet.sock was made (an older one is not this kubelet's: never counted)."""
+    r, live, cp = p.spec.resource, e.pod_resources.value, e.checkpoint.value
+    if live is not None:
+        return len(physical_devices(live.get(r, ())))
+    kubelet = e.kubelet_socket.identity
+    devices = cp.devices(r) if cp is not None else None
+    if devices is None or kubelet is None or cp is None or cp.mtime_ns < kubelet.mtime_ns:
+        return 0
+    return len(physical_devices(devices))
+
+
+def devices_cause(e: NodeEvidence) -> Cause:
     """With --expect-devices (N, or auto: the host's device nodes), the kubelet lists at least that many."""
+    plugins, expect, device_glob, host = e.plugins, e.expect_devices, e.device_glob, e.host_devices
+    counts = {p.spec.resource: listed(p, e) for p in plugins}
     cause = Cause("devices-not-registered", "ok")
-    listed = "; ".join(f"{p.spec.resource}: the kubelet lists {p.listed}" for p in plugins)
+    listing = "; ".join(f"{r}: the kubelet lists {n}" for r, n in counts.items())
     if expect is None:
         cause.verdict = "unknown"
         cause.evidence.append(f"not checked: give --expect-devices N, or auto to count {device_glob}")
-        if listed:
-            cause.evidence.append(listed)
+        if listing:
+            cause.evidence.append(listing)
         return cause
     if expect == AUTO_DEVICES and not host:
         cause.verdict = "unknown"
@@ -263,9 +378,10 @@ def devices_cause(
         else (f"{want} device(s) expected (--expect-devices)")
     )
     for p in plugins:
-        if p.listed < want:
+        n = counts[p.spec.resource]
+        if n < want:
             cause.problem(
-                f"{p.spec.resource}: {source}, the kubelet lists {p.listed}",
+                f"{p.spec.resource}: {source}, the kubelet lists {n}",
                 [
                     "the driver sees the GPUs, the kubelet does not: restart the plugin, and if that "
                     "does not help, look in its log for devices it marks unhealthy:",
@@ -273,7 +389,7 @@ def devices_cause(
                 ],
             )
         else:
-            cause.evidence.append(f"{p.spec.resource}: the kubelet lists {p.listed} of {want}")
+            cause.evidence.append(f"{p.spec.resource}: the kubelet lists {n} of {want}")
     return cause
 
 

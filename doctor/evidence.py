@@ -1,12 +1,12 @@
 """Everything hami-doctor reads from the node, once, into one typed `NodeEvidence`.
 
 This is the only module of the doctor that does I/O to learn about the node: initcheck's
-checks, the sidecar's probes and its reading of the kubelet's records (the same code,
-not a second implementation), the host's device nodes, the logs, the kubelet's and the
-plugin's processes, and the sockets in the device-plugins folder. The rules
-(`doctor.causes`) and the repairs' plan (`doctor.repairs`) only read the result.
-psutil is imported inside functions, so a broken psutil is a diagnosis error the CLI
-reports (NPD's Unknown), not a failed import.
+checks, the sidecar's probes, its view of the kubelet's connections to the plugins and
+its reading of the kubelet's records (the same code, not a second implementation), the
+host's device nodes, the logs, the kubelet's and the plugin's processes, and the sockets
+in the device-plugins folder. The rules (`doctor.causes`) and the repairs' plan
+(`doctor.repairs`) only read the result. psutil is imported inside functions, so a
+broken psutil is a diagnosis error the CLI reports (NPD's Unknown), not a failed import.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import stat
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -38,15 +39,27 @@ from doctor.settings import DoctorSettings
 from initcheck.checks import Finding, options_for, run_checks, try_connect
 from initcheck.flags import AUTO_DEVICES, PluginSpec
 from initcheck.proc import process_visible
-from sidecar.checkpoint import CHECKPOINT_NAME, Checkpoint, CheckpointError, read_checkpoint
+from sidecar.checkpoint import CHECKPOINT_NAME, Checkpoint
 from sidecar.probes import (
     ProbeResult,
-    allocatable_devices,
+    Reading,
+    SocketId,
+    pod_resources_devices,
     probe_kubelet,
     probe_plugin,
-    registration_evidence,
+    read_checkpoint_async,
 )
-from sidecar.unixdiag import SocketOwner, socket_owner
+from sidecar.unixdiag import (
+    KUBELET_BOUND_PATH,
+    KUBELET_PROCESS_NAMES,
+    Connections,
+    DiagUnavailable,
+    SocketOwner,
+    UnixSocket,
+    diag_dump,
+    kubelet_connections,
+    socket_owner,
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,7 @@ class SocketProbe:
     path: str
     state: str  # alive, absent, not-socket, refused, timeout, wrong-service, error
     reason: str
+    identity: SocketId | None = None  # the socket file probed (its mtime: when it was made), if any
 
     @property
     def ok(self) -> bool:
@@ -74,9 +88,9 @@ NOT_CHECKED = SocketOwner("unknown", "not checked")
 class PluginEvidence:
     spec: PluginSpec
     probe: SocketProbe
-    registered: bool  # the kubelet's records show it accepted the plugin since both sockets were made
-    registration: str  # why, in a sentence
-    listed: int  # devices the kubelet lists: pod-resources' count when it answered, else the checkpoint's
+    # The kubelet's open connections to the listener of the plugin's socket file (its ListAndWatch
+    # stream), read before the probes as the sidecar reads them; or why they cannot be seen.
+    connections: Reading[int]
     owner: SocketOwner = NOT_CHECKED  # whose listener serves the socket file
 
 
@@ -163,6 +177,8 @@ class NodeEvidence:
     plugin_process: PluginProcesses
     folder_sockets: tuple[SocketFile, ...]  # every socket file in the device-plugins folder
     kubelet_path: str
+    checkpoint: Reading[Checkpoint]  # the kubelet's records: history, never proof of a registration now
+    pod_resources: Reading[dict[str, frozenset[str]]]  # healthy device IDs by resource: live
     # What was asked for: the devices check (None: none; AUTO_DEVICES: the host's glob) and a leak's size.
     expect_devices: int | None = None
     device_glob: str = ""
@@ -202,32 +218,42 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
     g = Gathering()
     findings = tuple(run_checks(options))  # as the init container runs them: connect, not strict
     paths = [s.plugin_path(p) for p in s.plugins]
-    # Whose listener serves each plugin socket, read before the probes: a probe's own connection lingers.
+    # The kubelet's connections and whose listener serves each plugin socket, read before the probes
+    # (a probe's own connection lingers a few ms), from one reading of this namespace, as the sidecar.
+    names = {*KUBELET_PROCESS_NAMES, s.kubelet_process_name}
+    unread: list[UnixSocket] | str = "this network namespace's sockets could not be read"
+    mine = g.take("this network namespace's sockets", _diag_dump, unread)
+    unseen: Connections | str = "the kubelet's connections could not be read"
+    seen = g.take(
+        "the kubelet's connections",
+        lambda: kubelet_connections(s.kubelet_path, names=names, mine=mine),
+        unseen,
+    )
+    connections = [
+        g.take(
+            f"the kubelet's connections to {path}",
+            partial(_connections_to, seen, spec, path),
+            Reading[int].failed("could not be read"),
+        )
+        for spec, path in zip(s.plugins, paths, strict=True)
+    ]
+    sockets = None if isinstance(mine, str) else mine
     owners = [
-        g.take(f"owner of {path}", partial(socket_owner, path, s.kubelet_path), _NO_OWNER) for path in paths
+        g.take(
+            f"owner of {path}", partial(socket_owner, path, s.kubelet_path, sockets, names=names), _NO_OWNER
+        )
+        for path in paths
     ]
     kubelet, *probes = await asyncio.gather(
         probe_kubelet(s.kubelet_path, s.probe_timeout),
         *(probe_plugin(path, s.probe_timeout) for path in paths),
     )
-    pod_resources = await allocatable_devices(s.pod_resources_socket, s.probe_timeout)
-    try:
-        checkpoint: Checkpoint | CheckpointError = read_checkpoint(
-            os.path.join(s.device_plugin_dir, CHECKPOINT_NAME)
-        )
-    except CheckpointError as e:
-        checkpoint = e
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hami-doctor-checkpoint") as reader:
+        checkpoint = await read_checkpoint_async(os.path.join(s.device_plugin_dir, CHECKPOINT_NAME), reader)
+    pod_resources = await pod_resources_devices(s.pod_resources_socket, s.probe_timeout)
     plugins = tuple(
-        _plugin_evidence(
-            spec,
-            path,
-            probe=probe,
-            kubelet=kubelet,
-            checkpoint=checkpoint,
-            pod_resources=pod_resources,
-            owner=owner,
-        )
-        for spec, path, probe, owner in zip(s.plugins, paths, probes, owners, strict=True)
+        PluginEvidence(spec, _socket_probe(path, probe), held, owner)
+        for spec, path, probe, held, owner in zip(s.plugins, paths, probes, connections, owners, strict=True)
     )
     process = g.take(
         "the kubelet's process",
@@ -256,6 +282,8 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
         ),
         folder_sockets=tuple(g.take("sockets", lambda: folder_sockets(s.device_plugin_dir), [])),
         kubelet_path=os.path.abspath(s.kubelet_path),
+        checkpoint=checkpoint,
+        pod_resources=pod_resources,
         expect_devices=s.expect_devices,
         device_glob=s.device_glob,
         host_devices=host,
@@ -286,29 +314,24 @@ def driver_nodes(device_glob: str) -> DriverNodes:
 
 
 def _socket_probe(path: str, result: ProbeResult) -> SocketProbe:
-    return SocketProbe(path, result.state, result.reason)
+    return SocketProbe(path, result.state, result.reason, result.identity)
 
 
-def _plugin_evidence(
-    spec: PluginSpec,
-    path: str,
-    *,
-    probe: ProbeResult,
-    kubelet: ProbeResult,
-    checkpoint: Checkpoint | CheckpointError,
-    pod_resources: dict[str, int] | str,
-    owner: SocketOwner,
-) -> PluginEvidence:
-    ev = registration_evidence(checkpoint, spec.resource, kubelet.identity, probe.identity)
-    count = pod_resources.get(spec.resource) if isinstance(pod_resources, dict) else None
-    return PluginEvidence(
-        spec=spec,
-        probe=_socket_probe(path, probe),
-        registered=ev.ok,
-        registration=ev.reason,
-        listed=count if count is not None else (ev.devices or 0),
-        owner=owner,
-    )
+def _diag_dump() -> list[UnixSocket] | str:
+    """This network namespace's Unix sockets, or why the kernel does not list them."""
+    try:
+        return diag_dump()
+    except DiagUnavailable as e:
+        return str(e)
+
+
+def _connections_to(seen: Connections | str, spec: PluginSpec, path: str) -> Reading[int]:
+    """The kubelet's connections to the listener of the plugin's socket file, as the sidecar counts them."""
+    if isinstance(seen, str):
+        return Reading.failed(seen)
+    # Where the folder is mounted elsewhere, the plugin bound it at the kubelet's own path.
+    bound = os.path.join(os.path.dirname(KUBELET_BOUND_PATH), spec.socket)
+    return Reading(seen.to(path, (bound,)))
 
 
 def kubelet_process(name: str) -> KubeletProcess:

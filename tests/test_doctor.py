@@ -28,6 +28,8 @@ from doctor.causes import (
     DRIVER_FIRST,
     ORDER,
     OTHER_PLUGIN_FIX,
+    REREGISTER_FIX,
+    UNRECORDED_FIX,
     Cause,
     devices_cause,
     diagnose,
@@ -67,11 +69,15 @@ from doctor.repairs import MIN_AGE, STALE, Repair, apply, plan, removal
 from doctor.shell import quote, split_words
 from initcheck.checks import Finding, try_connect
 from initcheck.flags import AUTO_DEVICES, PluginSpec
+from sidecar.checkpoint import Checkpoint, read_checkpoint
+from sidecar.probes import Reading, SocketId
+from sidecar.registration import iso
 from sidecar.rpc import unix_target
 from sidecar.testing import FakeDevicePlugin, FakeKubelet, netns
 from sidecar.testing.grpcserve import GoStyleUnimplemented
 from sidecar.testing.netns import Netns
-from sidecar.unixdiag import SocketOwner
+from sidecar.testing.plugin import hami_device_ids
+from sidecar.unixdiag import SocketOwner, kubelet_connections
 from tests.conftest import wait_for
 
 GPU = "nvidia.com/gpu"
@@ -271,6 +277,40 @@ async def test_plugin_not_registered(doctor: Doctor, node: tuple[FakeKubelet, Fa
     await wait_for(lambda: os.path.exists(plugin.socket_path))
     code, doc = await doctor.report()
     assert (code, doc["most_likely"]) == (1, "plugin-not-registered")
+
+
+async def test_a_dropped_plugin_is_not_registered_though_the_checkpoint_still_lists_it(
+    doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin]
+) -> None:
+    """kubernetes issue 131013: the kubelet closes its connection and never dials again; nothing is
+    rewritten, so the checkpoint still lists the devices. The live connection decides."""
+    kubelet, plugin = node
+    code, doc = await doctor.report()
+    assert code == 0
+    assert row(doc, "plugin-not-registered")["evidence"] == [
+        f"{GPU}: the kubelet holds a connection to nvidia-gpu.sock; pod-resources lists 2 healthy device(s)"
+    ]
+    before = read_checkpoint(kubelet.checkpoint_path)
+    await kubelet.drop(GPU)
+
+    def connections() -> int:
+        seen = kubelet_connections(kubelet.socket_path)
+        assert not isinstance(seen, str), seen
+        return seen.to(plugin.socket_path)
+
+    await wait_for(lambda: connections() == 0, what="the kubelet's connection to close")
+    code, doc = await doctor.report()
+    assert read_checkpoint(kubelet.checkpoint_path) == before  # history, untouched
+    assert before.devices(GPU) == ("GPU-0", "GPU-1")
+    assert plugin.serving
+    assert (code, doc["most_likely"]) == (1, "plugin-not-registered")
+    registered = row(doc, "plugin-not-registered")
+    assert registered["evidence"] == [
+        f"{GPU}: the kubelet is no longer connected to nvidia-gpu.sock, though its checkpoint recorded 2 "
+        f"healthy device(s) from it at {iso(before.mtime_ns / 1e9)} (history): it dropped the plugin, which "
+        "keeps serving (kubernetes issues 121994, 131013)"
+    ]
+    assert registered["fix"] == list(REREGISTER_FIX)
 
 
 async def test_devices_visible_but_not_registered(
@@ -497,15 +537,24 @@ KUBELET_SOCK = f"{DP}/kubelet.sock"
 PLUGIN_SOCK = f"{DP}/nvidia-gpu.sock"
 GPU_SPEC = PluginSpec(GPU, "nvidia-gpu.sock")
 GLOB = "/dev/nvidia[0-9]*"
+# kubelet.sock, then the plugin's socket a second later, then the kubelet's checkpoint write after its first
+# ListAndWatch answer: two GPUs as HAMi advertises them (ten split IDs each).
+T0 = 1_767_225_600 * 10**9
+KUBELET_ID, PLUGIN_ID = SocketId(100, T0), SocketId(200, T0 + 10**9)
+UUIDS = ("GPU-6b8a5c0e-2f0e-4d4c-9c4b-0a1b2c3d4e5f", "GPU-7c9b6d1f-3a1f-5e5d-ad5c-1b2c3d4e5f60")
+SPLIT_IDS = tuple(hami_device_ids(UUIDS))
+CHECKPOINT = Checkpoint({GPU: SPLIT_IDS}, T0 + 2 * 10**9)
+LIVE = Reading({GPU: frozenset(SPLIT_IDS)})  # pod-resources: healthy IDs by resource
+UNSEEN = "the kubelet's network namespace is not visible from this pod"
+HELD = f"{GPU}: the kubelet holds a connection to nvidia-gpu.sock; pod-resources lists 2 healthy device(s)"
+NOT_MOUNTED = "pod-resources socket not mounted"
 
 
 def plugin_evidence(**changes: Any) -> PluginEvidence:
     healthy = PluginEvidence(
         spec=GPU_SPEC,
-        probe=SocketProbe(PLUGIN_SOCK, "alive", "GetDevicePluginOptions answered"),
-        registered=True,
-        registration="the kubelet lists 2 device(s)",
-        listed=2,
+        probe=SocketProbe(PLUGIN_SOCK, "alive", "GetDevicePluginOptions answered", PLUGIN_ID),
+        connections=Reading(1),
         owner=SocketOwner("this-pod", "this pod's network namespace holds the listener", 7),
     )
     return replace(healthy, **changes)
@@ -528,7 +577,7 @@ HEALTHY = NodeEvidence(
         Finding("STALE_SOCKET", "pass", KUBELET_SOCK, "connect() accepted"),
         Finding("PATH_MISMATCH", "pass", KUBELET_SOCK, "kubelet pid 1 listens here"),
     ),
-    kubelet_socket=SocketProbe(KUBELET_SOCK, "alive", "serving v1beta1.Registration"),
+    kubelet_socket=SocketProbe(KUBELET_SOCK, "alive", "serving v1beta1.Registration", KUBELET_ID),
     plugins=(plugin_evidence(),),
     kubelet=KubeletProcess(True, pid=1, version="1.29.3", listening=(KUBELET_SOCK,)),
     kubelet_logs=(LogFindings("/var/log/kubelet.log", read=True, lines=40),),
@@ -536,6 +585,8 @@ HEALTHY = NodeEvidence(
     plugin_process=PluginProcesses("nvidia-device-plugin", visible=True, growth=(growth(),)),
     folder_sockets=(SocketFile(KUBELET_SOCK, listening=True), SocketFile(PLUGIN_SOCK, listening=True)),
     kubelet_path=KUBELET_SOCK,
+    checkpoint=Reading(CHECKPOINT),
+    pod_resources=LIVE,
     expect_devices=AUTO_DEVICES,
     device_glob=GLOB,
     host_devices=("/dev/nvidia0", "/dev/nvidia1"),
@@ -633,11 +684,170 @@ def test_a_stale_plugin_socket_is_not_serving_and_its_removal_is_the_fix() -> No
     assert cause.fix.count(RESTART_PLUGIN) == 1
 
 
-def test_an_unregistered_plugin() -> None:
-    cause = registration_cause([plugin_evidence(registered=False, registration="the checkpoint is older")])
-    assert (cause.verdict, cause.evidence) == ("problem", [f"{GPU}: the checkpoint is older"])
+def registration_row(**changes: Any) -> Cause:
+    """The plugin-not-registered row from HEALTHY with the plugin's connections (`connections`) and the
+    node's records (`checkpoint`, `pod_resources`) changed."""
+    plugin = {k: changes.pop(k) for k in ("connections",) if k in changes}
+    return registration_cause(replace(HEALTHY, plugins=(plugin_evidence(**plugin),), **changes))
+
+
+AT = iso(CHECKPOINT.mtime_ns / 1e9)
+BEFORE_THE_SOCKET = replace(CHECKPOINT, mtime_ns=PLUGIN_ID.mtime_ns - 1)  # written for an older socket
+
+
+@pytest.mark.parametrize(
+    ("changes", "verdict", "evidence", "fix"),
+    [
+        pytest.param(
+            {},
+            "ok",
+            HELD,
+            [],
+            id="held",
+        ),
+        pytest.param(
+            {"checkpoint": Reading.failed("the checkpoint is not valid JSON (truncated or corrupt)")},
+            "ok",
+            HELD,
+            [],
+            id="held, the checkpoint unreadable",
+        ),
+        pytest.param(
+            {"checkpoint": Reading(BEFORE_THE_SOCKET), "pod_resources": Reading.failed(NOT_MOUNTED)},
+            "problem",
+            f"{GPU}: the kubelet is connected to nvidia-gpu.sock but has recorded no device list from it "
+            "since the socket was created (a Register under way, or refused; a kubelet restart clears the "
+            "refused state on Kubernetes 1.37)",
+            list(UNRECORDED_FIX),
+            id="connected, not recorded since the socket was made",
+        ),
+        pytest.param(
+            {"checkpoint": Reading(Checkpoint({}, CHECKPOINT.mtime_ns))},
+            "problem",
+            f"{GPU}: the kubelet is connected to nvidia-gpu.sock but has recorded no device list",
+            list(UNRECORDED_FIX),
+            id="connected, never recorded",
+        ),
+        pytest.param(
+            {"connections": Reading(0), "pod_resources": Reading({})},
+            "problem",
+            f"{GPU}: the kubelet is no longer connected to nvidia-gpu.sock, though its checkpoint recorded 2 "
+            f"healthy device(s) from it at {AT} (history): it dropped the plugin, which keeps serving "
+            "(kubernetes issues 121994, 131013)",
+            list(REREGISTER_FIX),
+            id="no connection after an earlier acceptance",
+        ),
+        pytest.param(
+            {"connections": Reading(0), "checkpoint": Reading(BEFORE_THE_SOCKET)},
+            "problem",
+            f"{GPU}: the kubelet holds no connection to nvidia-gpu.sock: not registered since the plugin "
+            "socket was created",
+            list(REREGISTER_FIX),
+            id="no connection since the socket was made",
+        ),
+        pytest.param(
+            {
+                "connections": Reading(0),
+                "checkpoint": Reading.failed("no checkpoint: the kubelet has not recorded any device plugin"),
+            },
+            "problem",
+            f"{GPU}: the kubelet holds no connection to nvidia-gpu.sock: not registered (no checkpoint: ",
+            list(REREGISTER_FIX),
+            id="no connection, no checkpoint",
+        ),
+        pytest.param(
+            {"connections": Reading.failed(UNSEEN), "checkpoint": Reading(BEFORE_THE_SOCKET)},
+            "ok",
+            f"{GPU}: pod-resources lists 2 healthy device(s) of {GPU} (the kubelet's connections cannot be "
+            f"seen: {UNSEEN})",
+            [],
+            id="unseen, pod-resources lists it",
+        ),
+        pytest.param(
+            {"connections": Reading.failed(UNSEEN), "pod_resources": Reading({})},
+            "problem",
+            f"{GPU}: pod-resources lists no device of {GPU} although the kubelet recorded 2 healthy: it "
+            f"dropped the plugin (the kubelet's connections cannot be seen: {UNSEEN})",
+            list(REREGISTER_FIX),
+            id="unseen, pod-resources no longer lists it",
+        ),
+        pytest.param(
+            {"connections": Reading.failed(UNSEEN), "pod_resources": Reading.failed(NOT_MOUNTED)},
+            "unknown",
+            f"{GPU}: the kubelet's checkpoint recorded 2 healthy device(s) of {GPU} at {AT}, since both "
+            "sockets were made; that is history (it is not rewritten when the kubelet drops a plugin) and "
+            f"nothing live tells whether the kubelet holds it now (the kubelet's connections cannot be seen: "
+            f"{UNSEEN}; {NOT_MOUNTED})",
+            [],
+            id="unseen, the checkpoint alone: history",
+        ),
+        pytest.param(
+            {
+                "connections": Reading.failed(UNSEEN),
+                "pod_resources": Reading.failed(NOT_MOUNTED),
+                "checkpoint": Reading(BEFORE_THE_SOCKET),
+            },
+            "problem",
+            f"{GPU}: not registered since the plugin socket was created (the kubelet's connections cannot be "
+            f"seen: {UNSEEN})",
+            list(REREGISTER_FIX),
+            id="unseen, the checkpoint older than the socket",
+        ),
+        pytest.param(
+            {
+                "connections": Reading.failed(UNSEEN),
+                "pod_resources": Reading.failed(NOT_MOUNTED),
+                "checkpoint": Reading.failed("cannot open the checkpoint: Permission denied"),
+            },
+            "unknown",
+            f"{GPU}: cannot be told: the kubelet's connections cannot be seen: {UNSEEN}; {NOT_MOUNTED}; "
+            "cannot open the checkpoint: Permission denied",
+            [],
+            id="nothing readable",
+        ),
+    ],
+)
+def test_registration_is_judged_as_the_sidecar_judges_it(
+    changes: dict[str, Any], verdict: str, evidence: str, fix: list[str]
+) -> None:
+    """The kubelet's live connection first, then pod-resources; the checkpoint only dates an acceptance."""
+    cause = registration_row(**changes)
+    assert cause.verdict == verdict
+    assert cause.evidence[0].startswith(evidence), cause.evidence
+    assert cause.fix == fix
+
+
+def test_zero_or_only_unhealthy_devices_while_held_is_registered() -> None:
+    """pod-resources and the checkpoint list healthy devices only: a plugin whose GPUs all turned unhealthy
+    lists none. Held, it is registered (a restart would only hide its health events); the devices row says
+    what is missing."""
+    none = replace(CHECKPOINT, registered={GPU: ()})
+    nothing: Reading[dict[str, frozenset[str]]] = Reading({})
+    for pod_resources in (nothing, Reading.failed(NOT_MOUNTED)):
+        evidence = replace(HEALTHY, checkpoint=Reading(none), pod_resources=pod_resources)
+        causes = diagnose(evidence)
+        registered = one(causes, "plugin-not-registered")
+        assert registered.verdict == "ok"
+        assert registered.evidence[0].startswith(
+            f"{GPU}: the kubelet holds a connection to nvidia-gpu.sock; "
+        )
+        assert registered.evidence[0].endswith("no healthy device (registered all the same)")
+        assert one(causes, "devices-not-registered").verdict == "problem"
+        assert causes[0].id == "devices-not-registered"
+
+
+def test_a_registration_of_several_plugins_is_judged_per_plugin() -> None:
+    ascend = plugin_evidence(
+        spec=PluginSpec("huawei.com/Ascend910B3", "Ascend910B3.sock"), connections=Reading(0)
+    )
+    cause = registration_cause(replace(HEALTHY, plugins=(plugin_evidence(), ascend)))
+    assert cause.verdict == "problem"
+    assert cause.evidence == [
+        "huawei.com/Ascend910B3: the kubelet holds no connection to Ascend910B3.sock: never registered "
+        "(the kubelet's checkpoint does not list huawei.com/Ascend910B3)",
+        HELD,
+    ]
     assert cause.fix[-1] == RESTART_PLUGIN
-    assert registration_cause([plugin_evidence()]).verdict == "ok"
 
 
 @pytest.mark.parametrize(
@@ -661,10 +871,32 @@ def test_devices_row_follows_expect_devices(
     expect: int | None, host: int, listed: int, verdict: str, evidence: str
 ) -> None:
     nodes = tuple(f"/dev/nvidia{i}" for i in range(host))
-    cause = devices_cause([plugin_evidence(listed=listed)], expect, GLOB, nodes)
+    uuids = [f"GPU-{i:08x}-0000-0000-0000-000000000000" for i in range(listed)]
+    live = Reading({GPU: frozenset(hami_device_ids(uuids))})  # each GPU as ten split IDs
+    cause = devices_cause(replace(HEALTHY, pod_resources=live, expect_devices=expect, host_devices=nodes))
     assert cause.verdict == verdict
     assert cause.evidence[0].startswith(evidence)
     assert bool(cause.fix) == (verdict == "problem")
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "listed"),
+    [
+        (CHECKPOINT, 2),  # HAMi's split IDs once per GPU
+        (replace(CHECKPOINT, registered={GPU: ("GPU-0", "GPU-0", "GPU-1::0", "GPU-1::1")}), 2),
+        (replace(CHECKPOINT, mtime_ns=KUBELET_ID.mtime_ns - 1), 0),  # another kubelet's: not counted
+    ],
+)
+def test_without_pod_resources_the_devices_are_counted_from_a_current_checkpoint(
+    checkpoint: Checkpoint, listed: int
+) -> None:
+    evidence = replace(
+        HEALTHY,
+        pod_resources=Reading.failed(NOT_MOUNTED),
+        checkpoint=Reading(checkpoint),
+        expect_devices=None,
+    )
+    assert devices_cause(evidence).evidence[-1] == f"{GPU}: the kubelet lists {listed}"
 
 
 def test_log_rows() -> None:
@@ -759,7 +991,7 @@ def test_problems_come_first_in_causal_order() -> None:
     evidence = replace(
         HEALTHY,
         plugin_logs=(noisy,),
-        plugins=(plugin_evidence(registered=False, registration="not registered"),),
+        plugins=(plugin_evidence(connections=Reading(0)),),
     )
     causes = diagnose(evidence)
     assert [c.id for c in causes[:2]] == ["plugin-not-registered", "plugin-log"]
@@ -819,7 +1051,7 @@ def test_text_json_and_npd_renderings() -> None:
     long = "x" * 300
     evidence = replace(
         HEALTHY,
-        plugins=(plugin_evidence(probe=SocketProbe(PLUGIN_SOCK, "refused", f"refused {long}")),),
+        plugins=(plugin_evidence(probe=SocketProbe(PLUGIN_SOCK, "refused", f"refused {long}", PLUGIN_ID)),),
         folder_sockets=(SocketFile(PLUGIN_SOCK, False, IDENTITY, MIN_AGE + 1),),
     )
     report = Report(diagnose(evidence), plan(evidence), evidence.kubelet)
