@@ -58,12 +58,13 @@ class Poller:
     async def run(self) -> None:
         while True:
             phase = self.phase
-            live, ready = await self.n.status(), await self.n.status("/readyz")
+            async with self.n.http.get(self.n.url + "/healthz?verbose") as r:
+                live, body = r.status, await r.text()
+            ready = await self.n.status("/readyz")
             if phase == self.phase:  # an answer that straddles two phases belongs to neither
                 self.samples.append((phase, live, ready))
                 if live != 200 and phase in LIVE_PHASES and len(self.wrong) < 5:
-                    async with self.n.http.get(self.n.url + "/healthz?verbose") as r:
-                        self.wrong.append(f"{phase}: {r.status} {await r.text()}")
+                    self.wrong.append(f"{phase}: {live} {body}")
             await asyncio.sleep(0.05)
 
 
@@ -248,7 +249,8 @@ async def main() -> int:
                 await fault(i)
                 if time.monotonic() > DEADLINE:
                     break
-            print(f"{count} {what} ({time.monotonic() - START:.0f} s)", flush=True)
+            rss = n.process.memory_info().rss / 2**20
+            print(f"{count} {what} ({time.monotonic() - START:.0f} s, RSS {rss:.1f} MiB)", flush=True)
 
         poll.phase = "steady"
         while (rounds := int((await status(n))["probe_rounds"])) < ROUNDS and time.monotonic() < DEADLINE:  # type: ignore[call-overload]
