@@ -55,7 +55,8 @@ PERMISSION_CHECKS = frozenset(
 # A fix line starting with "$ " is a command: printed so that it pastes (wrapped with backslashes).
 OTHER_PLUGIN_FIX = (
     "two device plugins serve the same socket and resource on this node (the GPU Operator's NVIDIA "
-    "plugin beside HAMi): the kubelet keeps whichever registered last. Run one: turn the other off "
+    "plugin beside HAMi): up to Kubernetes 1.36 the kubelet keeps whichever registered last; from "
+    "1.37 it refuses the second on the same socket path. Run one: turn the other off "
     "(GPU Operator: the node label below, or devicePlugin.enabled=false in its chart), then restart "
     "this plugin:",
     "$ kubectl label node $(hostname) nvidia.com/gpu.deploy.device-plugin=false",

@@ -149,11 +149,11 @@ KUBELET_PATTERNS = (
         "client.go Run",
     ),
     Pattern(
-        "Failed to serve device plugin registration grpc server",
+        "Error while serving device plugin registration grpc server",
         "kubelet-log",
-        "the kubelet's registration server stopped serving kubelet.sock (it retries every second)",
+        "the kubelet's registration server stopped serving kubelet.sock",
         ("read the kubelet's log around it, then restart the kubelet", "$ systemctl restart kubelet"),
-        "server.go serveWithRetry",
+        "plugin/v1beta1/server.go Start",
     ),
     Pattern(
         "Failed to listen to socket while starting device plugin registry",

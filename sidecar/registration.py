@@ -470,8 +470,8 @@ class Registrar:
             else:
                 p.identity, p.kubelet_then, p.known = result.identity, self._kubelet_id, True  # at start
         if result.ok and obs.owner == "elsewhere":
-            # Another device plugin re-bound the socket (and the kubelet keeps whichever registered
-            # last): restarting this one would start a tug of war, not end it.
+            # Another device plugin re-bound the socket (up to 1.36 the kubelet keeps whichever
+            # registered last; 1.37 refuses the second on one path): a restart would only fight it.
             why = f"{obs.owner_reason}; run one device plugin per resource (remove the other DaemonSet)"
             self.state.report(name, False, why, result.latency, definitive=True, restarts=False)
             return False

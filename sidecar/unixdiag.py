@@ -300,7 +300,7 @@ def socket_owner(
     inode of the file each is bound to. So a listener here bound to the file now at `path` is this
     pod's ("this-pod"); none here while something accepts connections on the file means another
     process, in another namespace, serves it ("elsewhere": a second device plugin that re-bound
-    the same path, which the kubelet keeps if it registered last). Where this namespace is the
+    the same path, which a kubelet up to 1.36 keeps if it registered last). Where this namespace is the
     host's (the kubelet's listener on `kubelet_path` is here too, or a visible kubelet process
     runs in it), every hostNetwork process shares it and the answer is "unknown". `sockets` is a
     `diag_dump()` taken by the caller, else one is taken here.

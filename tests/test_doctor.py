@@ -1151,11 +1151,11 @@ CATALOG: dict[str, tuple[str, str, str]] = {
         "kubelet-log",
         "the plugin's device stream ended",
     ),
-    "Failed to serve device plugin registration grpc server": (
+    "Error while serving device plugin registration grpc server": (
         kl(
             "E",
-            "server.go:122",
-            '"Failed to serve device plugin registration grpc server, retrying..." err="accept unix '
+            "server.go:123",
+            '"Error while serving device plugin registration grpc server" err="accept unix '
             '/var/lib/kubelet/device-plugins/kubelet.sock: use of closed network connection"',
         ),
         "kubelet-log",

@@ -2,7 +2,7 @@
 
 After a kubelet restart the kubelet keeps each resource of its checkpoint as a stopped endpoint; when
 no plugin registered it within `endpointStopGracePeriod` (5 minutes, a constant in
-pkg/kubelet/cm/devicemanager/endpoint.go), the next `GetCapacity` (the node status loop's, about every
+pkg/kubelet/cm/devicemanager/types.go), the next `GetCapacity` (the node status loop's, about every
 10 s) removes it and rewrites the checkpoint. The simulator, at its default stop grace, must do the
 same at the same time; the sidecar must fail the registration from the first grace on, and never call
 a resource it held "never registered".
