@@ -34,6 +34,7 @@ from sidecar.probes import (
     socket_refuses,
 )
 from sidecar.registration import PluginRound, Registrar, Round, Rules, Vanish, iso
+from sidecar.tasks import TaskSet
 from sidecar.unixdiag import (
     KUBELET_BOUND_PATH,
     KUBELET_PROCESS_NAMES,
@@ -149,7 +150,7 @@ class Sidecar:
         self.rounds = 0
         self._connections_source = ""
         self._trigger: asyncio.Event | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet("hami-sidecar:")
         self._refresh_handle: asyncio.TimerHandle | None = None
         self._watcher: FolderWatcher | None = None
         self._folder_id: tuple[int, int] | None = None
@@ -170,7 +171,7 @@ class Sidecar:
         )
         if not self._arm_watcher():
             self._await_folder()
-        self._spawn(self._probe_loop(), "probe-loop")
+        self._tasks.spawn(self._probe_loop(), "probe-loop")
         self._schedule_refresh()
 
     async def stop(self) -> None:
@@ -178,10 +179,7 @@ class Sidecar:
             self._refresh_handle.cancel()
         if self._watcher is not None:
             self._watcher.stop()
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.cancel()
         if self._reader is not None:
             self._reader.shutdown(wait=True, cancel_futures=True)
 
@@ -192,16 +190,6 @@ class Sidecar:
     def trigger(self) -> None:
         if self._trigger is not None:
             self._trigger.set()
-
-    def _spawn(self, coro: Any, name: str) -> None:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro, name=f"hami-sidecar:{name}")
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("task %s failed", task.get_name(), exc_info=task.exception())
 
     # -- the folder ------------------------------------------------------------------
     def _arm_watcher(self) -> bool:
@@ -221,7 +209,7 @@ class Sidecar:
         self._folder_id = None
         if not self._folder_waiting:
             self._folder_waiting = True
-            self._spawn(self._wait_for_folder(), "folder-wait")
+            self._tasks.spawn(self._wait_for_folder(), "folder-wait")
 
     async def _wait_for_folder(self) -> None:
         logger.warning("%s is missing or was replaced; waiting for it", self.settings.device_plugin_dir)
@@ -260,7 +248,7 @@ class Sidecar:
 
     def _judge_vanished(self, plugin: PluginSpec) -> None:
         self.registrar.plugin_socket_deleted(plugin.resource)
-        self._spawn(self._observe_vanished(plugin), f"vanish:{plugin.resource}")
+        self._tasks.spawn(self._observe_vanished(plugin), f"vanish:{plugin.resource}")
 
     async def _observe_vanished(self, plugin: PluginSpec) -> None:
         """Look at the folder a moment after a plugin socket was deleted; the registrar judges.
@@ -349,7 +337,9 @@ class Sidecar:
         self._connections_source = connections if isinstance(connections, str) else connections.source
         seen = Round(kubelet, observed, checkpoint, pod_resources, host_devices, generation)
         for resource in self.registrar.round(seen):
-            self._spawn(self._observe_vanished(self.registrar.plugin_for(resource)), f"vanish:{resource}")
+            self._tasks.spawn(
+                self._observe_vanished(self.registrar.plugin_for(resource)), f"vanish:{resource}"
+            )
         self.rounds += 1
         self._schedule_refresh()
 

@@ -15,6 +15,8 @@ import socket
 import sys
 from typing import Any
 
+from sidecar.tasks import TaskSet
+
 
 class SocketFront:
     def __init__(self, path: str, backend: str) -> None:
@@ -23,7 +25,7 @@ class SocketFront:
         self._server: asyncio.Server | None = None
         self._flowing = asyncio.Event()
         self._flowing.set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         self._writers: set[asyncio.StreamWriter] = set()
 
     @property
@@ -56,18 +58,13 @@ class SocketFront:
             self._server = None
         for w in list(self._writers):
             w.close()
-        for t in list(self._tasks):
-            t.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel()
         if unlink:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.get_running_loop().create_task(self._serve(reader, writer))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._serve(reader, writer))
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)

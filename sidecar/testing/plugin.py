@@ -22,6 +22,7 @@ from sidecar.rpc import (
     unary,
     unix_target,
 )
+from sidecar.tasks import TaskSet
 from sidecar.testing.front import SocketFront
 from sidecar.testing.grpcserve import service_handler
 from sidecar.testing.kubelet import KUBELET_SOCKET
@@ -103,7 +104,7 @@ class FakeDevicePlugin:
         self._front: SocketFront | None = None
         self._streams: set[asyncio.Queue[None]] = set()
         self._watcher: FolderWatcher | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         self._retry: asyncio.TimerHandle | None = None
         self._serial = 0
 
@@ -159,9 +160,7 @@ class FakeDevicePlugin:
             self._watcher.stop()
         if self._retry is not None:
             self._retry.cancel()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel()
         await self._stop_serving(unlink=True)
         shutil.rmtree(self._private, ignore_errors=True)
 
@@ -246,16 +245,11 @@ class FakeDevicePlugin:
         if self._retry is not None:
             self._retry.cancel()
         loop = asyncio.get_running_loop()
-        self._retry = loop.call_later(self.retry_interval, lambda: self._spawn(self.register()))
+        self._retry = loop.call_later(self.retry_interval, lambda: self._tasks.spawn(self.register()))
 
     def _on_event(self, event: FsEvent) -> None:
         if event.kind == "created" and event.name == os.path.basename(self.kubelet_socket) and self.serving:
-            self._spawn(self.restart())
-
-    def _spawn(self, coro: Any) -> None:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+            self._tasks.spawn(self.restart())
 
     # -- DevicePlugin ---------------------------------------------------------------
     async def _answer(self, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
