@@ -9,6 +9,7 @@ CI=true they fail.
 
 from __future__ import annotations
 
+import os
 import time
 from functools import partial
 from typing import Any
@@ -19,7 +20,22 @@ from sidecar.testing import netns
 from sidecar.testing.realkubelet import fast_takeover
 from tests.conftest import wait_for
 from tests.e2e.conftest import Watch
-from tests.e2e.realnode import GPU, UUIDS, restarts_seen
+from tests.e2e.realnode import GPU, UUIDS, RealNode, restarts_seen
+from tests.test_doctor import Doctor, row
+
+
+async def says(node: RealNode, why: str) -> None:
+    """What the metrics and hami-doctor say of a plugin the kubelet does not hold: the same thing."""
+    text = (await node.get("/metrics"))[1]
+    labels = f'plugin="hami",resource="{GPU}"'
+    assert f'device_plugin_check_fails_liveness{{check="registered",{labels}}} 1.0' in text
+    tmp = os.path.dirname(node.dir)
+    logs = [os.path.join(tmp, name) for name in ("kubelet.log", "plugin.log")]
+    for log in logs:
+        open(log, "a").close()
+    code, doc = await Doctor(node.dir, tmp, *logs).report()
+    assert (code, doc["most_likely"]) == (1, "plugin-not-registered")
+    assert why in " ".join(row(doc, "plugin-not-registered")["evidence"])
 
 
 async def test_a_held_plugin_is_registered_and_a_numa_spanning_device_counts_once(node_factory: Any) -> None:
@@ -127,6 +143,7 @@ async def test_issue_121994_on_the_old_release_is_a_drop_the_sidecar_names(node_
             limit = node.settings.probe_interval + node.settings.probe_timeout + node.settings.drop_confirm
             assert took <= limit + 1.0
             print(f"121994 on {node.kubelet.version}: the drop failed liveness {took:.3f} s after A's end")
+            await says(node, "no longer connected")
         else:
             assert not registered
             assert "device plugin already connected" in (b.last_register_error or "")
@@ -163,6 +180,7 @@ async def test_pr_139338_takeover_on_the_new_release(node_factory: Any) -> None:
         await node.until("/healthz?verbose", 503, contains="recorded no device list")
         took = time.monotonic() - fault
         print(f"PR 139338 state on {node.kubelet.version}: liveness failed {took:.3f} s after the restart")
+        await says(node, "recorded no device list")
         assert (await node.kubelet.capacity())["allocatable"] == {GPU: 3}  # a ghost: allocatable, no stream
         for _ in range(3):  # what the kubelet does after failureThreshold 503s: restart the plugin
             await node.until("/healthz", 503)
