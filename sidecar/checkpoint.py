@@ -44,8 +44,10 @@ def read_checkpoint(path: str, max_bytes: int = MAX_CHECKPOINT_BYTES) -> Checkpo
             raise CheckpointError("the checkpoint is not a regular file")
         if st.st_size > max_bytes:
             raise CheckpointError(f"the checkpoint is {st.st_size} bytes, over the {max_bytes}-byte bound")
+        # The kubelet replaces the file (rename), never writes into it: its size is what there is to
+        # read. Asking for the bound instead would have Python allocate 16 MiB for every read.
         with os.fdopen(fd, "rb", closefd=False) as f:
-            raw = f.read(max_bytes + 1)
+            raw = f.read(st.st_size + 1)
     except OSError as e:
         raise CheckpointError(f"cannot read the checkpoint: {e.strerror}") from None
     finally:
