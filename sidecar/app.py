@@ -257,18 +257,22 @@ class Sidecar:
         removal, again when the restart window is over (a plugin re-creating its socket).
         """
         s = self.settings
-        await asyncio.sleep(s.vanish_settle)
-        for window_over in (False, True):
-            seen = Vanish(
-                plugin=socket_identity(os.path.join(s.device_plugin_dir, plugin.socket)),
-                kubelet=socket_identity(s.kubelet_path),
-                kubelet_refuses=socket_refuses(s.kubelet_path),
-            )
-            if not self.registrar.judge_vanished(plugin.resource, seen, window_over):
-                break
-            await asyncio.sleep(max(0.0, s.plugin_restart_window - s.vanish_settle))
-        self._schedule_refresh()
-        self.trigger()
+        try:
+            await asyncio.sleep(s.vanish_settle)
+            for window_over in (False, True):
+                seen = Vanish(
+                    plugin=socket_identity(os.path.join(s.device_plugin_dir, plugin.socket)),
+                    kubelet=socket_identity(s.kubelet_path),
+                    kubelet_refuses=socket_refuses(s.kubelet_path),
+                )
+                if not self.registrar.judge_vanished(plugin.resource, seen, window_over):
+                    break
+                await asyncio.sleep(max(0.0, s.plugin_restart_window - s.vanish_settle))
+        finally:
+            # Never left waiting for a verdict that will not come: the next round judges the socket.
+            self.registrar.end_judgement(plugin.resource)
+            self._schedule_refresh()
+            self.trigger()
 
     # -- probing ------------------------------------------------------------------------
     async def _probe_loop(self) -> None:
@@ -297,8 +301,9 @@ class Sidecar:
         # Only the sockets bound to the files that matter are kept (a host namespace holds thousands).
         files = [s.kubelet_path, *(s.plugin_path(p) for p in s.plugins)]
         bound = {os.path.join(os.path.dirname(KUBELET_BOUND_PATH), p.socket) for p in s.plugins}
+        listed = {i for f in files if (i := _file_id(f))}
         try:
-            mine: list[UnixSocket] | str = diag_dump({i for f in files if (i := _file_id(f))})
+            mine: list[UnixSocket] | str = diag_dump(listed)
         except DiagUnavailable as e:
             mine = str(e)
         names = {*KUBELET_PROCESS_NAMES, s.kubelet_process_name}
@@ -309,11 +314,17 @@ class Sidecar:
             *(probe_plugin(s.plugin_path(p), s.probe_timeout) for p in s.plugins),
         )
         self._observe_probe("kubelet", kubelet)
-        assert self._reader is not None
-        checkpoint = await read_checkpoint_async(
-            os.path.join(s.device_plugin_dir, CHECKPOINT_NAME), self._reader
-        )
+        # pod-resources before the checkpoint: the kubelet changes its live view before it rewrites
+        # the file, so the other order can see devices recorded healthy that it no longer lists.
         pod_resources = await pod_resources_devices(s.pod_resources_socket, s.probe_timeout)
+        assert self._reader is not None
+        try:
+            async with asyncio.timeout(s.probe_timeout):
+                checkpoint = await read_checkpoint_async(
+                    os.path.join(s.device_plugin_dir, CHECKPOINT_NAME), self._reader
+                )
+        except TimeoutError:
+            checkpoint = Reading.failed(f"the checkpoint could not be read within {s.probe_timeout:g}s")
         host_devices = len(glob.glob(s.device_glob)) if s.expect_devices == -1 else None
         observed = {}
         for plugin, result in zip(s.plugins, plugins, strict=True):
@@ -326,9 +337,10 @@ class Sidecar:
                 held = Reading(
                     connections.to(path, (os.path.join(os.path.dirname(KUBELET_BOUND_PATH), plugin.socket),))
                 )
+            # A socket re-created since the table was read is not in it: no verdict on its owner.
             owner = (
                 socket_owner(path, s.kubelet_path, mine, names=names)
-                if result.ok and not isinstance(mine, str)
+                if result.ok and not isinstance(mine, str) and _file_id(path) in listed
                 else SocketOwner("unknown", "")
             )
             observed[plugin.resource] = PluginRound(

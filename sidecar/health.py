@@ -98,10 +98,12 @@ class HealthState:
         self._failed: set[str] = set()  # failing liveness
         self._not_ok: set[str] = set()  # failed or pending: not ready
 
-    def add(self, key: CheckKey | str) -> None:
+    def add(self, key: CheckKey | str, restarts: bool = True) -> None:
+        """A check, pending until its first report. `restarts`: whether its failure can fail liveness
+        before any report (a check never reported fails when the grace runs out)."""
         key = key if isinstance(key, CheckKey) else _parse_key(key)
         self.checks[key.name] = Check(
-            key, Status.PENDING, "not probed yet", self.wall(), reset_at=self.clock()
+            key, Status.PENDING, "not probed yet", self.wall(), reset_at=self.clock(), restarts=restarts
         )
         self._not_ok.add(key.name)
 

@@ -177,6 +177,7 @@ class _PluginState:
     attempt: Attempt | None = None
     episode: bool = False  # failing liveness for "not registered" since the last plugin restart
     restarts_in_vain: int = 0
+    budget_announced: bool = False  # logged and published once the spent budget took effect
     devices: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -203,12 +204,13 @@ class Registrar:
         self.clock = clock
         self.wall = wall
         self.state = HealthState(rules.grace, clock, wall, self._on_transition)
-        self.state.add(KUBELET)
-        self.state.add(CHECKPOINT)
+        # Only the plugin's own checks can ever fail liveness (a plugin restart is their remedy).
+        self.state.add(KUBELET, restarts=False)
+        self.state.add(CHECKPOINT, restarts=False)
         self._plugins: dict[str, _PluginState] = {}
         for p in rules.plugins:
             for key in self._keys(p.resource):
-                self.state.add(key)
+                self.state.add(key, restarts=key.kind in (Kind.PLUGIN, Kind.REGISTERED))
             self._plugins[p.resource] = _PluginState()
         self._by_socket = {p.socket: p for p in rules.plugins}
         self.kubelet_restarts = 0
@@ -236,7 +238,7 @@ class Registrar:
             out[r] = {
                 "kubelet_connected_since": iso(p.connected_since) if p.connected_since else None,
                 "restarts_without_registration": p.restarts_in_vain,
-                "restart_budget_spent": p.budget_spent,
+                "restart_budget_spent": p.budget_announced,
                 "open_attempt": p.attempt.as_dict() if p.attempt else None,
             }
         return out
@@ -281,24 +283,20 @@ class Registrar:
             # `judging` tells it apart.)
             return
         p.identity, p.kubelet_then, p.known = identity, self._kubelet_id, True
-        p.judging, p.vanished, p.lost_at = False, None, None
+        p.judging, p.vanished, p.lost_at, p.connected_pair = False, None, None, None
         if p.episode:  # the plugin restarted after liveness failed for "not registered"
             p.episode = False
             p.restarts_in_vain += 1
-            if p.restarts_in_vain == RESTART_BUDGET:
-                logger.warning(
-                    "restart budget spent for %s: %d plugin restarts did not bring registration back; "
-                    "liveness no longer fails for it until it registers (this node needs a person)",
-                    resource,
-                    RESTART_BUDGET,
-                )
-                self.listener.budget(resource, True)
         self.state.reset(self._names(resource))
         self._open_attempt(resource, "new plugin socket")
 
     def plugin_socket_deleted(self, resource: str) -> None:
         """Mark the plugin's verdict as under way; the caller observes, then calls `judge_vanished`."""
         self._plugins[resource].judging = True
+
+    def end_judgement(self, resource: str) -> None:
+        """The observation of a deleted socket ended (or failed): its verdict, if any, is in."""
+        self._plugins[resource].judging = False
 
     def judge_vanished(self, resource: str, seen: Vanish, restart_window_over: bool) -> bool:
         """A deleted plugin socket: a kubelet restart (pending) or the plugin gone (failed)?
@@ -366,7 +364,9 @@ class Registrar:
         self._kubelet_down = True
         self.generation += 1
         for p in self._plugins.values():
-            p.lost_at = None
+            # A kubelet restart ends a failure episode: the new socket HAMi then serves is not a
+            # restart the livenessProbe asked for.
+            p.lost_at, p.connected_pair, p.episode = None, None, False
         if self._kubelet_id is None:
             return  # never seen answering: nothing to restart from
         self.kubelet_restarts += 1
@@ -497,17 +497,18 @@ class Registrar:
         if held:
             p.episode = False
             if p.restarts_in_vain:
-                if p.budget_spent:
+                if p.budget_announced:
                     logger.info("%s registered again: the restart budget is restored", r)
                     self.listener.budget(r, False)
-                p.restarts_in_vain = 0
+                p.restarts_in_vain, p.budget_announced = 0, False
             if self._recorded(r, seen, obs):
                 self._close_attempt(r, registered=True)
         # Restarting the plugin registers it again, unless the kubelet cannot take it or the plugin is
         # not serving (its own check says so) or restarts have already failed to help.
-        restarts = seen.kubelet.verified and obs.probe.ok and not p.budget_spent
+        restarts = seen.kubelet.verified and obs.probe.ok and obs.owner != "elsewhere" and not p.budget_spent
         if not held and p.budget_spent:
             why = f"{why}; restart budget spent: {RESTART_BUDGET} plugin restarts did not register it"
+
         self.state.report(name, held, why, definitive=definitive, restarts=restarts)
 
     def _held(
@@ -519,7 +520,10 @@ class Registrar:
         self.listener.connected(r, conns)
         pair = (obs.identity_after, self._kubelet_id)
         if conns is not None:
-            if unrecorded_connection(conns, seen.checkpoint.value, self._accepted(r, seen, obs)):
+            # Once held, this pair of sockets stays accepted while connected: freshness compares file
+            # times, which a clock step or a `touch` can reorder.
+            accepted = 0 if p.connected_pair == pair else self._accepted(r, seen, obs)
+            if unrecorded_connection(conns, seen.checkpoint.value, accepted):
                 # A connection with no device list recorded since this socket was made is no
                 # registration: a Register under way, or a dial the kubelet kept after refusing the
                 # Register (seen with the real kubelet in the state of kubernetes PR 139338).
@@ -641,8 +645,19 @@ class Registrar:
 
     def _on_transition(self, check: Check, old: Status) -> None:
         if check.status is Status.FAILED and check.key.kind is Kind.REGISTERED:
-            p = self._plugins[check.key.resource]
-            self._close_attempt(check.key.resource, registered=False)
+            r = check.key.resource
+            p = self._plugins[r]
+            self._close_attempt(r, registered=False)
+            if p.budget_spent and not p.budget_announced:
+                # Said when it takes effect: the failure after the last restart, not that restart.
+                p.budget_announced = True
+                logger.warning(
+                    "restart budget spent for %s: %d plugin restarts did not bring registration back; "
+                    "liveness no longer fails for it until it registers (this node needs a person)",
+                    r,
+                    RESTART_BUDGET,
+                )
+                self.listener.budget(r, True)
             if check.live_failed and not p.episode:
                 p.episode = True
                 self.listener.restart_requested(check.key.resource)

@@ -456,3 +456,63 @@ def test_a_round_begun_before_a_kubelet_restart_was_seen_is_dropped() -> None:
     reg.round(replace(node.round(), generation=reg.generation))
     assert reg.kubelet_restarts == 1
     assert seen.kubelet_restarts == 1
+
+
+def test_another_plugin_owning_the_socket_never_restarts_ours_through_registered() -> None:
+    reg, clock, seen = make(grace=1)
+    node = Node(connections=1, plugin=alive(P2))  # connected, but nothing recorded since P2
+    judge = PluginRound(node.plugin, P2, Reading(1), "elsewhere", "another device plugin serves it")
+    for _ in range(3):
+        reg.round(replace(node.round(), plugins={GPU: judge}))
+        clock.now += 1
+        reg.refresh()
+    assert status(reg, f"plugin:{GPU}") == ("failed", False)
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert seen.restart_requests == 0
+
+
+def test_a_held_pair_stays_accepted_whatever_the_file_times_say() -> None:
+    """A clock stepped back makes the next checkpoint write look older than the plugin's socket."""
+    reg, _, _ = make()
+    node = Node()
+    reg.round(node.round())
+    node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 1_500)  # before P1 (2_000)
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_a_socket_recreated_with_the_same_identity_gets_its_grace_not_a_drop() -> None:
+    reg, clock, _ = make(grace=10, drop_confirm=0.2)
+    node = Node()
+    reg.round(node.round())
+    reg.plugin_socket_deleted(GPU)
+    reg.plugin_socket_created(GPU, P1)  # inode and mtime repeat within one timestamp tick
+    node.connections = 0
+    for _ in range(3):
+        clock.now += 0.2
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}")[0] == "pending"
+
+
+def test_checks_never_reported_fail_liveness_only_for_the_plugin_itself() -> None:
+    reg, clock, _ = make(grace=1, expect_devices=2)
+    clock.now += 2
+    reg.refresh()
+    failing = {name for name, c in reg.state.checks.items() if c.live_failed}
+    assert failing == {f"plugin:{GPU}", f"registered:{GPU}"}
+
+
+def test_the_spent_budget_is_announced_when_it_takes_effect() -> None:
+    reg, clock, seen = make(grace=1)
+    node = Node(connections=0, checkpoint=None, checkpoint_error="no checkpoint")
+    reg.round(node.round())
+    for plugin in (P2, P3, SocketId(14, 8_000)):
+        clock.now += 1.5
+        reg.refresh()
+        reg.plugin_socket_created(GPU, plugin)
+        node.plugin = alive(plugin)
+        reg.round(node.round())
+    assert seen.budgets == []  # the third restart is not judged yet: its cycle is in its grace
+    clock.now += 1.5
+    reg.refresh()
+    assert seen.budgets == [True]
