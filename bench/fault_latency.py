@@ -1,7 +1,7 @@
 """Fault-to-verdict latency over N trials each, with the sidecar in its own process.
 
 - plugin socket removed -> 503 (goal p99 <= 250 ms: the plugin's 0.1 s window to serve a new socket)
-- plugin hung -> 503 (goal <= interval + timeout + 50 ms)
+- plugin hung -> 503 (goal <= interval + 2 x timeout + 0.2 s confirmation + 50 ms)
 - kubelet restarted, no re-registration -> 503 (goal: grace + <= 1 s)
 - kubelet dropped the plugin -> 503 (goal p99 <= interval + timeout + 0.2 s)
 And against the kubelet's own device manager (tests/realkubelet), where it is built:
@@ -168,7 +168,7 @@ async def main() -> None:
     h = await hung()
     print(
         f"plugin hung (interval {INTERVAL:g} s, timeout {TIMEOUT:g} s): {summary(h)}  "
-        f"(goal <= {(INTERVAL + TIMEOUT) * 1000 + 50:.0f} ms)"
+        f"(goal <= {(INTERVAL + 2 * TIMEOUT + 0.2) * 1000 + 50:.0f} ms)"
     )
     k = await restart_without_registration()
     print(f"kubelet restart, no re-registration (grace {GRACE:g} s): {summary(k)}  (goal <= {GRACE + 1:g} s)")

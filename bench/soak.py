@@ -152,7 +152,8 @@ class Faults:
         n = self.n
         self.poll.phase = "hang"
         n.plugin.hung = True
-        self.verdict("hang", i, await n.until(503, timeout=5), INTERVAL + TIMEOUT + 0.5)
+        # The next round's probe times out, then the confirming one.
+        self.verdict("hang", i, await n.until(503, timeout=5), INTERVAL + 2 * TIMEOUT + CONFIRM + 0.5)
         self.poll.phase = "recovering"
         n.plugin.hung = False
         await registered(n)

@@ -131,13 +131,19 @@ class HealthState:
         self._settle(check, reason)
 
     def reset(self, names: Iterable[str]) -> None:
-        """An event that restarts registration (kubelet restart, new plugin socket): grace starts again."""
+        """An event that restarts registration (kubelet restart, new plugin socket): grace starts again,
+        and what was known before it is no answer after it: pending until the next report."""
         now = self.clock()
         for name in names:
             check = self.checks[name]
             check.passed_since_reset = False
             check.reset_at = now
-            self._settle(check, check.reason)
+            if check.last_ok:
+                check.last_ok = False
+                check.definitive = False
+                self._settle(check, f"re-checking after a restart (was: {check.reason})")
+            else:
+                self._settle(check, check.reason)
 
     def refresh(self) -> float | None:
         """Fail the pending checks whose grace ran out; the next moment one will, if any (monotonic)."""

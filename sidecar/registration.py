@@ -174,6 +174,7 @@ class _PluginState:
     connected_pair: tuple[SocketId | None, SocketId | None] | None = None  # (plugin, kubelet) seen held
     connected_since: float | None = None  # wall
     lost_at: float | None = None  # monotonic: the connection was first seen lost
+    failed_at: float | None = None  # monotonic: a probe of the answering plugin first failed
     attempt: Attempt | None = None
     episode: bool = False  # failing liveness for "not registered" since the last plugin restart
     restarts_in_vain: int = 0
@@ -244,9 +245,9 @@ class Registrar:
         return out
 
     def wake_at(self) -> float | None:
-        """When a round must run to confirm a lost connection (monotonic), if one must."""
-        times = [p.lost_at + self.rules.drop_confirm for p in self._plugins.values() if p.lost_at is not None]
-        return min(times, default=None)
+        """When a round must run to confirm a lost connection or a failed probe (monotonic), if one must."""
+        firsts = [t for p in self._plugins.values() for t in (p.lost_at, p.failed_at) if t is not None]
+        return min(firsts) + self.rules.drop_confirm if firsts else None
 
     def _keys(self, resource: str) -> list[CheckKey]:
         kinds = [Kind.PLUGIN, Kind.REGISTERED]
@@ -475,6 +476,16 @@ class Registrar:
             why = f"{obs.owner_reason}; run one device plugin per resource (remove the other DaemonSet)"
             self.state.report(name, False, why, result.latency, definitive=True, restarts=False)
             return False
+        if result.ok or result.definitive:
+            p.failed_at = None
+        elif self.state.checks[name].status is Status.OK:
+            # A plugin that answered fails liveness on a second failed probe, not the first: one
+            # stalled call would otherwise hold /healthz at 503 for a whole interval.
+            now = self.clock()
+            if p.failed_at is None:
+                p.failed_at = now
+            if now - p.failed_at < self.rules.drop_confirm:
+                return False
         # While the kubelet is away its cleanup explains a missing socket: a restart would not help.
         restarts = not (self._kubelet_down and result.state == "absent")
         self.state.report(

@@ -290,7 +290,10 @@ def test_the_restart_budget_stops_liveness_after_three_restarts_in_vain_but_not_
     assert "restart budget spent" in reason(reg, f"registered:{GPU}")
     assert seen.budgets == [True]
     assert verdicts(reg) == (True, False)
-    node.plugin = down("refused", node.plugin.identity)  # a crash still fails at once
+    node.plugin = down("refused", node.plugin.identity)  # a crash still fails, once confirmed
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("ok", False)  # one failed probe is not yet a verdict
+    clock.now += 0.2
     reg.round(node.round())
     assert status(reg, f"plugin:{GPU}") == ("failed", True)
     node.plugin, node.connections = alive(SocketId(16, 9_500)), 1
@@ -336,7 +339,7 @@ def test_a_plugin_that_serves_a_new_socket_within_its_window_is_no_crash() -> No
     reg.plugin_socket_deleted(GPU)
     assert reg.judge_vanished(GPU, Vanish(None, K1, False), restart_window_over=False)
     reg.judge_vanished(GPU, Vanish(P2, K1, False), restart_window_over=True)
-    assert status(reg, f"plugin:{GPU}") == ("ok", False)  # a new cycle; the next round probes the new socket
+    assert status(reg, f"plugin:{GPU}") == ("pending", False)  # a new cycle: the next round probes it
     assert seen.attempts == 1
 
 
@@ -516,3 +519,22 @@ def test_the_spent_budget_is_announced_when_it_takes_effect() -> None:
     clock.now += 1.5
     reg.refresh()
     assert seen.budgets == [True]
+
+
+def test_one_failed_probe_of_an_answering_plugin_is_confirmed_before_liveness_fails() -> None:
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node()
+    reg.round(node.round())
+    node.plugin = down("timeout", P1)  # one stalled call
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("ok", False)
+    assert reg.wake_at() == clock.now + 0.2
+    node.plugin = alive(P1)  # it answers again: nothing happened
+    clock.now += 0.2
+    reg.round(node.round())
+    assert reg.wake_at() is None
+    node.plugin = down("timeout", P1)  # hung for good: two failed probes
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)

@@ -73,12 +73,14 @@ async def test_removed_plugin_socket_fails_within_half_a_second_naming_it(make_n
 
 
 # 3
-async def test_hung_plugin_fails_within_interval_plus_timeout(make_node: NodeFactory) -> None:
+async def test_hung_plugin_fails_within_interval_plus_two_timeouts(make_node: NodeFactory) -> None:
+    """The next round's probe times out, and a confirming one after `drop_confirm` does too."""
     async with make_node() as node:
         await node.until("/healthz", 200)
         node.plugin.hung = True
         s = node.settings
-        body = await node.until("/healthz?verbose", 503, timeout=s.probe_interval + s.probe_timeout + 0.5)
+        bound = s.probe_interval + 2 * s.probe_timeout + s.drop_confirm + 0.5
+        body = await node.until("/healthz?verbose", 503, timeout=bound)
         assert f"[-]plugin:{GPU} failed: timeout: no answer on {node.plugin.socket_path} within 0.3s" in body
         node.plugin.hung = False
         await node.until("/healthz", 200, timeout=s.probe_interval + 1)
