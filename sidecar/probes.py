@@ -83,13 +83,20 @@ def socket_refuses(path: str) -> bool:
 
 
 def _socket_or_result(path: str, absent: str) -> SocketId | ProbeResult:
-    """The socket's identity, or the probe's result when there is no socket to call."""
-    identity = socket_identity(path)
-    if identity is not None:
-        return identity
-    if os.path.lexists(path):
+    """The socket's identity, or the probe's result when there is no socket to call.
+
+    One stat decides: asking twice (is it a socket? does anything exist?) would call a socket
+    created between the two questions "not a socket", a definitive failure.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return ProbeResult("absent", absent, 0.0)
+    except OSError as e:
+        return ProbeResult("error", f"cannot stat {path}: {e.strerror}", 0.0)
+    if not stat.S_ISSOCK(st.st_mode):
         return ProbeResult("not-socket", f"{path} is not a socket", 0.0)
-    return ProbeResult("absent", absent, 0.0)
+    return SocketId(st.st_ino, st.st_mtime_ns)
 
 
 async def probe_kubelet(path: str, timeout: float) -> ProbeResult:
