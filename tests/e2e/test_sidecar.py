@@ -27,6 +27,7 @@ from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
 from sidecar.testing.grpcserve import GoStyleUnimplemented
 from tests.conftest import wait_for, wait_ready
 from tests.e2e.conftest import GPU, Node, NodeFactory, Watch, sidecar_running
+from tests.e2e.test_liveness import LIVE, READY
 
 ASCEND = "huawei.com/Ascend910B3"
 
@@ -177,8 +178,9 @@ async def test_kubelet_socket_without_the_registration_service_fails_with_unknow
             await node.wait_rounds(
                 lambda: sidecar.clock() - sidecar.started > 3 * settings.registration_grace
             )
-            assert await node.get("/healthz") == (200, "ok")
-            code, body = await node.get("/readyz?verbose")
+            # The probe paths the shipped patch wires to the device-plugin container.
+            assert await node.get(LIVE) == (200, "ok")
+            code, body = await node.get(f"{READY}?verbose")
             assert code == 503
             assert (
                 "[!]kubelet failed (no restart: a plugin restart would not mend it): something else" in body
