@@ -73,17 +73,10 @@ class Node(Sidecar):
     others: tuple[FakeDevicePlugin, ...] = ()
 
 
-@contextlib.asynccontextmanager
-async def sidecar_process(
-    folder: str,
-    pod_resources: str,
-    *sidecar_args: str,
-    cpu: int | None = None,
-    log: str | None = None,
-    keepalive: bool = True,
-) -> AsyncIterator[Sidecar]:
-    """Start `python -m sidecar` on a free port against `folder`; wait until its first round ran."""
-    port = free_port()
+def sidecar_argv(
+    folder: str, pod_resources: str, port: int, *sidecar_args: str, cpu: int | None = None
+) -> list[str]:
+    """`python -m sidecar` on 127.0.0.1:`port` against `folder` (pinned to `cpu` where taskset is)."""
     argv = [
         sys.executable,
         "-m",
@@ -98,6 +91,21 @@ async def sidecar_process(
     ]
     if cpu is not None and shutil.which("taskset"):
         argv = ["taskset", "-c", str(cpu), *argv]
+    return argv
+
+
+@contextlib.asynccontextmanager
+async def sidecar_process(
+    folder: str,
+    pod_resources: str,
+    *sidecar_args: str,
+    cpu: int | None = None,
+    log: str | None = None,
+    keepalive: bool = True,
+) -> AsyncIterator[Sidecar]:
+    """Start `python -m sidecar` on a free port against `folder`; wait until its first round ran."""
+    port = free_port()
+    argv = sidecar_argv(folder, pod_resources, port, *sidecar_args, cpu=cpu)
     stderr = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
     proc = await asyncio.create_subprocess_exec(*argv, stderr=stderr)
     try:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from bench.common import percentile
+from bench.common import percentile, sidecar_argv
 from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
 
 FLOOD_SECONDS = float(os.environ.get("STRESS_SECONDS", "8"))
@@ -334,21 +334,7 @@ async def sidecar(
     pod_resources = os.path.join(root, "pod-resources", "kubelet.sock")
     port = free_port()
     log = os.path.join(root, "sidecar.log")
-    argv = [
-        sys.executable,
-        "-m",
-        "sidecar",
-        "--device-plugin-dir",
-        folder,
-        "--pod-resources-socket",
-        pod_resources,
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--log-format",
-        "json",
-    ]
-    if shutil.which("taskset"):
-        argv = ["taskset", "-c", "0", *argv]
+    argv = sidecar_argv(folder, pod_resources, port, "--log-format", "json", cpu=0)
     if nofile is not None:
         # The shell's ulimit, not preexec_fn: forking this process (gRPC's threads in it) to run
         # Python before exec is what gRPC warns against, and it crashes now and then.

@@ -30,24 +30,16 @@ from sidecar.proto import deviceplugin_v1beta1_pb2 as dp
 from sidecar.proto import podresources_v1_pb2 as pr
 from sidecar.rpc import POD_RESOURCES, insecure_channel, unary
 from sidecar.testing import FakeDevicePlugin, FakeKubelet, is_simulator_checkpoint
-from sidecar.testing.realkubelet import RealKubelet, Release, missing_reason
+from sidecar.testing.realkubelet import RealKubelet, Release
 from sidecar.watcher import FolderWatcher, FsEvent
 from tests.conftest import wait_for
+from tests.test_realkubelet import require_fixture
 
 GPU = "nvidia.com/gpu"
 ASCEND = "huawei.com/Ascend910B3"
 ASCEND_SOCKET = "Ascend910B3.sock"
 KUBELET_SOCK = "kubelet.sock"
 TIMEOUT = 20.0  # a real kubelet in a shared CI box; every wait is for a condition
-
-
-def require_fixture(release: Release) -> None:
-    reason = missing_reason(release)
-    if reason is None:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason} (CI builds it: .ci/run runs `make kubelet-fixtures`)")
-    pytest.skip(reason)
 
 
 class Side:
