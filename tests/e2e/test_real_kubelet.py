@@ -159,13 +159,13 @@ async def test_issue_121994_on_the_old_release_is_a_drop_the_sidecar_names(node_
             await node.until("/readyz", 200)
 
 
+# PR 139338's state needs PR 135437's per-path endpoints: the new release only.
+@pytest.mark.parametrize("release", ["new"], indirect=True)
 async def test_pr_139338_takeover_on_the_new_release(node_factory: Any) -> None:
     """The path's new owner serves the stale endpoint's stream: held. When its server restarts, the
     kubelet keeps the endpoint with no stream and refuses every Register: not held, and liveness asks
     for restarts only until the budget is spent (a kubelet restart is the remedy)."""
     async with node_factory(registration_grace=0.5) as node:
-        if node.release == "old":
-            pytest.skip("PR 139338's state needs PR 135437's per-path endpoints (the new release)")
         first, second = await fast_takeover(
             node.dir, release="new", second_devices=("GPU-0", "GPU-1", "GPU-2")
         )
