@@ -88,8 +88,10 @@ class Oracle:
         choices = ["health", "devices", "kubelet", "plugin-restart", "allocate", "capacity"]
         choices.append("serve" if not self.serving else "stop")
         event = self.rng.choice(choices)
+        if event == "health" and not p.devices:
+            event = "devices"  # no device to change the health of
         if event == "health":
-            device = self.rng.choice(p.devices).split("@")[0] if p.devices else "GPU-0"
+            device = self.rng.choice(p.devices).split("@")[0]
             healthy = self.rng.random() < 0.6
             await p.set_health(device, healthy)
             self.history.append(f"health {device} {healthy}")
