@@ -7,7 +7,6 @@ cannot drift; the rest are here, each once.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -22,7 +21,7 @@ Output = Literal["text", "json"]
 
 
 @dataclass(frozen=True)
-class DoctorSettings:
+class DoctorSettings(flags.DeviceFolder):
     device_plugin_dir: str = SIDECAR.device_plugin_dir
     kubelet_socket: str = SIDECAR.kubelet_socket
     plugins: tuple[PluginSpec, ...] = SIDECAR.plugins
@@ -45,13 +44,6 @@ class DoctorSettings:
     output: Output = "text"
     fix: bool = False
     npd: bool = False
-
-    @property
-    def kubelet_path(self) -> str:
-        return os.path.join(self.device_plugin_dir, self.kubelet_socket)
-
-    def plugin_path(self, plugin: PluginSpec) -> str:
-        return os.path.join(self.device_plugin_dir, plugin.socket)
 
 
 DEFAULTS = DoctorSettings()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, NoReturn
 
@@ -247,3 +248,17 @@ def plugin_flags(
         "--device-glob", default=device_glob, help=f"the host's device nodes (default {device_glob})"
     )
     return p
+
+
+class DeviceFolder:
+    """The paths of the folder's sockets, for settings that name the folder and kubelet.sock."""
+
+    device_plugin_dir: str
+    kubelet_socket: str
+
+    @property
+    def kubelet_path(self) -> str:
+        return os.path.join(self.device_plugin_dir, self.kubelet_socket)
+
+    def plugin_path(self, plugin: PluginSpec) -> str:
+        return os.path.join(self.device_plugin_dir, plugin.socket)

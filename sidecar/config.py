@@ -8,7 +8,6 @@ same way.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,7 +29,7 @@ DEFAULT_DEVICE_GLOB = "/dev/nvidia[0-9]*"
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(flags.DeviceFolder):
     device_plugin_dir: str = DEFAULT_DIR
     kubelet_socket: str = DEFAULT_SOCKET
     plugins: tuple[PluginSpec, ...] = (DEFAULT_PLUGIN,)
@@ -58,13 +57,6 @@ class Settings:
     # The kubelet's process, besides kubelet, k3s and kubelite: its network namespace holds its
     # connections to the plugins (read from /proc/<pid>/net/unix under hostPID).
     kubelet_process_name: str = DEFAULT_KUBELET_PROCESS
-
-    @property
-    def kubelet_path(self) -> str:
-        return os.path.join(self.device_plugin_dir, self.kubelet_socket)
-
-    def plugin_path(self, plugin: PluginSpec) -> str:
-        return os.path.join(self.device_plugin_dir, plugin.socket)
 
 
 DEFAULTS = Settings()
