@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import socket
 import stat
 import struct
-from collections.abc import Collection, Iterator, Sequence
+import time
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import BinaryIO, Literal
 
 from initcheck.checks import try_connect
 
@@ -61,56 +63,118 @@ def _kdev_to_st_dev(kdev: int) -> int:
     return os.makedev(kdev >> 20, kdev & 0xFFFFF)
 
 
+# -- sock_diag -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Reply:
+    """One datagram of a sock_diag dump, decoded. Whatever the bytes, decoding gives one of these."""
+
+    sockets: tuple[UnixSocket, ...] = ()
+    done: bool = False  # NLMSG_DONE: the dump is complete
+    error: str = ""  # NLMSG_ERROR, or a datagram that cannot be a reply: the dump is unusable
+    skipped: int = 0  # messages that do not decode (too short, another family, a broken attribute)
+
+
+DIAG_DEADLINE = 2.0  # seconds for a whole dump (the kernel answers a host's thousands in milliseconds)
+
+
 def diag_dump(files: Collection[tuple[int, int]] | None = None) -> list[UnixSocket]:
     """Every listening and connected Unix socket of this network namespace; with `files`, only those
-    bound to one of these (st_dev, st_ino) (a host's namespace holds thousands: keep what matters)."""
-    states = (1 << ESTABLISHED) | (1 << LISTEN)
-    show = UDIAG_SHOW_NAME | UDIAG_SHOW_VFS | UDIAG_SHOW_PEER
-    body = _REQ.pack(socket.AF_UNIX, 0, 0, states, 0, show, 0xFFFFFFFF, 0xFFFFFFFF)
-    header = _NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
+    bound to one of these (st_dev, st_ino) (a host's namespace holds thousands: keep what matters),
+    and the peers of those (the other end of each connection, unbound)."""
     try:
         s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
     except OSError as e:
         raise DiagUnavailable(f"netlink sock_diag: {e.strerror}") from None
+    out: list[UnixSocket] = []
+    unbound: dict[int, UnixSocket] = {}  # ends without a file, kept until their peers are known
+    deadline = time.monotonic() + DIAG_DEADLINE
     with s:
-        s.settimeout(1.0)
         try:
-            s.send(header + body)
-            out: list[UnixSocket] = []
+            s.send(diag_request())
             while True:
-                data = s.recv(1 << 16)
-                for kind, payload in _messages(data):
-                    if kind == NLMSG_DONE:
-                        return out
-                    if kind == NLMSG_ERROR:
-                        code = -struct.unpack_from("=i", payload)[0]
-                        raise DiagUnavailable(f"sock_diag: {os.strerror(code or errno.EIO)}")
-                    if kind == SOCK_DIAG_BY_FAMILY:
-                        sock = _parse(payload)
-                        if files is None or sock.vfs in files:
-                            out.append(sock)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DiagUnavailable(f"sock_diag: no complete answer within {DIAG_DEADLINE:g}s")
+                s.settimeout(left)
+                reply = decode_reply(s.recv(1 << 16))
+                for sock in reply.sockets:
+                    if files is None or sock.vfs in files:
+                        out.append(sock)
+                    elif sock.vfs is None and sock.state == ESTABLISHED and sock.peer:
+                        unbound[sock.ino] = sock
+                if reply.error:
+                    raise DiagUnavailable(f"sock_diag: {reply.error}")
+                if reply.done:
+                    break
         except OSError as e:
             raise DiagUnavailable(f"sock_diag: {e.strerror or e}") from None
+    if files is not None:
+        out += [unbound[p] for p in {s.peer for s in out} if p in unbound]
+    return out
 
 
-def _messages(data: bytes) -> Iterator[tuple[int, bytes]]:
+def diag_request() -> bytes:
+    """The dump request: listening and connected Unix sockets, with name, bound file and peer."""
+    states = (1 << ESTABLISHED) | (1 << LISTEN)
+    show = UDIAG_SHOW_NAME | UDIAG_SHOW_VFS | UDIAG_SHOW_PEER
+    body = _REQ.pack(socket.AF_UNIX, 0, 0, states, 0, show, 0xFFFFFFFF, 0xFFFFFFFF)
+    header = _NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
+    return header + body
+
+
+def decode_reply(data: bytes) -> Reply:
+    """Decode one datagram of a dump. Total: a message that does not decode is skipped and counted."""
+    sockets: list[UnixSocket] = []
+    skipped = 0
     off = 0
     while off + _NLMSG.size <= len(data):
         length, kind, _flags, _seq, _pid = _NLMSG.unpack_from(data, off)
-        if length < _NLMSG.size:
-            return
-        yield kind, data[off + _NLMSG.size : off + length]
+        if length < _NLMSG.size or off + length > len(data):
+            return Reply(tuple(sockets), error=f"a netlink message of {length} bytes in {len(data) - off}")
+        payload = data[off + _NLMSG.size : off + length]
         off += (length + 3) & ~3
+        if kind == NLMSG_DONE:
+            return Reply(tuple(sockets), done=True, skipped=skipped)
+        if kind == NLMSG_ERROR:
+            return Reply(tuple(sockets), error=_error_text(payload), skipped=skipped)
+        sock = _parse(payload) if kind == SOCK_DIAG_BY_FAMILY else None
+        if sock is None:
+            skipped += 1
+        else:
+            sockets.append(sock)
+    if off < len(data):
+        skipped += 1  # a tail shorter than a message header
+    return Reply(tuple(sockets), skipped=skipped)
 
 
-def _parse(payload: bytes) -> UnixSocket:
-    _family, _type, state, _pad, ino, _c0, _c1 = _MSG.unpack_from(payload)
+def _error_text(payload: bytes) -> str:
+    """An NLMSG_ERROR's errno (negated in the message), as text."""
+    if len(payload) < 4:
+        return f"an error message of {len(payload)} bytes"
+    code = -struct.unpack_from("=i", payload)[0]
+    if code == 0:
+        code = errno.EIO  # an acknowledgement, where a dump was asked for
+    if 0 < code < 4096:  # the kernel's errno range (MAX_ERRNO)
+        try:
+            return os.strerror(code)
+        except (ValueError, OverflowError):
+            pass
+    return f"error {code}"
+
+
+def _parse(payload: bytes) -> UnixSocket | None:
+    """One `unix_diag_msg` with its attributes, or None when it is not one (man 7 sock_diag)."""
+    if len(payload) < _MSG.size:
+        return None
+    family, _type, state, _pad, ino, _c0, _c1 = _MSG.unpack_from(payload)
+    if family != socket.AF_UNIX:
+        return None
     path, vfs, peer, shutdown = "", None, 0, 0
     off = _MSG.size
     while off + _RTA.size <= len(payload):
         length, kind = _RTA.unpack_from(payload, off)
-        if length < _RTA.size:
-            break
+        if length < _RTA.size or off + length > len(payload):
+            return None
         value = payload[off + _RTA.size : off + length]
         if kind == UNIX_DIAG_NAME:
             path = "" if value[:1] == b"\0" else normalise(value.rstrip(b"\0").decode(errors="replace"))
@@ -125,32 +189,108 @@ def _parse(payload: bytes) -> UnixSocket:
     return UnixSocket(ino, state, path, vfs, peer, shutdown)
 
 
+# -- /proc/<pid>/net/unix ------------------------------------------------------------------------------
+# The kernel prints a socket's name unescaped (af_unix.c, unix_seq_show): a name holding a newline
+# prints what looks like more lines, and anyone may bind such an abstract name. A name is at most
+# sizeof(sun_path) bytes as printed (an abstract name's leading NUL printed as "@"), so a line that ends
+# within that many bytes of the start of a name printed before it may be a part of that name.
+NAME_MAX = 108
+PROC_HEADER = b"Num       RefCount Protocol Flags    Type St Inode Path"
+# "%pK: %08X %08X %08X %04X %02X %5lu" and, when the socket has a name, " " and the name (%pK prints a
+# placeholder for its first seconds after boot). Every line the kernel prints is in this format, so a
+# line that is not, inside a name printed before it, is a part of that name.
+_PROC_LINE = re.compile(
+    rb"([0-9a-f]{8}|[0-9a-f]{16}|\(____ptrval____\)|\(ptrval\)): ([0-9A-F]{8}) ([0-9A-F]{8}) ([0-9A-F]{8}) ([0-9A-F]{4}) ([0-9A-F]{2}) "
+    rb"( {0,4})([0-9]{1,20})"
+)
+_ACCEPTCON = 0x10000  # __SO_ACCEPTCON: a listener
+PROC_MAX_BYTES = 64 << 20  # a table larger than this is not read to its end (a host holds about 100 KiB)
+
+
+@dataclass(frozen=True)
+class ProcTable:
+    """The sockets of a `/proc/<pid>/net/unix`, as its lines say."""
+
+    sockets: tuple[UnixSocket, ...] = ()  # lines the kernel printed as lines
+    doubtful: tuple[UnixSocket, ...] = ()  # lines that may be a part of a name printed before them
+    skipped: int = 0  # lines that are not the kernel's format (parts of names that hold a newline)
+
+
+def parse_proc_net_unix(lines: Iterable[bytes], paths: Collection[str] | None = None) -> ProcTable:
+    """Parse the lines of a `/proc/<pid>/net/unix` (each with its newline, as a binary file yields
+    them); with `paths`, keep only the sockets bound to one of them. Total: a line that does not
+    parse is skipped and counted, and a line that may be a part of an earlier name is only doubtful."""
+    sockets: list[UnixSocket] = []
+    doubtful: list[UnixSocket] = []
+    skipped = 0
+    offset = 0  # of the line in the file
+    reach = 0  # a line ending at or before this offset may be a part of a name printed before it
+    for number, raw in enumerate(lines):
+        start, offset = offset, offset + len(raw)
+        line = raw[:-1] if raw.endswith(b"\n") else raw
+        end = start + len(line)  # the offset of the line's newline
+        if number == 0 and line == PROC_HEADER:
+            continue
+        entry = _proc_line(line)
+        inside = end <= reach
+        if entry is None:
+            skipped += 1
+            if not inside:  # not the kernel's format, and no part of a name: its name may start in it
+                reach = max(reach, end + NAME_MAX)
+            continue
+        sock, name_at = entry
+        if name_at is not None:
+            reach = max(reach, start + name_at + NAME_MAX)
+        if sock is None or (paths is not None and sock.path not in paths):
+            continue
+        (doubtful if inside else sockets).append(sock)
+    return ProcTable(tuple(sockets), tuple(doubtful), skipped)
+
+
+def _proc_line(line: bytes) -> tuple[UnixSocket | None, int | None] | None:
+    """A line in the kernel's format: the socket (None for a state not kept here) and where its name
+    starts in the line (None without a name); None for a line that is not in that format."""
+    m = _PROC_LINE.match(line)
+    if m is None:
+        return None
+    digits = m.group(8)
+    if len(m.group(7)) != max(0, 5 - len(digits)):  # "%5lu": right-aligned in five columns
+        return None
+    rest = line[m.end() :]
+    if rest and (len(rest) < 2 or rest[:1] != b" "):
+        return None
+    name_at = m.end() + 1 if rest else None
+    flags, st = int(m.group(4), 16), m.group(6)
+    if st == b"03":
+        state = ESTABLISHED
+    elif st == b"01" and flags & _ACCEPTCON:
+        state = LISTEN
+    else:
+        return None, name_at
+    name = rest[1:].decode("utf-8", "surrogateescape")
+    path = normalise(name) if name.startswith("/") else name
+    return UnixSocket(int(digits), state, path, None, 0, 0), name_at
+
+
+def read_proc_net_unix(proc: str = "/proc/self", paths: Collection[str] | None = None) -> ProcTable:
+    """`<proc>/net/unix`, parsed (`parse_proc_net_unix`); OSError when it cannot be read."""
+    with open(os.path.join(proc, "net", "unix"), "rb") as f:
+        return parse_proc_net_unix(_bounded_lines(f, PROC_MAX_BYTES), paths)
+
+
+def _bounded_lines(f: BinaryIO, limit: int) -> Iterator[bytes]:
+    taken = 0
+    for line in f:
+        taken += len(line)
+        if taken > limit:
+            return
+        yield line
+
+
 def proc_net_unix(proc: str = "/proc/self", paths: Collection[str] | None = None) -> list[UnixSocket]:
-    """The Unix sockets of `proc`'s network namespace, from `<proc>/net/unix` (paths, no inodes);
-    with `paths`, only those bound to one of them."""
-    out: list[UnixSocket] = []
-    with open(os.path.join(proc, "net", "unix"), encoding="utf-8", errors="replace") as f:
-        next(f, None)  # the header
-        for line in f:
-            fields = line.split(None, 7)
-            if len(fields) < 7:
-                continue
-            state = {PROC_CONNECTED: ESTABLISHED, PROC_UNCONNECTED: LISTEN}.get(fields[5])
-            flags = int(fields[3], 16) if _hex(fields[3]) else 0
-            if state is None or (state == LISTEN and not flags & 0x10000):  # __SO_ACCEPTCON
-                continue
-            path = normalise(fields[7].rstrip("\n")) if len(fields) > 7 else ""
-            if paths is None or path in paths:
-                out.append(UnixSocket(int(fields[6]), state, path, None, 0, 0))
-    return out
-
-
-def _hex(s: str) -> bool:
-    try:
-        int(s, 16)
-    except ValueError:
-        return False
-    return True
+    """The Unix sockets of `proc`'s network namespace that its `<proc>/net/unix` shows as lines of their
+    own (no inode of the bound file, no peer); with `paths`, only those bound to one of them."""
+    return list(read_proc_net_unix(proc, paths).sockets)
 
 
 # The kubelet binds this path whatever its --root-dir (pkg/kubelet/apis/deviceplugin/v1beta1/constants.go).
@@ -165,18 +305,59 @@ class Connections:
     source: str
     sockets: tuple[UnixSocket, ...]
     exact: bool  # by the bound file's inode (sock_diag), else by path
+    doubtful: tuple[UnixSocket, ...] = ()  # /proc lines that may be a part of another socket's name
+    owned: frozenset[int] | None = None  # the kubelet's own sockets (its descriptors), where readable
 
     def to(self, path: str, bound_as: tuple[str, ...] = ()) -> int:
-        """Open connections accepted on the listener that owns the socket file at `path` now."""
+        """Open connections accepted on the listener that owns the socket file at `path` now (0 where
+        that cannot be told: see `held`)."""
+        held = self.held(path, bound_as)
+        return held if isinstance(held, int) else 0
+
+    def held(self, path: str, bound_as: tuple[str, ...] = ()) -> int | str:
+        """Open connections accepted on the listener that owns the socket file at `path` now, or why
+        they cannot be told.
+
+        sock_diag: an accepted end bound to that very file (device and inode: no name can forge it),
+        not shut down, whose peer is in this namespace and names it back; where the kubelet's
+        descriptors can be read, that peer must be one of them. /proc: lines the kernel printed as
+        lines whose path is `path` (or `bound_as`); none, while a line that may be a part of another
+        socket's name claims one, or while a listener is bound at that path in the kubelet's own
+        namespace (not this pod's plugin: whose connection is whose cannot be told by path), is no
+        count at all.
+        """
         if self.exact:
             try:
                 st = os.stat(path)
             except OSError:
                 return 0
             vfs = (st.st_dev, st.st_ino)
-            return sum(1 for s in self.sockets if s.state == ESTABLISHED and s.vfs == vfs and not s.shutdown)
+            ends = {s.ino: s for s in self.sockets}
+            count = 0
+            for s in self.sockets:
+                if s.state != ESTABLISHED or s.vfs != vfs or s.shutdown:
+                    continue
+                peer = ends.get(s.peer)
+                if peer is None or peer.peer != s.ino or peer.state != ESTABLISHED:
+                    continue
+                if self.owned is not None and peer.ino not in self.owned:
+                    continue
+                count += 1
+            return count
         names = {normalise(path), *bound_as}
-        return sum(1 for s in self.sockets if s.state == ESTABLISHED and s.path in names)
+        name = os.path.basename(path)
+        if any(s.state == LISTEN and s.path in names for s in self.sockets):
+            return (
+                f"a listener is bound at {name}'s path in the kubelet's network namespace, not this pod's: "
+                "whose connections are whose cannot be told by path"
+            )
+        count = sum(1 for s in self.sockets if s.state == ESTABLISHED and s.path in names)
+        if not count and any(s.state == ESTABLISHED and s.path in names for s in self.doubtful):
+            return (
+                f"a line of the kubelet's net/unix that may be a part of another socket's name shows a "
+                f"connection to {name}: it is not counted, and none other is seen"
+            )
+        return count
 
 
 def kubelet_connections(
@@ -190,10 +371,10 @@ def kubelet_connections(
 
     This process's namespace when the kubelet's listener on `kubelet_path` is in it (a pod
     with the host network, or a test); else the namespace of a visible kubelet process
-    (`hostPID`; its process named one of `names`), read from its `/proc/<pid>/net/unix`; else
-    none can be seen. `mine` is this namespace's `diag_dump()` (or why it failed) when the
-    caller has one; `paths`, the plugin sockets' paths as bound, keeps only their entries of a
-    kubelet's `/proc/<pid>/net/unix`.
+    (`hostPID`; its process named one of `names`, run by root and not in a pod's cgroup), read
+    from its `/proc/<pid>/net/unix`; else none can be seen. `mine` is this namespace's
+    `diag_dump()` (or why it failed) when the caller has one; `paths`, the plugin sockets' paths
+    as bound, keeps only their entries of a kubelet's `/proc/<pid>/net/unix`.
     """
     try:
         st = os.stat(kubelet_path)
@@ -206,33 +387,71 @@ def kubelet_connections(
             mine = str(e)
     why, own = (mine, ()) if isinstance(mine, str) else ("", mine)
     vfs = (st.st_dev, st.st_ino)
-    if any(s.state == LISTEN and s.vfs == vfs for s in own):
-        return Connections("this network namespace (sock_diag)", tuple(own), exact=True)
-    # Every namespace where a kubelet-named process listens on the kubelet's path counts: on a node
-    # that is one, but the path is the same in every mount namespace, so a path cannot pick one out
-    # (several kubelets run side by side in tests), and connections to this plugin's socket are only
-    # in the namespace of the kubelet that holds it. A namespace is taken once, by its listener.
+    listener = next((s.ino for s in own if s.state == LISTEN and s.vfs == vfs), None)
+    if listener is not None:
+        owned = next(
+            (
+                fds
+                for pid in _kubelet_pids(proc, names)
+                if (fds := _socket_inodes(proc, pid)) and listener in fds
+            ),
+            None,
+        )
+        return Connections("this network namespace (sock_diag)", tuple(own), exact=True, owned=owned)
+    # Every namespace where a kubelet process listens on the kubelet's path counts: on a node that is
+    # one, but the path is the same in every mount namespace, so a path cannot pick one out (several
+    # kubelets run side by side in tests), and connections to this plugin's socket are only in the
+    # namespace of the kubelet that holds it. A namespace is taken once, by its listener; where the
+    # process's descriptors can be read, only when that listener is one of them.
     bound = {KUBELET_BOUND_PATH, normalise(kubelet_path)}
     listeners: set[int] = set()
     found: list[UnixSocket] = []
+    doubtful: list[UnixSocket] = []
     pids: list[str] = []
-    for pid in _kubelet_pids(proc, names) or ["1"]:
+    kubelets = _kubelet_pids(proc, names)
+    for pid in kubelets or ["1"]:
         try:
-            theirs = proc_net_unix(os.path.join(proc, pid), None if paths is None else {*paths, *bound})
+            table = read_proc_net_unix(os.path.join(proc, pid), None if paths is None else {*paths, *bound})
         except OSError:
             continue
-        listener = next((s.ino for s in theirs if s.state == LISTEN and s.path in bound), None)
-        if listener is not None and listener not in listeners:
-            listeners.add(listener)
-            found += theirs
-            pids.append(pid)
+        theirs = next((s.ino for s in table.sockets if s.state == LISTEN and s.path in bound), None)
+        if theirs is None or theirs in listeners:
+            continue
+        fds = _socket_inodes(proc, pid) if kubelets else None
+        if fds is not None and theirs not in fds:
+            continue
+        listeners.add(theirs)
+        found += table.sockets
+        doubtful += table.doubtful
+        pids.append(pid)
     if pids:
         where = ", ".join(f"{proc}/{pid}/net/unix" for pid in pids)
-        return Connections(f"the kubelet's network namespace ({where})", tuple(found), exact=False)
+        return Connections(
+            f"the kubelet's network namespace ({where})", tuple(found), exact=False, doubtful=tuple(doubtful)
+        )
     return why or (
         "the kubelet's network namespace is not visible from this pod (neither hostNetwork nor a "
         "kubelet process under hostPID)"
     )
+
+
+def _socket_inodes(proc: str, pid: str) -> frozenset[int] | None:
+    """The inodes of the sockets `pid` holds (its `socket:[inode]` descriptors), or None where they
+    cannot be read: a root process's descriptors need CAP_SYS_PTRACE (ptrace read access)."""
+    fd_dir = os.path.join(proc, pid, "fd")
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return None
+    out = set()
+    for fd in fds:
+        try:
+            link = os.readlink(os.path.join(fd_dir, fd))
+        except OSError:
+            continue  # closed since the listing
+        if link.startswith("socket:[") and link.endswith("]") and link[8:-1].isdigit():
+            out.add(int(link[8:-1]))
+    return frozenset(out)
 
 
 _PID_CACHE: dict[tuple[str, frozenset[str]], list[str]] = {}
@@ -241,21 +460,36 @@ _PID_CACHE: dict[tuple[str, frozenset[str]], list[str]] = {}
 def _kubelet_pids(proc: str, names: Collection[str] = KUBELET_PROCESS_NAMES) -> list[str]:
     """The pids of visible kubelet processes (`comm` is cut to 15 characters, so are the names).
 
-    The last answer is kept while each of its processes still bears its name: a scan of /proc is
-    done when a kubelet restarts, not every probe round.
+    A process counts when it bears one of the names, runs as root, and is not in a pod's cgroup:
+    anyone may name a process "kubelet", and root in a container may bind any path in a network
+    namespace of its own. The last answer is kept while each of its processes still qualifies: a
+    scan of /proc is done when a kubelet restarts, not every probe round.
     """
     wanted = frozenset(n[:15] for n in names)
     key = (proc, wanted)
     cached = _PID_CACHE.get(key)
-    if cached and all(_comm(proc, pid) in wanted for pid in cached):
+    if cached and all(_comm(proc, pid) in wanted and _trusted(proc, pid) for pid in cached):
         return cached
     try:
         entries = os.listdir(proc)
     except OSError:
         return []
-    pids = [pid for pid in entries if pid.isdigit() and _comm(proc, pid) in wanted]
+    pids = [pid for pid in entries if pid.isdigit() and _comm(proc, pid) in wanted and _trusted(proc, pid)]
     _PID_CACHE[key] = pids
     return pids
+
+
+def _trusted(proc: str, pid: str) -> bool:
+    """Run by root (real and effective uid 0, as this reader's user namespace sees it) and not in a
+    pod's cgroup (every pod's cgroup path holds "kubepods", with the cgroupfs and systemd drivers)."""
+    try:
+        with open(os.path.join(proc, pid, "status"), encoding="utf-8", errors="replace") as f:
+            uids = next((line.split()[1:3] for line in f if line.startswith("Uid:")), [])
+        with open(os.path.join(proc, pid, "cgroup"), encoding="utf-8", errors="replace") as f:
+            cgroups = f.read(1 << 16)
+    except OSError:
+        return False
+    return uids == ["0", "0"] and "kubepods" not in cgroups
 
 
 def _comm(proc: str, pid: str) -> str:
