@@ -135,3 +135,16 @@ NOBODY = [
     "--bounding-set=-all",
     "--",
 ]
+
+
+# A new network namespace's loopback is down: a sidecar in it could not serve HTTP on 127.0.0.1.
+LOOPBACK_UP = (
+    "import fcntl, socket, struct; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+    "f = struct.unpack('16sH', fcntl.ioctl(s, 0x8913, struct.pack('16sH22x', b'lo', 0))[:18])[1]; "
+    "fcntl.ioctl(s, 0x8914, struct.pack('16sH22x', b'lo', f | 1))"
+)
+
+
+def loopback_up(pid: int) -> None:
+    """Bring up the loopback of the network namespace of `pid` (SIOCGIFFLAGS, SIOCSIFFLAGS)."""
+    subprocess.run([*nsenter(pid), sys.executable, "-c", LOOPBACK_UP], check=True, timeout=30)

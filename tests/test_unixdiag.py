@@ -27,12 +27,11 @@ from sidecar.unixdiag import (
     SOCK_DIAG_BY_FAMILY,
     Connections,
     decode_reply,
-    diag_request,
     kubelet_connections,
     parse_proc_net_unix,
     read_proc_net_unix,
 )
-from tests.forged import NOBODY, Holder, comm, connect, forged_names, kernel_line, listen, names, nsenter
+from tests.forged import NOBODY, Holder, comm, connect, forged_names, kernel_line, listen, names
 
 # Runs in a namespace: binds what it is given (as tests.forged.HOLDER does), then prints the raw
 # datagrams of one sock_diag dump and the namespace's /proc/self/net/unix, as hex, in JSON.
@@ -192,7 +191,9 @@ def test_a_process_named_kubelet_counts_only_run_by_root(ns: Netns, short_tmp: s
             found = kubelet_connections(kubelet, names={name}, mine="no sock_diag here")
             assert isinstance(found, Connections) is seen, found
             if isinstance(found, Connections):
-                assert found.held(plugin) == "a listener is bound at nvidia-gpu.sock's path in the kubelet's " + (
+                assert found.held(
+                    plugin
+                ) == "a listener is bound at nvidia-gpu.sock's path in the kubelet's " + (
                     "network namespace, not this pod's: whose connections are whose cannot be told by path"
                 )
         for p in (kubelet, plugin):
@@ -220,8 +221,9 @@ def test_sock_diag_counts_the_kubelets_own_connections_where_its_descriptors_can
         server.bind(plugin)
         server.listen()
         os.chmod(short_tmp, 0o755)
-        with Holder([comm(name), listen(kubelet), connect(plugin)], ns.command([])), Holder(
-            [connect(plugin)], ns.command([])
+        with (
+            Holder([comm(name), listen(kubelet), connect(plugin)], ns.command([])),
+            Holder([connect(plugin)], ns.command([])),
         ):
             accepted = [server.accept()[0] for _ in range(2)]  # as the plugin's gRPC server does
             argv = [sys.executable, "-c", READ, kubelet, name, plugin]

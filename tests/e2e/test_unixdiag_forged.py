@@ -1,0 +1,191 @@
+"""Names bound to lie about the kubelet's connections, against the real kubelet and both readers.
+
+The kubelet (tests/realkubelet, the device manager's own code) runs in a network namespace of its
+own; a hostile neighbour in that namespace binds abstract names holding a newline and a made-up line of
+`/proc/net/unix`: a listener on `kubelet.sock`, a connection to a plugin that never registered. The
+sidecar reads that namespace through `/proc/<kubelet pid>/net/unix` (in the test's process, outside it:
+a pod without hostNetwork) or with sock_diag (a sidecar process inside it: hostNetwork). Neither the
+verdicts nor hami-doctor's row change, and no probe round fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from sidecar.config import PluginSpec
+from sidecar.testing import free_port, netns
+from sidecar.testing.netns import Netns
+from sidecar.testing.realkubelet import RealKubelet, RealPlugin, Release
+from tests.conftest import wait_for
+from tests.e2e.conftest import sidecar_running
+from tests.e2e.realnode import SETTINGS
+from tests.forged import Holder, forged_names, loopback_up, names, nsenter
+from tests.test_doctor import Doctor, verdicts
+
+GPU = "nvidia.com/gpu"  # its plugin serves and never registers: the name lies about it
+DEV = "example.com/dev"  # its plugin registers
+BOUND_DIR = "/var/lib/kubelet/device-plugins"  # where the kubelet's mount namespace has the folder
+STATUS = (
+    "import sys, urllib.request; "
+    "print(urllib.request.urlopen(f'http://127.0.0.1:{sys.argv[1]}/status', timeout=5).read().decode())"
+)
+
+
+class Joined(Netns):
+    """The kubelet's network namespace, entered by its pid (it holds the namespace itself)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__()
+        self._joined = pid
+
+    @property
+    def path(self) -> str:
+        return f"/proc/{self._joined}/ns/net"
+
+
+@asynccontextmanager
+async def sidecar_in(
+    route: str, kubelet: RealKubelet, settings: Any, log: str
+) -> AsyncIterator[Callable[[], dict[str, Any]]]:
+    """The sidecar, reading the kubelet's namespace through /proc (in this process) or with sock_diag
+    (a process in that namespace); yields what reads its /status."""
+    if route == "proc":
+        async with sidecar_running(settings) as (sidecar, _):
+            yield sidecar.status_document
+        return
+    pid = kubelet.process.pid
+    assert pid is not None
+    loopback_up(pid)
+    argv = [sys.executable, "-m", "sidecar", "--device-plugin-dir", settings.device_plugin_dir]
+    argv += [
+        "--pod-resources-socket",
+        settings.pod_resources_socket,
+        "--listen",
+        f"127.0.0.1:{settings.port}",
+    ]
+    argv += ["--probe-interval", "0.5", "--probe-timeout", "0.3", "--registration-grace", "1.5"]
+    argv += ["--kubelet-process-name", settings.kubelet_process_name]
+    for p in settings.plugins:
+        argv += ["--plugin", f"{p.resource}={p.socket}"]
+    with open(log, "wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            *nsenter(pid), *argv, stdout=out, stderr=subprocess.STDOUT
+        )
+
+    def status() -> dict[str, Any]:
+        done = subprocess.run(
+            [*nsenter(pid), sys.executable, "-c", STATUS, str(settings.port)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if done.returncode != 0:
+            return {}
+        doc: dict[str, Any] = json.loads(done.stdout)
+        return doc
+
+    try:
+        yield status
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 10)
+
+
+def check(doc: dict[str, Any], resource: str) -> tuple[str, str]:
+    c = doc["checks"][f"registered:{resource}"]
+    return c["state"], c["reason"]
+
+
+@pytest.mark.parametrize("route", ["proc", "sock_diag"])
+async def test_forged_names_in_the_kubelets_namespace_change_no_verdict(
+    route: str, release: Release, dp_dir: str, short_tmp: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    netns.require()
+    pod_resources = os.path.join(short_tmp, "pod-resources", "kubelet.sock")
+    log = os.path.join(short_tmp, "sidecar.log")
+    async with RealKubelet(dp_dir, pod_resources, release=release, netns=True) as kubelet:
+        settings = replace(
+            SETTINGS,
+            device_plugin_dir=dp_dir,
+            pod_resources_socket=pod_resources,
+            port=free_port(),
+            plugins=(PluginSpec(GPU, "nvidia-gpu.sock"), PluginSpec(DEV, "dev.sock")),
+            kubelet_process_name=kubelet.process_name,
+        )
+        never = RealPlugin(
+            dp_dir, GPU, "nvidia-gpu.sock", release=release, register=False, watch_kubelet=False
+        )
+        held = RealPlugin(dp_dir, DEV, "dev.sock", release=release, watch_kubelet=False)
+        try:
+            await never.start()
+            mark = held.mark()
+            await held.start()
+            await held.wait_event("stream-open", after=mark)
+            async with sidecar_in(route, kubelet, settings, log) as status:
+
+                def settled() -> bool:
+                    doc = status()
+                    return bool(doc) and check(doc, DEV)[0] == "ok" and check(doc, GPU)[0] == "failed"
+
+                await wait_for(settled, timeout=20, what="the verdicts before the lie")
+                before = status()
+                want = (
+                    "this network namespace (sock_diag)" if route == "sock_diag" else "the kubelet's network"
+                )
+                assert before["kubelet_connections_from"].startswith(want), before["kubelet_connections_from"]
+                doctor = Doctor(dp_dir, short_tmp, *(os.path.join(short_tmp, n) for n in ("k.log", "p.log")))
+                for path in (doctor.kubelet_log, doctor.plugin_log):
+                    open(path, "a").close()
+                os.makedirs(os.path.join(short_tmp, "dev"), exist_ok=True)
+                ns = Joined(kubelet.process.pid or 0) if route == "sock_diag" else None
+                extra = ("--kubelet-process-name", kubelet.process_name)
+                _, honest = await doctor.report(*extra, ns=ns)
+                assert verdicts(honest)["plugin-not-registered"] == "problem"
+
+                async def rounds(n: int) -> dict[str, Any]:
+                    start = status()["probe_rounds"]
+                    await wait_for(
+                        lambda: status()["probe_rounds"] >= start + n, timeout=30, what=f"{n} rounds"
+                    )
+                    return status()
+
+                lies = forged_names(kubelet.socket_path, never.socket_path, BOUND_DIR)
+                assert len(lies) == 9
+                with Holder(names(*lies), nsenter(kubelet.process.pid or 0)):
+                    after = await rounds(6)
+                    assert check(after, DEV)[0] == "ok"
+                    state, reason = check(after, GPU)
+                    assert state == "failed", reason
+                    _, lied_to = await doctor.report(*extra, ns=ns)
+                    assert verdicts(lied_to)["plugin-not-registered"] == "problem"
+                    # A checkpoint that cannot be read leaves the connections alone to decide: a lie that
+                    # counted would now turn the plugin that never registered to registered. It can make
+                    # the connection unknown (the doctor's row then is), never there.
+                    with open(kubelet.checkpoint_path, "w") as f:
+                        f.write("{")
+                    after = await rounds(4)
+                    assert after["checks"]["checkpoint"]["state"] == "failed"
+                    assert check(after, DEV)[0] == "ok"
+                    state, reason = check(after, GPU)
+                    assert state == "failed", reason
+                    _, lied_to = await doctor.report(*extra, ns=ns)
+                    assert verdicts(lied_to)["plugin-not-registered"] != "ok"
+            if route == "sock_diag":
+                with open(log, encoding="utf-8", errors="replace") as f:
+                    text = f.read()
+            else:
+                text = caplog.text
+            assert "probe round failed" not in text
+        finally:
+            await never.close()
+            await held.close()
