@@ -200,7 +200,8 @@ PROC_HEADER = b"Num       RefCount Protocol Flags    Type St Inode Path"
 # placeholder for its first seconds after boot). Every line the kernel prints is in this format, so a
 # line that is not, inside a name printed before it, is a part of that name.
 _PROC_LINE = re.compile(
-    rb"([0-9a-f]{8}|[0-9a-f]{16}|\(____ptrval____\)|\(ptrval\)): ([0-9A-F]{8}) ([0-9A-F]{8}) ([0-9A-F]{8}) ([0-9A-F]{4}) ([0-9A-F]{2}) "
+    rb"([0-9a-f]{8}|[0-9a-f]{16}|\(____ptrval____\)|\(ptrval\)): "
+    rb"([0-9A-F]{8}) ([0-9A-F]{8}) ([0-9A-F]{8}) ([0-9A-F]{4}) ([0-9A-F]{2}) "
     rb"( {0,4})([0-9]{1,20})"
 )
 _ACCEPTCON = 0x10000  # __SO_ACCEPTCON: a listener
@@ -437,7 +438,9 @@ def kubelet_connections(
 
 def _socket_inodes(proc: str, pid: str) -> frozenset[int] | None:
     """The inodes of the sockets `pid` holds (its `socket:[inode]` descriptors), or None where they
-    cannot be read: a root process's descriptors need CAP_SYS_PTRACE (ptrace read access)."""
+    cannot be read. Reading a descriptor's link needs ptrace read access: the same uid and every
+    capability the process has, or CAP_SYS_PTRACE. Root with its capabilities dropped may list the
+    folder of a root process but not read one link."""
     fd_dir = os.path.join(proc, pid, "fd")
     try:
         fds = os.listdir(fd_dir)
@@ -447,8 +450,10 @@ def _socket_inodes(proc: str, pid: str) -> frozenset[int] | None:
     for fd in fds:
         try:
             link = os.readlink(os.path.join(fd_dir, fd))
-        except OSError:
+        except FileNotFoundError:
             continue  # closed since the listing
+        except OSError:
+            return None
         if link.startswith("socket:[") and link.endswith("]") and link[8:-1].isdigit():
             out.add(int(link[8:-1]))
     return frozenset(out)

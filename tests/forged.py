@@ -9,12 +9,18 @@ import sys
 from collections.abc import Sequence
 
 # Each argument is an operation: `name:<hex>` binds an abstract or file name (hex: names hold NULs and
-# newlines), listens and connects to it; `listen:<hex>` only binds and listens; `connect:<hex>` connects
+# newlines), listens and connects to it; `listen:<hex>` only binds and listens; `serve:<hex>` also accepts
+# every connection, as a plugin's gRPC server does; `connect:<hex>` connects
 # to a listener elsewhere; `comm:<name>` names the process. Then it says "ready" and holds every socket
 # until stdin closes.
 HOLDER = r"""
-import socket, sys
+import socket, sys, threading
 held = []
+
+def serve(s):
+    while True:
+        held.append(s.accept()[0])
+
 for arg in sys.argv[1:]:
     op, _, value = arg.partition(":")
     if op == "comm":
@@ -30,6 +36,8 @@ for arg in sys.argv[1:]:
     s.bind(name)
     s.listen()
     held.append(s)
+    if op == "serve":
+        threading.Thread(target=serve, args=(s,), daemon=True).start()
     if op == "name":
         c = socket.socket(socket.AF_UNIX)
         c.connect(name)
@@ -111,6 +119,10 @@ def listen(path: str) -> str:
     return f"listen:{path.encode().hex()}"
 
 
+def serve(path: str) -> str:
+    return f"serve:{path.encode().hex()}"
+
+
 def connect(path: str) -> str:
     return f"connect:{path.encode().hex()}"
 
@@ -124,8 +136,9 @@ def nsenter(pid: int) -> list[str]:
     return ["nsenter", f"--net=/proc/{pid}/ns/net", "--"]
 
 
-# Every capability dropped, as nobody: the sidecar as HAMi's pod runs it (no CAP_SYS_PTRACE, so a root
-# process's descriptors cannot be read).
+# Every capability dropped, as root (the sidecar as the manifests run it) and as nobody: either way no
+# CAP_SYS_PTRACE, so the links of a root process's descriptors cannot be read.
+ROOT_NO_CAPS = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"]
 NOBODY = [
     "setpriv",
     "--reuid=65534",

@@ -31,17 +31,28 @@ from sidecar.unixdiag import (
     parse_proc_net_unix,
     read_proc_net_unix,
 )
-from tests.forged import NOBODY, Holder, comm, connect, forged_names, kernel_line, listen, names
+from tests.forged import (
+    NOBODY,
+    ROOT_NO_CAPS,
+    Holder,
+    comm,
+    connect,
+    forged_names,
+    kernel_line,
+    listen,
+    names,
+    serve,
+)
 
-# Runs in a namespace: binds what it is given (as tests.forged.HOLDER does), then prints the raw
+# Runs in a namespace: binds the names it is given (hex), with a connection to each, then prints the raw
 # datagrams of one sock_diag dump and the namespace's /proc/self/net/unix, as hex, in JSON.
 CAPTURE = r"""
 import json, socket, sys
 from sidecar.unixdiag import diag_request
 held = []
-for path in sys.argv[1:]:
-    s = socket.socket(socket.AF_UNIX); s.bind(path.encode()); s.listen()
-    c = socket.socket(socket.AF_UNIX); c.connect(path.encode())
+for name in map(bytes.fromhex, sys.argv[1:]):
+    s = socket.socket(socket.AF_UNIX); s.bind(name); s.listen()
+    c = socket.socket(socket.AF_UNIX); c.connect(name)
     held += [s, c, s.accept()[0]]
 a = socket.socket(socket.AF_UNIX); a.bind(b"\0hami-guard-test"); a.listen(); held.append(a)
 n = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4)
@@ -57,7 +68,8 @@ print(json.dumps({"grams": grams, "table": table}))
 
 
 def capture(ns: Netns, *paths: str) -> tuple[list[bytes], bytes]:
-    done = ns.run([sys.executable, "-c", CAPTURE, *paths], capture_output=True, text=True, timeout=60)
+    argv = [sys.executable, "-c", CAPTURE, *(p.encode().hex() for p in paths)]
+    done = ns.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     return [bytes.fromhex(g) for g in out["grams"]], bytes.fromhex(out["table"])
@@ -187,14 +199,17 @@ def test_a_process_named_kubelet_counts_only_run_by_root(ns: Netns, short_tmp: s
     name = f"kubelet-{os.path.basename(short_tmp)[-6:]}"
     ops = [comm(name), listen(kubelet), *names(plugin.encode())]
     for enter, seen in ((NOBODY, False), ([], True)):
-        with Holder(ops, ns.command(enter)):
+        with Holder(ops, ns.command(enter)) as h:
             found = kubelet_connections(kubelet, names={name}, mine="no sock_diag here")
-            assert isinstance(found, Connections) is seen, found
-            if isinstance(found, Connections):
-                assert found.held(
-                    plugin
-                ) == "a listener is bound at nvidia-gpu.sock's path in the kubelet's " + (
-                    "network namespace, not this pod's: whose connections are whose cannot be told by path"
+            # Not seen, it is not read (pid 1's namespace may be, where no kubelet process is named).
+            ours = f"the kubelet's network namespace (/proc/{h.pid}/net/unix)"
+            assert (isinstance(found, Connections) and found.source == ours) is seen, found
+            if seen:
+                assert isinstance(found, Connections)
+                why = "a listener is bound at nvidia-gpu.sock's path in the kubelet's network namespace, not "
+                assert (
+                    found.held(plugin)
+                    == why + "this pod's: whose connections are whose cannot be told by path"
                 )
         for p in (kubelet, plugin):
             os.unlink(p)
@@ -228,7 +243,7 @@ def test_sock_diag_counts_the_kubelets_own_connections_where_its_descriptors_can
             accepted = [server.accept()[0] for _ in range(2)]  # as the plugin's gRPC server does
             argv = [sys.executable, "-c", READ, kubelet, name, plugin]
             env = {**os.environ, "PYTHONPATH": os.getcwd()}
-            for enter, count, owned in (([], 1, True), (NOBODY, 2, False)):
+            for enter, count, owned in (([], 1, True), (ROOT_NO_CAPS, 2, False), (NOBODY, 2, False)):
                 done = ns.run([*enter, *argv], capture_output=True, text=True, timeout=60, env=env)
                 assert done.returncode == 0, done.stderr
                 assert json.loads(done.stdout) == ["this network namespace (sock_diag)", count, owned]
@@ -245,3 +260,32 @@ def test_nobody_cannot_read_a_root_process_descriptors() -> None:
     assert "PermissionError" in denied.stderr
     table = "import sys; open(f'/proc/{sys.argv[1]}/net/unix', 'rb').read()"
     assert subprocess.run([*NOBODY, sys.executable, "-c", table, "1"], capture_output=True).returncode == 0
+
+
+def test_from_a_pod_the_kubelets_namespace_through_proc_whoever_reads_it(short_tmp: str) -> None:
+    """HAMi's layout: the plugin's listener in the pod's namespace, the kubelet (a root process named as
+    one) and a hostile neighbour's names in the kubelet's. Read from the pod through /proc as root, as root
+    with no capability (the manifests' sidecar: the kubelet's descriptors are listed, their links not
+    readable) and as nobody: the kubelet's connection counts once; the names' lines never."""
+    netns.require()
+    os.chmod(short_tmp, 0o755)
+    folder = os.path.join(short_tmp, "device-plugins")
+    os.mkdir(folder)
+    os.chmod(folder, 0o777)
+    kubelet, plugin = os.path.join(folder, "kubelet.sock"), os.path.join(folder, "nvidia-gpu.sock")
+    name = f"kubelet-{os.path.basename(short_tmp)[-6:]}"
+    lies = forged_names(kubelet, plugin, "/var/lib/kubelet/device-plugins")
+    argv = [sys.executable, "-c", READ, kubelet, name, plugin]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    kubelet_ops = [comm(name), listen(kubelet), connect(plugin), *names(*lies)]
+    with (
+        Netns() as pod,
+        Netns() as node,
+        Holder([serve(plugin)], pod.command([])),
+        Holder(kubelet_ops, node.command([])) as k,  # it connects once the plugin serves
+    ):
+        for enter in ([], ROOT_NO_CAPS, NOBODY):
+            done = pod.run([*enter, *argv], capture_output=True, text=True, timeout=60, env=env)
+            assert done.returncode == 0, done.stderr
+            source, held, _ = json.loads(done.stdout)
+            assert (source, held) == (f"the kubelet's network namespace (/proc/{k.pid}/net/unix)", 1)
