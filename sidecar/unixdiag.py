@@ -221,6 +221,7 @@ def parse_proc_net_unix(lines: Iterable[bytes], paths: Collection[str] | None = 
     """Parse the lines of a `/proc/<pid>/net/unix` (each with its newline, as a binary file yields
     them); with `paths`, keep only the sockets bound to one of them. Total: a line that does not
     parse is skipped and counted, and a line that may be a part of an earlier name is only doubtful."""
+    wanted = None if paths is None else {p.encode("utf-8", "surrogateescape") for p in paths}
     sockets: list[UnixSocket] = []
     doubtful: list[UnixSocket] = []
     skipped = 0
@@ -232,45 +233,52 @@ def parse_proc_net_unix(lines: Iterable[bytes], paths: Collection[str] | None = 
         end = start + len(line)  # the offset of the line's newline
         if number == 0 and line == PROC_HEADER:
             continue
-        entry = _proc_line(line)
         inside = end <= reach
-        if entry is None:
+        m = _PROC_LINE.match(line)
+        name_at = _name_at(line, m) if m is not None else -1
+        if m is None or name_at == -1:
             skipped += 1
             if not inside:  # not the kernel's format, and no part of a name: its name may start in it
                 reach = max(reach, end + NAME_MAX)
             continue
-        sock, name_at = entry
-        if name_at is not None:
+        if name_at:
             reach = max(reach, start + name_at + NAME_MAX)
-        if sock is None or (paths is not None and sock.path not in paths):
+        name = _normalised(line[name_at:]) if name_at else b""
+        if wanted is not None and name not in wanted:
             continue
-        (doubtful if inside else sockets).append(sock)
+        sock = _socket(m, name)
+        if sock is not None:
+            (doubtful if inside else sockets).append(sock)
     return ProcTable(tuple(sockets), tuple(doubtful), skipped)
 
 
-def _proc_line(line: bytes) -> tuple[UnixSocket | None, int | None] | None:
-    """A line in the kernel's format: the socket (None for a state not kept here) and where its name
-    starts in the line (None without a name); None for a line that is not in that format."""
-    m = _PROC_LINE.match(line)
-    if m is None:
-        return None
-    digits = m.group(8)
-    if len(m.group(7)) != max(0, 5 - len(digits)):  # "%5lu": right-aligned in five columns
-        return None
-    rest = line[m.end() :]
-    if rest and (len(rest) < 2 or rest[:1] != b" "):
-        return None
-    name_at = m.end() + 1 if rest else None
-    flags, st = int(m.group(4), 16), m.group(6)
+def _name_at(line: bytes, m: re.Match[bytes]) -> int:
+    """Where the name starts in a line that matched `_PROC_LINE`: 0 without a name, -1 when the rest of
+    the line is not in the kernel's format."""
+    if len(m.group(7)) != max(0, 5 - len(m.group(8))):  # "%5lu": right-aligned in five columns
+        return -1
+    end = m.end()
+    if end == len(line):
+        return 0
+    if len(line) - end < 2 or line[end : end + 1] != b" ":
+        return -1
+    return end + 1
+
+
+def _normalised(name: bytes) -> bytes:
+    return b"/" + name.lstrip(b"/") if name[:1] == b"/" else name
+
+
+def _socket(m: re.Match[bytes], name: bytes) -> UnixSocket | None:
+    """The socket of a line in the kernel's format; None for a state not kept here."""
+    st = m.group(6)
     if st == b"03":
         state = ESTABLISHED
-    elif st == b"01" and flags & _ACCEPTCON:
+    elif st == b"01" and int(m.group(4), 16) & _ACCEPTCON:
         state = LISTEN
     else:
-        return None, name_at
-    name = rest[1:].decode("utf-8", "surrogateescape")
-    path = normalise(name) if name.startswith("/") else name
-    return UnixSocket(int(digits), state, path, None, 0, 0), name_at
+        return None
+    return UnixSocket(int(m.group(8)), state, name.decode("utf-8", "surrogateescape"), None, 0, 0)
 
 
 def read_proc_net_unix(proc: str = "/proc/self", paths: Collection[str] | None = None) -> ProcTable:
