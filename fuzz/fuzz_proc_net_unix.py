@@ -1,10 +1,11 @@
-"""The `/proc/<pid>/net/unix` parser (sidecar/unixdiag.py): `parse_proc_net_unix` turns any bytes into a
+"""The `/proc/<pid>/net/unix` parser (initcheck/netunix.py): `parse_proc_net_unix` turns any bytes into a
 `ProcTable` (sockets, doubtful lines, lines skipped), with and without a filter of paths, and the
 sidecar's count of the kubelet's connections over it never fails."""
 
 from __future__ import annotations
 
-from sidecar.unixdiag import Connections, parse_proc_net_unix
+from initcheck.netunix import parse_proc_net_unix
+from sidecar.unixdiag import Connections
 
 PATHS = (
     "/var/lib/kubelet/device-plugins/kubelet.sock",

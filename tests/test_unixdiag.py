@@ -16,20 +16,23 @@ from collections.abc import Iterator
 
 import pytest
 
-from sidecar.testing import netns
-from sidecar.testing.netns import Netns
-from sidecar.unixdiag import (
+from initcheck.netunix import (
     ESTABLISHED,
     LISTEN,
     NAME_MAX,
+    PROC_HEADER,
+    parse_proc_net_unix,
+    read_proc_net_unix,
+)
+from sidecar.testing import netns
+from sidecar.testing.netns import Netns
+from sidecar.unixdiag import (
     NLMSG_DONE,
     NLMSG_ERROR,
     SOCK_DIAG_BY_FAMILY,
     Connections,
     decode_reply,
     kubelet_connections,
-    parse_proc_net_unix,
-    read_proc_net_unix,
 )
 from tests.forged import (
     NOBODY,
@@ -289,3 +292,37 @@ def test_from_a_pod_the_kubelets_namespace_through_proc_whoever_reads_it(short_t
             assert done.returncode == 0, done.stderr
             source, held, _ = json.loads(done.stdout)
             assert (source, held) == (f"the kubelet's network namespace (/proc/{k.pid}/net/unix)", 1)
+
+
+def test_where_the_kubelet_listens_is_not_told_by_a_name(ns: Netns, short_tmp: str) -> None:
+    """hami-initcheck's PATH_MISMATCH reads the listeners among the kubelet's descriptors: a line made up
+    with the inode of the kubelet's real listener adds no path, and a line of two words stops nothing
+    (psutil's parser raised RuntimeError on it)."""
+    from initcheck.kubelet import listeners, listening_paths
+
+    folder = os.path.join(short_tmp, "var-lib-kubelet-device-plugins-of-a-long-name")  # see below
+    os.mkdir(folder)
+    kubelet = os.path.join(folder, "kubelet.sock")
+    name = f"kubelet-{os.path.basename(short_tmp)[-6:]}"
+    with Holder([comm(name), listen(kubelet)], ns.command([])) as k:
+        (listener,) = read_proc_net_unix(f"/proc/{k.pid}", {kubelet}).sockets
+        lies = [
+            b"\0\nx y",
+            b"\0\n"
+            + kernel_line("01", "00010000", listener.ino, "/var/lib/kubelet/device-plugins/kubelet.sock"),
+        ]
+        with Holder(names(*lies), ns.command([])):
+            found = listening_paths(name)
+    assert (found.pid, found.paths) == (k.pid, (kubelet,))
+    # The real line is long enough never to be taken for a part of a name printed before it. A short one
+    # may be, wherever the kernel prints it: then where the kubelet listens cannot be told, and the check
+    # is skipped, never failed.
+    header = PROC_HEADER + b"\n"
+    real = kernel_line("01", "00010000", 12345, "/k.sock") + b"\n"
+    host = kernel_line("03", "00000000", 999999, "@") + b"\n" + b"x y\n"
+    lines = (header + host + real).splitlines(keepends=True)
+    assert "cannot be told" in str(listeners(parse_proc_net_unix(lines), {12345}))
+    assert listeners(parse_proc_net_unix((header + real + host).splitlines(keepends=True)), {12345}) == (
+        "/k.sock",
+    )
+    assert listeners(parse_proc_net_unix(lines), {1}) == ()
