@@ -295,9 +295,10 @@ def test_from_a_pod_the_kubelets_namespace_through_proc_whoever_reads_it(short_t
 
 
 def test_where_the_kubelet_listens_is_not_told_by_a_name(ns: Netns, short_tmp: str) -> None:
-    """hami-initcheck's PATH_MISMATCH reads the listeners among the kubelet's descriptors: a line made up
-    with the inode of the kubelet's real listener adds no path, and a line of two words stops nothing
-    (psutil's parser raised RuntimeError on it)."""
+    """hami-initcheck's PATH_MISMATCH reads the listeners among the kubelet's descriptors in the kubelet's
+    own table, from another network namespace (HAMi's pod has no hostNetwork; psutil read the reader's
+    table there and found no listener at all): a line made up with the inode of the kubelet's real
+    listener adds no path, and a line of two words stops nothing (psutil's parser raised RuntimeError)."""
     from initcheck.kubelet import listeners, listening_paths
 
     folder = os.path.join(short_tmp, "var-lib-kubelet-device-plugins-of-a-long-name")  # see below
