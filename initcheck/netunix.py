@@ -161,6 +161,7 @@ def socket_inodes(proc: str, pid: str) -> frozenset[int] | None:
             continue  # closed since the listing
         except OSError:
             return None
-        if link.startswith("socket:[") and link.endswith("]") and link[8:-1].isdigit():
-            out.add(int(link[8:-1]))
+        number = link[8:-1]
+        if link.startswith("socket:[") and link.endswith("]") and number.isascii() and number.isdecimal():
+            out.add(int(number))
     return frozenset(out)
