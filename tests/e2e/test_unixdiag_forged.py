@@ -3,9 +3,10 @@
 The kubelet (tests/realkubelet, the device manager's own code) runs in a network namespace of its
 own; a hostile neighbour in that namespace binds abstract names holding a newline and a made-up line of
 `/proc/net/unix`: a listener on `kubelet.sock`, a connection to a plugin that never registered. The
-sidecar reads that namespace through `/proc/<kubelet pid>/net/unix` (in the test's process, outside it:
-a pod without hostNetwork) or with sock_diag (a sidecar process inside it: hostNetwork). Neither the
-verdicts nor hami-doctor's row change, and no probe round fails.
+sidecar, run as the manifests run it (uid 0, every capability dropped), reads that namespace through
+`/proc/<kubelet pid>/net/unix` (from a pod's namespace: no hostNetwork) or with sock_diag (from inside
+it: hostNetwork); hami-doctor runs beside it. Neither the verdicts nor the doctor's row change, and no
+probe round fails.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -27,9 +28,8 @@ from sidecar.testing import free_port, netns
 from sidecar.testing.netns import Netns
 from sidecar.testing.realkubelet import RealKubelet, RealPlugin, Release
 from tests.conftest import wait_for
-from tests.e2e.conftest import sidecar_running
 from tests.e2e.realnode import SETTINGS
-from tests.forged import Holder, forged_names, loopback_up, names, nsenter
+from tests.forged import LOOPBACK_UP, ROOT_NO_CAPS, Holder, forged_names, names, nsenter
 from tests.test_doctor import Doctor, verdicts
 
 GPU = "nvidia.com/gpu"  # its plugin serves and never registers: the name lies about it
@@ -48,53 +48,44 @@ STATUS = (
 )
 
 
-class Joined(Netns):
-    """The kubelet's network namespace, entered by its pid (it holds the namespace itself)."""
+class Entered(Netns):
+    """An existing network namespace (by its handle), entered as the manifests run the sidecar: uid 0,
+    every capability dropped (so the kubelet's descriptors cannot be read)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, handle: str) -> None:
         super().__init__()
-        self._joined = pid
+        self.handle = handle
 
     @property
     def path(self) -> str:
-        return f"/proc/{self._joined}/ns/net"
+        return self.handle
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        return ["nsenter", f"--net={self.handle}", "--", *ROOT_NO_CAPS, *argv]
 
 
 @asynccontextmanager
-async def sidecar_in(
-    route: str, kubelet: RealKubelet, settings: Any, log: str
-) -> AsyncIterator[Callable[[], dict[str, Any]]]:
-    """The sidecar, reading the kubelet's namespace through /proc (in this process) or with sock_diag
-    (a process in that namespace); yields what reads its /status."""
-    if route == "proc":
-        async with sidecar_running(settings) as (sidecar, _):
-            yield sidecar.status_document
-        return
-    pid = kubelet.process.pid
-    assert pid is not None
-    loopback_up(pid)
+async def sidecar_in(ns: Entered, settings: Any, log: str) -> AsyncIterator[Callable[[], dict[str, Any]]]:
+    """hami-sidecar, a process in `ns`; yields what reads its /status (from the same namespace)."""
+    enter = ["nsenter", f"--net={ns.handle}", "--"]  # as root: the loopback needs CAP_NET_ADMIN
+    up = await asyncio.create_subprocess_exec(*enter, sys.executable, "-c", LOOPBACK_UP)
+    assert await asyncio.wait_for(up.wait(), 30) == 0
     argv = [sys.executable, "-m", "sidecar", "--device-plugin-dir", settings.device_plugin_dir]
+    argv += ["--pod-resources-socket", settings.pod_resources_socket]
     argv += [
-        "--pod-resources-socket",
-        settings.pod_resources_socket,
         "--listen",
         f"127.0.0.1:{settings.port}",
+        "--kubelet-process-name",
+        settings.kubelet_process_name,
     ]
     argv += ["--probe-interval", "0.5", "--probe-timeout", "0.3", "--registration-grace", "1.5"]
-    argv += ["--kubelet-process-name", settings.kubelet_process_name]
     for p in settings.plugins:
         argv += ["--plugin", f"{p.resource}={p.socket}"]
     with open(log, "wb") as out:
-        proc = await asyncio.create_subprocess_exec(
-            *nsenter(pid), *argv, stdout=out, stderr=subprocess.STDOUT
-        )
-
+        proc = await asyncio.create_subprocess_exec(*ns.command(argv), stdout=out, stderr=subprocess.STDOUT)
     # Blocking on purpose: `status` answers wait_for's predicates, which are plain functions.
     asker = subprocess.Popen(  # noqa: ASYNC220
-        [*nsenter(pid), sys.executable, "-c", STATUS],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+        ns.command([sys.executable, "-c", STATUS]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     assert asker.stdin is not None and asker.stdout is not None
     questions, answers = asker.stdin, asker.stdout
@@ -123,12 +114,23 @@ def check(doc: dict[str, Any], resource: str) -> tuple[str, str]:
 @pytest.mark.parametrize("release", ["new"], indirect=True)
 @pytest.mark.parametrize("route", ["proc", "sock_diag"])
 async def test_forged_names_in_the_kubelets_namespace_change_no_verdict(
-    route: str, release: Release, dp_dir: str, short_tmp: str, caplog: pytest.LogCaptureFixture
+    route: str, release: Release, dp_dir: str, short_tmp: str
 ) -> None:
     netns.require()
+    pod = Netns().start()
+    try:
+        await judged(route, release, dp_dir, short_tmp, pod)
+    finally:
+        pod.close()
+
+
+async def judged(route: str, release: Release, dp_dir: str, short_tmp: str, pod: Netns) -> None:
     pod_resources = os.path.join(short_tmp, "pod-resources", "kubelet.sock")
     log = os.path.join(short_tmp, "sidecar.log")
     async with RealKubelet(dp_dir, pod_resources, release=release, netns=True) as kubelet:
+        kpid = kubelet.process.pid or 0
+        # sock_diag: the sidecar in the kubelet's namespace (hostNetwork); /proc: in a pod's of its own.
+        ns = Entered(f"/proc/{kpid}/ns/net" if route == "sock_diag" else pod.path)
         settings = replace(
             SETTINGS,
             device_plugin_dir=dp_dir,
@@ -146,7 +148,7 @@ async def test_forged_names_in_the_kubelets_namespace_change_no_verdict(
             mark = held.mark()
             await held.start()
             await held.wait_event("stream-open", after=mark)
-            async with sidecar_in(route, kubelet, settings, log) as status:
+            async with sidecar_in(ns, settings, log) as status:
 
                 def settled() -> bool:
                     doc = status()
@@ -155,14 +157,15 @@ async def test_forged_names_in_the_kubelets_namespace_change_no_verdict(
                 await wait_for(settled, timeout=20, what="the verdicts before the lie")
                 before = status()
                 want = (
-                    "this network namespace (sock_diag)" if route == "sock_diag" else "the kubelet's network"
+                    "this network namespace (sock_diag)"
+                    if route == "sock_diag"
+                    else f"the kubelet's network namespace (/proc/{kpid}/"
                 )
                 assert before["kubelet_connections_from"].startswith(want), before["kubelet_connections_from"]
                 doctor = Doctor(dp_dir, short_tmp, *(os.path.join(short_tmp, n) for n in ("k.log", "p.log")))
                 for path in (doctor.kubelet_log, doctor.plugin_log):
                     open(path, "a").close()
                 os.makedirs(os.path.join(short_tmp, "dev"), exist_ok=True)
-                ns = Joined(kubelet.process.pid or 0) if route == "sock_diag" else None
                 extra = ("--kubelet-process-name", kubelet.process_name)
                 _, honest = await doctor.report(*extra, ns=ns)
                 assert verdicts(honest)["plugin-not-registered"] == "problem"
@@ -176,7 +179,7 @@ async def test_forged_names_in_the_kubelets_namespace_change_no_verdict(
 
                 lies = forged_names(kubelet.socket_path, never.socket_path, BOUND_DIR)
                 assert len(lies) == 9
-                with Holder(names(*lies), nsenter(kubelet.process.pid or 0)):
+                with Holder(names(*lies), nsenter(kpid)):
                     after = await rounds(4)
                     assert check(after, DEV)[0] == "ok"
                     state, reason = check(after, GPU)
@@ -195,12 +198,8 @@ async def test_forged_names_in_the_kubelets_namespace_change_no_verdict(
                     assert state == "failed", reason
                     _, lied_to = await doctor.report(*extra, ns=ns)
                     assert verdicts(lied_to)["plugin-not-registered"] != "ok"
-            if route == "sock_diag":
-                with open(log, encoding="utf-8", errors="replace") as f:
-                    text = f.read()
-            else:
-                text = caplog.text
-            assert "probe round failed" not in text
+            with open(log, encoding="utf-8", errors="replace") as f:
+                assert "probe round failed" not in f.read()
         finally:
             await never.close()
             await held.close()
