@@ -30,7 +30,7 @@ from sidecar.testing.realkubelet import RealKubelet, RealPlugin, Release
 from tests.conftest import wait_for
 from tests.e2e.realnode import SETTINGS
 from tests.forged import LOOPBACK_UP, ROOT_NO_CAPS, Holder, forged_names, names, nsenter
-from tests.test_doctor import Doctor, verdicts
+from tests.test_doctor import Doctor, row, verdicts
 
 GPU = "nvidia.com/gpu"  # its plugin serves and never registers: the name lies about it
 DEV = "example.com/dev"  # its plugin registers
@@ -183,9 +183,11 @@ async def judged(route: str, release: Release, dp_dir: str, short_tmp: str, pod:
                     after = await rounds(4)
                     assert check(after, DEV)[0] == "ok"
                     state, reason = check(after, GPU)
-                    assert state == "failed", reason
+                    assert state == "failed", (reason, after["checks"], after["kubelet_connections_from"])
                     _, lied_to = await doctor.report(*extra, ns=ns)
-                    assert verdicts(lied_to)["plugin-not-registered"] == "problem"
+                    assert verdicts(lied_to)["plugin-not-registered"] == "problem", row(
+                        lied_to, "plugin-not-registered"
+                    )
                     # A checkpoint that cannot be read leaves the connections alone to decide: a lie that
                     # counted would now turn the plugin that never registered to registered. It can make
                     # the connection unknown (the doctor's row then is), never there.
@@ -195,9 +197,11 @@ async def judged(route: str, release: Release, dp_dir: str, short_tmp: str, pod:
                     assert after["checks"]["checkpoint"]["state"] == "failed"
                     assert check(after, DEV)[0] == "ok"
                     state, reason = check(after, GPU)
-                    assert state == "failed", reason
+                    assert state == "failed", (reason, after["checks"], after["kubelet_connections_from"])
                     _, lied_to = await doctor.report(*extra, ns=ns)
-                    assert verdicts(lied_to)["plugin-not-registered"] != "ok"
+                    assert verdicts(lied_to)["plugin-not-registered"] != "ok", row(
+                        lied_to, "plugin-not-registered"
+                    )
             with open(log, encoding="utf-8", errors="replace") as f:
                 assert "probe round failed" not in f.read()
         finally:
