@@ -12,7 +12,7 @@ REALKUBELET := tests/realkubelet
 KUBELET_NEW := v1.37.2
 KUBELET_OLD := v1.36.5
 
-.PHONY: test lint typecheck pytest demo proto bench soak clean lock manifests dashboard
+.PHONY: test lint typecheck pytest demo proto bench soak clean lock manifests dashboard fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -71,6 +71,12 @@ bench: $(STAMP)
 
 soak: $(STAMP)
 	$(PY) -m bench.soak
+
+# Coverage-guided fuzzing (atheris): each fuzz/fuzz_<name>.py for FUZZ_SECONDS, seeded from fuzz/corpus/<name>/.
+# Fails on an escaping exception or an input over 100 ms of CPU; the input goes to fuzz/crashes/.
+FUZZ_SECONDS ?= 60
+fuzz: $(STAMP)
+	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS)
 
 # Slow real-kubelet checks (about 8 minutes): the kubelet's 5-minute stop grace against both releases
 # and the simulator, the oracle's 200 random events with three seeds on each release, and the demo's
