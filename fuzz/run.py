@@ -25,6 +25,7 @@ import argparse
 import importlib.util
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -118,6 +119,7 @@ class Outcome:
     code: int
     executed: int
     seconds: float
+    cpu: float  # seconds of CPU the harness's process used: what other load on the machine does not take
     crash: str  # the saved input, "" when none
     output: str
 
@@ -134,7 +136,7 @@ def fuzz_one(path: Path, seconds: int, crashes: Path) -> Outcome:
 def _fuzz_one(path: Path, seconds: int, crashes: Path, found: str) -> Outcome:
     argv = [sys.executable, "-m", "fuzz.run", "--child", str(path), "--seconds", str(seconds)]
     argv += ["--crashes", str(crashes), "--found", found]
-    started = time.monotonic()
+    started, cpu = time.monotonic(), _children_cpu()
     try:
         done = subprocess.run(
             argv,
@@ -148,19 +150,32 @@ def _fuzz_one(path: Path, seconds: int, crashes: Path, found: str) -> Outcome:
     except subprocess.TimeoutExpired as e:
         out = e.stdout if isinstance(e.stdout, bytes) else b""
         code, output = -1, out.decode(errors="replace") + "\n(the harness did not stop in time: killed)"
-    took = time.monotonic() - started
+    took, cpu = time.monotonic() - started, _children_cpu() - cpu
     executed = re.findall(r"stat::number_of_executed_units:\s*(\d+)", output) or re.findall(
         r"^#(\d+)\s", output, re.MULTILINE
     )
     crash = re.findall(r"Test unit written to (\S+)", output)
     return Outcome(
-        name_of(path), code, int(executed[-1]) if executed else 0, took, crash[-1] if crash else "", output
+        name_of(path),
+        code,
+        int(executed[-1]) if executed else 0,
+        took,
+        cpu,
+        crash[-1] if crash else "",
+        output,
     )
 
 
+def _children_cpu() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
 def report(o: Outcome) -> str:
-    rate = o.executed / o.seconds if o.seconds else 0.0
-    head = f"{o.name:<16} {o.executed:>10} inputs in {o.seconds:5.0f} s ({rate:7.0f}/s)"
+    rate = o.executed / o.cpu if o.cpu else 0.0
+    head = (
+        f"{o.name:<16} {o.executed:>10} inputs in {o.seconds:4.0f} s ({o.cpu:4.0f} s of CPU: {rate:5.0f}/s)"
+    )
     if o.ok:
         return f"{head}  ok"
     why = "an escaping exception or a slow input" if o.crash else f"the process ended with status {o.code}"
