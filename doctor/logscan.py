@@ -571,13 +571,6 @@ def _compiled(patterns: tuple[Pattern, ...]) -> tuple[re.Pattern[bytes], dict[by
     return _COMPILED[patterns]
 
 
-def resource_of(line: str) -> str | None:
-    """The extended resource a line names: klog's resource="..." / resourceName="...", or a quoted
-    'domain/name' as HAMi and NVIDIA print it; None when it names none."""
-    m = _RESOURCE.search(line.encode(errors="replace"))
-    return (m.group(1) or m.group(2)).decode(errors="replace") if m else None
-
-
 def _time_at(data: bytes, offset: int) -> tuple[int, float | None]:
     """The start of the first line at or after `offset` and its time (None: no time, or no line)."""
     begin = offset if offset == 0 or data[offset - 1 : offset] == b"\n" else data.find(b"\n", offset) + 1
@@ -604,13 +597,6 @@ def _window_start(data: bytes, cutoff: float | None) -> int:
     while begin < len(data) and when is not None and when < cutoff:
         begin, when = _time_at(data, begin + 1)
     return begin
-
-
-def match(line: str, patterns: tuple[Pattern, ...]) -> Pattern | None:
-    """The pattern whose text the line holds first (the message itself, never a generic fragment)."""
-    regex, spelling = _compiled(patterns)
-    m = regex.search(line.encode(errors="replace"))
-    return spelling[m.group()] if m else None
 
 
 def scan(
