@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import calendar
 import glob
+import math
 import os
 import re
 import shutil
@@ -696,8 +697,8 @@ def scan_journal(units: tuple[str, ...], patterns: tuple[Pattern, ...], since: f
     if exe is None:
         return LogFindings(source, problem="journalctl is not installed here")
     argv = [exe, *(a for u in units for a in ("-u", u)), "--no-pager", "-q", "-o", "cat", "-n", "100000"]
-    if since is not None:
-        argv += ["--since", f"-{int(since)}s"]
+    if since is not None and math.isfinite(since):  # an endless window is the whole journal
+        argv += ["--since", f"-{max(0, int(since))}s"]
     try:
         done = subprocess.run(argv, capture_output=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:

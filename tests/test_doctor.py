@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import io
 import json
+import math
 import os
 import socket
 import subprocess
@@ -65,6 +66,7 @@ from doctor.logscan import (
     read_tail,
     scan,
     scan_file,
+    scan_journal,
 )
 from doctor.render import Report, as_json, as_text, fix_lines, npd_line, shell_lines
 from doctor.repairs import MIN_AGE, STALE, Repair, apply, plan, removal
@@ -1782,3 +1784,16 @@ def test_every_checkpoint_failure_is_a_checkpoint_error(short_tmp: str) -> None:
     os.mkfifo(path)
     with pytest.raises(CheckpointError, match=r"^the checkpoint is not a regular file$"):
         read_checkpoint(path)  # opened without blocking: a FIFO never hangs the reader
+
+
+@pytest.mark.parametrize(("since", "asked"), [(7200.0, "--since -7200s"), (math.inf, ""), (math.nan, "")])
+def test_the_journal_window_from_any_since(
+    short_tmp: str, monkeypatch: pytest.MonkeyPatch, since: float, asked: str
+) -> None:
+    """An endless (or undefined) window asks the journal for everything, never raises."""
+    line = CATALOG["Failed to connect to new client"][0]
+    monkeypatch.setenv("PATH", fake_journal(short_tmp, {"kubelet": line})["PATH"])
+    found = scan_journal(("kubelet",), KUBELET_PATTERNS, since)
+    assert [h.text for h in found.hits] == ["Failed to connect to new client"]
+    args = Path(short_tmp, "bin", "args").read_text()
+    assert ("--since" in args, asked in args) == (bool(asked), True)
