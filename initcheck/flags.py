@@ -32,11 +32,30 @@ class PluginSpec(NamedTuple):
     socket: str
 
 
+def one_line(text: str) -> str:
+    """Control characters (a newline in an argument or a file name) shown escaped: one line stays one."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+class UsageError(Exception):
+    """A usage error, from a Parser whose `raise_errors` is set: its one-line text, `prog: error: ...`."""
+
+
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line on stderr, `prog: error: ...`, exit 2."""
+    """An ArgumentParser whose usage errors are one line on stderr, `prog: error: ...`, exit 2.
+
+    The arguments argparse echoes (`unrecognized arguments: ...`) are escaped: an argument holding a
+    newline cannot put a line of its own on stderr. With `raise_errors`, a usage error raises
+    UsageError instead of exiting (hami-sidecar serves its configuration error rather than exit).
+    """
+
+    raise_errors = False
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        text = f"{self.prog}: error: {one_line(message)}"
+        if self.raise_errors:
+            raise UsageError(text)
+        self.exit(2, f"{text} (see {self.prog} --help)\n")
 
 
 # -- value types -------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 # The paths the kubelet probes (the plugin's liveness and readiness, the sidecar's own): never rate
 # limited, answered from memory, and served before other work queued in the same turn of the loop.
 # sidecar/http.py routes them; this is the one list of which are probes.
-PROBE_PATHS = frozenset({"/healthz", "/livez", "/readyz", "/sidecarz"})
+PROBE_PATHS = frozenset({"/healthz", "/livez", "/readyz", "/sidecarz", "/sidecarz/live"})
 PROBE_PREFIXES = ("/healthz/", "/readyz/")
 
 # Who connects legitimately: the kubelet (a few probes, a new connection each, every few seconds),
