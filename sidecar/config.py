@@ -211,7 +211,7 @@ def _salvage(error: str, argv: Sequence[str], environ: Mapping[str, str]) -> Bad
     if listen is not None:
         try:
             host, port = flags.listen_address(listen)
-        except argparse.ArgumentTypeError:
+        except (argparse.ArgumentTypeError, ValueError):
             shown = flags.one_line(repr(listen))
             note = f"--listen {shown} is not ADDR:PORT: serving on the default {host}:{port}"
     log_format = _given(argv, "--log-format", environ)

@@ -258,3 +258,22 @@ def test_usage_errors_escape_the_arguments_they_echo(prog: str, capsys: pytest.C
     assert err.count("\n") == 1
     assert err.startswith(f"{prog}: error: ")
     assert "unrecognized arguments: x\\nfail: FAKE" in err
+
+
+@pytest.mark.parametrize(
+    "parse",
+    [flags.listen_address, flags.integer(0, 10), flags.numeric_id, flags.expect_devices, flags.octal],
+)
+def test_a_number_of_thousands_of_digits_is_a_usage_error_not_a_valueerror(
+    parse: Callable[[str], Any],
+) -> None:
+    """int() refuses more than 4300 decimal digits with a ValueError of its own."""
+    digits = "7" * 5000
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse(f":{digits}" if parse is flags.listen_address else digits)
+
+
+def test_a_listen_port_of_thousands_of_digits_serves_on_the_default() -> None:
+    got = read_settings(["--listen", "127.0.0.1:" + "9" * 5000], {})
+    assert isinstance(got, BadConfig)
+    assert (got.host, got.port) == (Settings().host, Settings().port)
