@@ -518,3 +518,14 @@ def test_the_shortest_durations_accepted_are_a_few_milliseconds() -> None:
     with pytest.raises(SystemExit) as e:
         parse_settings(["--polling-interval", "0.004"], {})
     assert e.value.code == 2
+
+
+async def test_an_aiohttp_that_drops_the_limits_stops_start_up() -> None:
+    """aiohttp's Server drops every handler argument (with a warning) when one is unknown to its
+    request handler: the limits would silently be aiohttp's defaults. Start-up refuses instead."""
+    app = web.Application(handler_args={"no_such_argument": 1})  # what a renamed argument looks like
+    app.router.add_get("/healthz", _ok)
+    server = BoundedServer(app, "127.0.0.1", free_port())
+    with pytest.raises(RuntimeError, match="did not take the serving limits"):
+        await server.start()
+    await server.close()
