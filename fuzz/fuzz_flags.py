@@ -93,16 +93,3 @@ def TestOneInput(data: bytes) -> None:
         for parse in _TYPES:
             with contextlib.suppress(argparse.ArgumentTypeError):
                 parse(value)
-
-
-def main() -> None:
-    import sys
-
-    import atheris
-
-    atheris.Setup(sys.argv, TestOneInput)
-    atheris.Fuzz()
-
-
-if __name__ == "__main__":
-    main()

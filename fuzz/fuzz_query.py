@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from typing import Any
 
 from aiohttp import web
 
@@ -109,16 +108,3 @@ def TestOneInput(data: bytes) -> None:
     path = b"/" + target.split(b"?", 1)[0]
     if method == b"GET" and path in (b"/healthz", b"/livez") and status not in (200, 503, 400):
         raise AssertionError(f"{status} for {request!r}: liveness answers 200 or 503")
-
-
-def main(argv: list[str] | None = None) -> Any:
-    import sys
-
-    import atheris
-
-    atheris.Setup(sys.argv if argv is None else argv, TestOneInput)
-    atheris.Fuzz()
-
-
-if __name__ == "__main__":
-    main()
