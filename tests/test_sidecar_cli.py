@@ -19,23 +19,10 @@ import pytest
 
 from sidecar.testing import free_port
 from tests.conftest import require_tool
+from tests.test_initcheck import catches
+from tests.test_serving import _sidecar_argv as sidecar_argv
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_GUARD_")}
-
-
-def sidecar_argv(root: str, port: int, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "sidecar",
-        "--device-plugin-dir",
-        os.path.join(root, "device-plugins"),
-        "--pod-resources-socket",
-        os.path.join(root, "pod-resources", "kubelet.sock"),
-        "--listen",
-        f"127.0.0.1:{port}",
-        *extra,
-    ]
 
 
 def get(port: int, path: str) -> tuple[int, str]:
@@ -128,18 +115,6 @@ def test_help_still_prints_and_exits_0() -> None:
     assert "--listen" in result.stdout
 
 
-def _catches(pid: int, signum: int) -> bool:
-    """Has process `pid` installed a handler for `signum`? (SigCgt in /proc/<pid>/status)"""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) & (1 << (signum - 1)))
-    except OSError:
-        pass
-    return False
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_during_start_up_is_one_log_line(signum: int, short_tmp: str) -> None:
     """The signal comes while the sidecar still imports grpc and aiohttp (over a second)."""
@@ -147,7 +122,7 @@ def test_a_stop_signal_during_start_up_is_one_log_line(signum: int, short_tmp: s
     proc = subprocess.Popen(sidecar_argv(short_tmp, port), env=CLEAN_ENV, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 20
-        while not _catches(proc.pid, signal.SIGTERM):
+        while not catches(proc.pid, signal.SIGTERM):
             assert proc.poll() is None
             assert time.monotonic() < deadline, "the sidecar never caught SIGTERM"
             time.sleep(0.001)
