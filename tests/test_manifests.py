@@ -35,7 +35,7 @@ TOOLS = ROOT / ".venv-tools" / "bin"
 KUBERNETES_VERSIONS = ("1.30.0", "1.33.0", "1.35.0")  # the oldest with native sidecars on, recent ones
 CRD_KINDS = {"PodMonitor", "PrometheusRule"}  # not in the Kubernetes schemas; promtool checks the rules
 RUNBOOK = "https://github.com/hami-guard/hami-guard/blob/main/README.md"  # every alert's runbook_url
-REGISTRY = "registry.example.org/platform"  # as in manifests/example-hami (example.org: reserved for examples)
+REGISTRY = "registry.example.org/platform"  # as manifests/example-hami has it (example.org is reserved)
 GUARD = ("hami-initcheck", "hami-sidecar")
 Obj = dict[str, Any]
 
@@ -73,9 +73,15 @@ def docs(text: str) -> list[Obj]:
 
 
 def kustomize(folder: Path) -> list[Obj]:
+    return docs(kustomized(folder))
+
+
+@functools.cache
+def kustomized(folder: Path) -> str:
+    """`kubectl kustomize` of a folder, once per session (the tests only read it)."""
     result = run([require_tool("kubectl"), "kustomize", str(folder)])
     assert result.returncode == 0, result.stderr
-    return docs(result.stdout)
+    return result.stdout
 
 
 def kustomizations() -> list[Path]:
@@ -113,6 +119,7 @@ class Helm:
 
     def __init__(self, which: str, home: Path) -> None:
         self.which, self.binary = which, helm_binary(which)
+        self.renders: dict[tuple[str, str, tuple[str, ...], bool], str] = {}
         home.mkdir(parents=True, exist_ok=True)
         self.env = {
             **os.environ,
@@ -137,10 +144,14 @@ class Helm:
         return ["--post-renderer", target, "--post-renderer-args", f"registry={REGISTRY}"]
 
     def template(self, release: str, namespace: str, *values: str, patched: bool = True) -> list[Obj]:
-        args = ["template", release, str(CHART), "--namespace", namespace, *values]
-        result = self(*args, *(self.post_renderer if patched else []))
-        assert result.returncode == 0, result.stderr
-        return docs(result.stdout)
+        """`helm template` of the fixture (each render once per session: the tests only read it)."""
+        key = (release, namespace, values, patched)
+        if key not in self.renders:
+            args = ["template", release, str(CHART), "--namespace", namespace, *values]
+            result = self(*args, *(self.post_renderer if patched else []))
+            assert result.returncode == 0, result.stderr
+            self.renders[key] = result.stdout
+        return docs(self.renders[key])
 
 
 @functools.cache
@@ -339,9 +350,10 @@ def test_every_setting_reaches_the_sidecar_and_the_probes() -> None:
     assert sidecar["image"] == f"{REGISTRY}/hami-sidecar:0.1.1"
     live = by_name(pod["containers"])["device-plugin"]["livenessProbe"]
     assert (live["periodSeconds"], live["failureThreshold"]) == (10, 4)
-    assert "devices:example.com/gpu" in by_name(pod["containers"])["device-plugin"]["readinessProbe"][
-        "httpGet"
-    ]["path"]
+    assert (
+        "devices:example.com/gpu"
+        in by_name(pod["containers"])["device-plugin"]["readinessProbe"]["httpGet"]["path"]
+    )
 
     # sidecar=container (before Kubernetes 1.29), liveness=http, expect-devices=none.
     more = ["sidecar=container", "liveness=http", "expect-devices=none", f"registry={REGISTRY}"]
@@ -459,8 +471,8 @@ def readme_commands() -> list[str]:
     """The shell lines of the Deploying section's code blocks (continuations joined)."""
     lines: list[str] = []
     for block in re.findall(r"```sh\n(.*?)```", readme_deploying(), re.DOTALL):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.strip()
+        for raw in block.replace("\\\n", " ").splitlines():
+            line = raw.strip()
             if line and not line.startswith("#"):
                 lines.append(re.sub(r"\s+", " ", line))
     return lines
@@ -632,6 +644,8 @@ def test_the_rollout_gate_waits_for_registration_not_for_gpus_or_the_kubelet() -
     assert seen["registered"] == {"readyz": 503, "gate": 200, "healthz": 200}, seen
     assert seen["unregistered"]["gate"] == 503, seen
     assert seen["unregistered"]["healthz"] == 200, seen  # within the grace: nothing restarts
+
+
 def rule_groups(tmp_path: Path) -> Path:
     doc = yaml.safe_load((MANIFESTS / "monitoring" / "prometheusrule.yaml").read_text())
     path = tmp_path / "rules.yaml"

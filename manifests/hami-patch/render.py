@@ -49,7 +49,10 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "probe-timeout": ("2", "seconds one gRPC probe may take"),
     "liveness-period": ("5", "the plugin's livenessProbe periodSeconds"),
     "liveness-failures": ("3", "the plugin's livenessProbe failureThreshold"),
-    "sidecar": ("native", "native (an init container with restartPolicy Always, Kubernetes >= 1.29) or container"),
+    "sidecar": (
+        "native",
+        "native (an init container with restartPolicy Always, Kubernetes >= 1.29) or container",
+    ),
     "liveness": ("exec", "exec (an unreachable sidecar is no verdict) or http (httpGet /healthz)"),
 }
 
