@@ -836,3 +836,22 @@ def test_the_stress_goal_is_the_sidecars_memory_limit() -> None:
     (ds,) = [o for o in kustomize(MANIFESTS / "example-hami") if o["kind"] == "DaemonSet"]
     sidecar = by_name(ds["spec"]["template"]["spec"]["initContainers"])["hami-sidecar"]
     assert sidecar["resources"]["limits"]["memory"] == f"{MEMORY_LIMIT_MIB}Mi"
+
+
+@pytest.mark.parametrize(
+    "rendered",
+    [
+        "[1, 2",
+        "kind: DaemonSet\nmetadata: {name: x, labels: {app.kubernetes.io/component: hami-device-plugin}}\n",
+        "kind: DaemonSet\nmetadata: {name: x, labels: {app.kubernetes.io/component: hami-device-plugin}}\n"
+        "spec: {template: {spec: {volumes: [{name: device-plugin, emptyDir: {}}], containers: []}}}\n",
+        "kind: DaemonSet\nmetadata: {name: x, labels: {app.kubernetes.io/component: hami-device-plugin}}\n"
+        "spec: {template: {spec: {volumes: [{name: device-plugin, hostPath: {path: /x}}], containers: 7}}}\n",
+    ],
+)
+def test_a_rendered_input_not_shaped_as_hamis_is_one_line(rendered: str) -> None:
+    result = run([str(PATCH / "post-renderer.sh"), f"registry={REGISTRY}"], input=rendered, env=clean_env())
+    assert result.returncode == 1
+    assert result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("hami-guard post-renderer: ")

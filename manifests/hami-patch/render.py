@@ -118,7 +118,7 @@ def is_target(obj: Mapping[str, Any]) -> bool:
 
 
 def by_name(items: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
-    return {i.get("name"): i for i in items or [] if isinstance(i, Mapping)}
+    return {str(i.get("name")): i for i in items or [] if isinstance(i, Mapping)}
 
 
 def chart_plugins(ds: Mapping[str, Any], objects: Sequence[Mapping[str, Any]]) -> str:
@@ -252,6 +252,10 @@ def main(argv: Sequence[str]) -> int:
     except Refused as e:
         print(f"hami-guard post-renderer: {e}", file=sys.stderr)
         return e.code
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        # A DaemonSet with the label but not HAMi's shape (a field missing, of another type).
+        print(f"hami-guard post-renderer: the DaemonSet is not shaped as HAMi's: {e!r}", file=sys.stderr)
+        return 1
     return 0
 
 
