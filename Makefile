@@ -41,7 +41,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-# With Go on PATH, pytest first (re)builds the real-kubelet fixtures; without it their tests skip.
+# With Go on PATH, pytest first (re)builds the real-kubelet fixtures and Helm; without it their tests skip.
 pytest: $(STAMP) $(TOOLS) $(if $(shell command -v $(GO) 2>/dev/null),kubelet-fixtures helm-binaries)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
