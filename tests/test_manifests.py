@@ -834,3 +834,28 @@ def test_a_rendered_input_not_shaped_as_hamis_is_one_line(rendered: str) -> None
     assert result.stdout == ""
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("hami-guard post-renderer: ")
+
+
+def test_network_policy_admits_prometheus_on_the_sidecar_and_keeps_hamis_nodeport_open() -> None:
+    """9395 from Prometheus' namespace only; 9394 from anywhere, as HAMi's monitor Service (NodePort 31992
+    to 9394) intends; it selects the device-plugin pods of any release."""
+    (policy,) = kustomize(MANIFESTS / "network-policy")
+    spec = policy["spec"]
+    assert "namespace" not in policy["metadata"]
+    for case in ("hami", "gpu", "fullnameOverride"):
+        release, namespace, values, _, _ = CASES[case]
+        (ds,) = [
+            o for o in helm_home("helm3").template(release, namespace, *values) if o["kind"] == "DaemonSet"
+        ]
+        labels = ds["spec"]["template"]["metadata"]["labels"]
+        assert spec["podSelector"]["matchLabels"].items() <= labels.items()
+    assert spec["policyTypes"] == ["Ingress"]
+    rules = {tuple(p["port"] for p in r["ports"]): r for r in spec["ingress"]}
+    assert set(rules) == {(9395,), (9394,)}
+    assert rules[(9395,)]["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+    assert "from" not in rules[(9394,)]
+    (service,) = [o for o in helm_home("helm3").template("hami", "kube-system") if o["kind"] == "Service"]
+    (port,) = service["spec"]["ports"]
+    assert (port["nodePort"], port["targetPort"]) == (31992, 9394)
