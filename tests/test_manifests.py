@@ -859,3 +859,13 @@ def test_network_policy_admits_prometheus_on_the_sidecar_and_keeps_hamis_nodepor
     (service,) = [o for o in helm_home("helm3").template("hami", "kube-system") if o["kind"] == "Service"]
     (port,) = service["spec"]["ports"]
     assert (port["nodePort"], port["targetPort"]) == (31992, 9394)
+
+
+def test_readme_kustomization_is_the_examples() -> None:
+    """The README's kustomization for the kustomize route is manifests/example-hami's (the tested one)."""
+    (block,) = re.findall(r"```yaml\n(.*?)```", readme_deploying(), re.DOTALL)
+    shown = yaml.safe_load(block)
+    example = yaml.safe_load((MANIFESTS / "example-hami" / "kustomization.yaml").read_text())
+    assert shown["resources"] == example["resources"]
+    assert shown["images"] == example["images"]
+    assert [Path(c).name for c in shown["components"]] == [Path(c).name for c in example["components"]]
