@@ -125,8 +125,10 @@ class Helm:
         self.env = {
             **os.environ,
             **{f"HELM_{d}_HOME": str(home / d.lower()) for d in ("CACHE", "CONFIG", "DATA")},
-            "HELM_PLUGINS": str(home / "plugins"),
         }
+        # Plugins in $HELM_DATA_HOME/plugins, Helm's default (Helm 4.3.2's `plugin install` writes
+        # there even when HELM_PLUGINS names another folder, which `plugin list` then reads).
+        self.env.pop("HELM_PLUGINS", None)
         self.env.pop("KUBECONFIG", None)
         for name in list(self.env):
             if name.startswith("HAMI_GUARD_"):
@@ -280,7 +282,8 @@ def test_helm3_and_helm4_render_the_same_and_it_validates(case: str, tmp_path: P
     release, namespace, values, _, _ = CASES[case]
     three = helm_home("helm3").template(release, namespace, *values)
     four = helm_home("helm4").template(release, namespace, *values)
-    assert three == four
+    assert {key(o): o for o in three} == {key(o): o for o in four}  # the same objects (Helm 4 orders them)
+    assert len(three) == len(four)
     validate(three, tmp_path)
 
 
@@ -288,7 +291,10 @@ def test_a_render_the_patch_does_not_match_fails_with_one_line(helm: Helm) -> No
     args = ["template", "hami", str(CHART), "-n", "kube-system", "--set", "devicePlugin.enabled=false"]
     result = helm(*args, *helm.post_renderer)
     assert result.returncode != 0
-    assert "no DaemonSet labelled app.kubernetes.io/component=hami-device-plugin" in result.stderr
+    if helm.which == "helm3":
+        assert "no DaemonSet labelled app.kubernetes.io/component=hami-device-plugin" in result.stderr
+    else:  # Helm 4.3 drops a post-renderer plugin's stderr (docs/deploy.md): only that it failed
+        assert 'plugin "hami-guard" exited with error' in result.stderr
     # The post-renderer alone: exit 1, one line.
     unpatched = helm(*args)
     assert unpatched.returncode == 0
