@@ -278,13 +278,26 @@ def test_helm_render_carries_the_sidecar_and_leaves_hamis_objects_untouched(helm
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_helm3_and_helm4_render_the_same_and_it_validates(case: str, tmp_path: Path) -> None:
+def test_helm3_and_helm4_render_the_same(case: str) -> None:
     release, namespace, values, _, _ = CASES[case]
     three = helm_home("helm3").template(release, namespace, *values)
     four = helm_home("helm4").template(release, namespace, *values)
     assert {key(o): o for o in three} == {key(o): o for o in four}  # the same objects (Helm 4 orders them)
     assert len(three) == len(four)
-    validate(three, tmp_path)
+
+
+def test_every_render_validates_strictly(tmp_path: Path) -> None:
+    """Every case's patched render, and the kustomize route, against each schema (one run per version)."""
+    paths, count = [], 0
+    for case, (release, namespace, values, _, _) in CASES.items():
+        objects = helm_home("helm3").template(release, namespace, *values)
+        paths.append(tmp_path / f"{case}.yaml")
+        paths[-1].write_text(yaml.safe_dump_all(objects))
+        count += len(objects)
+    for version in KUBERNETES_VERSIONS:
+        result = run([tool("kubernetes-validate"), "--strict", "--no-warn", "-k", version, *map(str, paths)])
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.count("passed for resource") == count
 
 
 def test_a_render_the_patch_does_not_match_fails_with_one_line(helm: Helm) -> None:
