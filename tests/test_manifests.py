@@ -294,6 +294,14 @@ def test_every_render_validates_strictly(tmp_path: Path) -> None:
         paths.append(tmp_path / f"{case}.yaml")
         paths[-1].write_text(yaml.safe_dump_all(objects))
         count += len(objects)
+    # The other forms: the sidecar as a container (before 1.29), the httpGet liveness.
+    rendered = (MANIFESTS / "example-hami" / "hami.yaml").read_text()
+    other = ["sidecar=container", "liveness=http", f"registry={REGISTRY}"]
+    result = run([str(PATCH / "post-renderer.sh"), *other], input=rendered, env=clean_env())
+    assert result.returncode == 0, result.stderr
+    paths.append(tmp_path / "other-forms.yaml")
+    paths[-1].write_text(result.stdout)
+    count += len(docs(result.stdout))
     for version in KUBERNETES_VERSIONS:
         result = run([tool("kubernetes-validate"), "--strict", "--no-warn", "-k", version, *map(str, paths)])
         assert result.returncode == 0, result.stdout + result.stderr
