@@ -620,7 +620,16 @@ async def phase(register):
     async with FakeKubelet(dp, d + '/pr.sock', dial_timeout=1) as k, FakeDevicePlugin(dp) as p:
         p.register_enabled = register
         t = asyncio.ensure_future(serve(st, stop))
-        await asyncio.sleep(0.5); await k.restart(); await asyncio.sleep(2.5)
+        await asyncio.sleep(0.5); await k.restart()
+        loop = asyncio.get_running_loop(); end = loop.time() + 30
+        while loop.time() < end:  # registered (or, unregistering, the sidecar's rounds have run)
+            await asyncio.sleep(0.2)
+            try:
+                if await get(port, READY if register else '/sidecarz') == 200:
+                    break
+            except aiohttp.ClientError:
+                pass
+        await asyncio.sleep(1.5)  # a few more probe rounds: the answers below are settled
         out = {'readyz': await get(port, '/readyz'), 'gate': await get(port, READY),
                'healthz': await get(port, '/healthz')}
         stop.set(); await t
