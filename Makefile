@@ -73,6 +73,7 @@ bench: $(STAMP)
 	$(PY) -m bench.fault_latency
 	$(PY) -m bench.resources
 	$(PY) bench/doctor_log.py
+	$(PY) -m bench.sidecar_listen
 
 soak: $(STAMP)
 	$(PY) -m bench.soak
