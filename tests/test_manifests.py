@@ -592,6 +592,13 @@ def test_a_sidecar_with_a_bad_flag_never_fails_the_plugins_liveness() -> None:
         cwd=ROOT,
     )
     try:
+        end = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < end:  # serving the refusal, or gone
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
         (ds,) = [o for o in kustomize(MANIFESTS / "example-hami") if o["kind"] == "DaemonSet"]
         live = by_name(ds["spec"]["template"]["spec"]["containers"])["device-plugin"]["livenessProbe"]
         for _ in range(live["failureThreshold"] * 2):
