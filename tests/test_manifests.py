@@ -159,9 +159,13 @@ class Helm:
 
 @functools.cache
 def helm_home(which: str) -> Helm:
+    """One Helm home a binary for the session, removed when the tests end."""
+    import atexit
     import tempfile
 
-    return Helm(which, Path(tempfile.mkdtemp(prefix=f"hami-guard-{which}-")))
+    home = Path(tempfile.mkdtemp(prefix=f"hami-guard-{which}-"))
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    return Helm(which, home)
 
 
 @pytest.fixture(params=["helm3", "helm4"])
