@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import http.client
 import json
 import os
 import re
@@ -608,9 +609,23 @@ def test_a_sidecar_with_a_bad_flag_never_fails_the_plugins_liveness() -> None:
         for _ in range(live["failureThreshold"] * 2):
             assert liveness(port)[0] == 0
             time.sleep(0.2)
+        # The sidecar's own probes: NotReady with the reason, never a liveness failure that would
+        # restart it into CrashLoopBackOff for a setting a restart cannot mend.
+        guard = by_name(ds["spec"]["template"]["spec"]["initContainers"])["hami-sidecar"]
+        assert http_status(port, guard["livenessProbe"]["httpGet"]["path"]) == 200
+        assert http_status(port, guard["readinessProbe"]["httpGet"]["path"]) == 503
     finally:
         proc.kill()
         proc.wait()
+
+
+def http_status(port: int, path: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status
+    finally:
+        conn.close()
 
 
 GATE_SCRIPT = """
