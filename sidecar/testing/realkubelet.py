@@ -514,6 +514,12 @@ class RealPlugin:
         await self.process.call("restart-server-only")
         self._note_inode()
 
+    async def end_stream(self, which: str = "oldest") -> int:
+        """End one open ListAndWatch stream ("oldest", "newest" or its number) while the server keeps
+        serving: the call completes, the kubelet's connection stays. Returns the stream's number."""
+        reply = await self.process.call("end-stream", which)
+        return int(reply["stream"])
+
     async def crash(self, remove_socket: bool = True) -> None:
         """SIGKILL: nothing serves. The socket file stays as a dead file unless remove_socket, and is
         removed only while it is still the one this instance bound (another may own the path)."""
