@@ -330,13 +330,15 @@ class Sidecar:
         for plugin, result in zip(s.plugins, plugins, strict=True):
             self._observe_probe(plugin.socket, result)
             path = s.plugin_path(plugin)
+            ids: frozenset[int] | None = None
             if isinstance(connections, str):
                 held: Reading[int] = Reading.failed(connections)
             else:
                 # Where the folder is mounted elsewhere, the plugin bound it at the kubelet's own path.
-                held = Reading(
-                    connections.to(path, (os.path.join(os.path.dirname(KUBELET_BOUND_PATH), plugin.socket),))
+                ids = connections.ids(
+                    path, (os.path.join(os.path.dirname(KUBELET_BOUND_PATH), plugin.socket),)
                 )
+                held = Reading(len(ids))
             # A socket re-created since the table was read is not in it: no verdict on its owner.
             owner = (
                 socket_owner(path, s.kubelet_path, mine, names=names)
@@ -344,7 +346,7 @@ class Sidecar:
                 else SocketOwner("unknown", "")
             )
             observed[plugin.resource] = PluginRound(
-                result, socket_identity(path), held, owner.verdict, owner.reason
+                result, socket_identity(path), held, owner.verdict, owner.reason, ids
             )
         self._connections_source = connections if isinstance(connections, str) else connections.source
         seen = Round(kubelet, observed, checkpoint, pod_resources, host_devices, generation)

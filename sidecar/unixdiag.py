@@ -168,15 +168,21 @@ class Connections:
 
     def to(self, path: str, bound_as: tuple[str, ...] = ()) -> int:
         """Open connections accepted on the listener that owns the socket file at `path` now."""
+        return len(self.ids(path, bound_as))
+
+    def ids(self, path: str, bound_as: tuple[str, ...] = ()) -> frozenset[int]:
+        """Those connections' accepted sockets, by inode: which one came or went between two reads."""
         if self.exact:
             try:
                 st = os.stat(path)
             except OSError:
-                return 0
+                return frozenset()
             vfs = (st.st_dev, st.st_ino)
-            return sum(1 for s in self.sockets if s.state == ESTABLISHED and s.vfs == vfs and not s.shutdown)
+            return frozenset(
+                s.ino for s in self.sockets if s.state == ESTABLISHED and s.vfs == vfs and not s.shutdown
+            )
         names = {normalise(path), *bound_as}
-        return sum(1 for s in self.sockets if s.state == ESTABLISHED and s.path in names)
+        return frozenset(s.ino for s in self.sockets if s.state == ESTABLISHED and s.path in names)
 
 
 def kubelet_connections(
