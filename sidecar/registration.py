@@ -171,6 +171,7 @@ class _Conn:
     first_seen: float  # monotonic
     checkpoint_before: int | None  # the checkpoint's mtime_ns last read before it came (None: unknown)
     recorded: bool  # the kubelet wrote a device list after it came: a Register it accepted
+    refused: bool = False  # stayed unrecorded past its confirmation: a later write is another stream's
 
 
 @dataclass
@@ -675,6 +676,7 @@ class Registrar:
             (c.first_seen, i)
             for i, c in p.conns.items()
             if not c.recorded
+            and not c.refused
             and cp is not None
             and c.checkpoint_before is not None
             and cp.mtime_ns > c.checkpoint_before
@@ -723,6 +725,10 @@ class Registrar:
             first = min(c.first_seen for c in unrecorded)
             if now - first < self.rules.drop_confirm:
                 return "", True
+            # An accepted Register records its list within milliseconds; one still unrecorded stays
+            # refused: the stream the kubelet kept rewrites the checkpoint too, and would pass for it.
+            for c in unrecorded:
+                c.refused = True
             return (
                 f"the kubelet opened {len(unrecorded)} more connection(s) to {sock} (a second Register) "
                 "and recorded no device list since: it refused that Register (Kubernetes 1.37: device "
