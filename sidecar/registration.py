@@ -189,6 +189,7 @@ class _PluginState:
     conns: dict[int, _Conn] = field(default_factory=dict)
     conns_pair: tuple[SocketId | None, SocketId | None] | None = None
     registered_conn: int | None = None
+    refused: bool = False  # the kubelet refused a later Register of the held pair (1.37): until a new pair
     contradicted_at: float | None = None  # monotonic: newer evidence first said the held pair is gone
     contradiction: str = ""
     lost_at: float | None = None  # monotonic: the connection was first seen lost
@@ -608,6 +609,16 @@ class Registrar:
                 if now - p.lost_at < self.rules.drop_confirm:
                     return None, "", False, True
                 since = iso(p.connected_since) if p.connected_since else "?"
+                if p.refused and p.conns_pair == pair:
+                    # The connections a refusal left open closed (grpc-go's idle timeout): the path is
+                    # still refused, so a plugin restart would still not mend it.
+                    return (
+                        False,
+                        f"the kubelet is no longer connected to {sock} (held it from {since}) and refused "
+                        "its later Register: the path is refused until the kubelet restarts",
+                        True,
+                        False,
+                    )
                 return (
                     False,
                     f"the kubelet is no longer connected to {sock} (held it from {since}): it dropped the "
@@ -666,7 +677,7 @@ class Registrar:
             p.conns = {i: _Conn(now, None, True) for i in ids}
             p.conns_pair = pair
             p.registered_conn = next(iter(ids)) if len(ids) == 1 else None
-            p.contradicted_at, p.contradiction = None, ""
+            p.contradicted_at, p.contradiction, p.refused = None, "", False
             return
         for i in ids - p.conns.keys():
             p.conns[i] = _Conn(now, self._checkpoint_mtime, False)
@@ -729,6 +740,7 @@ class Registrar:
             # refused: the stream the kubelet kept rewrites the checkpoint too, and would pass for it.
             for c in unrecorded:
                 c.refused = True
+            p.refused = True
             return (
                 f"the kubelet opened {len(unrecorded)} more connection(s) to {sock} (a second Register) "
                 "and recorded no device list since: it refused that Register (Kubernetes 1.37: device "

@@ -264,6 +264,14 @@ def test_a_second_register_the_kubelet_never_recorded_was_refused_and_fails_read
     clock.now += 1
     reg.round(node.round())
     assert status(reg, f"registered:{GPU}") == ("failed", False)
+    # The connections it left open close (grpc-go's idle timeout): the path is still refused.
+    node.connect()
+    for _ in range(2):
+        clock.now += 0.2
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert "refused its later Register" in reason(reg, f"registered:{GPU}")
+    assert seen.restart_requests == 0
     # A kubelet restart is the remedy: a new pair, a new registration.
     node.kubelet, node.checkpoint = alive(K2), Checkpoint({GPU: ("GPU-0", "GPU-1")}, 8_000)
     node.connect(201)
