@@ -263,6 +263,7 @@ async def test_a_second_register_on_its_own_socket_then_the_first_stream_ends(no
             assert await plugin.streams_open() == 0
             assert (await node.kubelet.capacity())["allocatable"] == {GPU: 0}
             assert node.sidecar.registrar.devices()[GPU]["pod_resources"] == 0
+            await says(node, "pod-resources lists no device")
             # The remedy: a plugin restart (the livenessProbe's) registers it again.
             mark = plugin.mark()
             assert await plugin.restart()
@@ -276,6 +277,18 @@ async def test_a_second_register_on_its_own_socket_then_the_first_stream_ends(no
             code, body = await node.get("/readyz?verbose")
             assert code == 503 and "refused that Register" in body, body
             assert (await node.get("/healthz"))[0] == 200  # a plugin restart would be refused too
+            # hami-doctor reads the refusal in the kubelet's log, and names the kubelet restart.
+            tmp = os.path.dirname(node.dir)
+            open(os.path.join(tmp, "plugin.log"), "a").close()
+            doctor = Doctor(node.dir, tmp, node.kubelet.process.log_path, os.path.join(tmp, "plugin.log"))
+            code, doc = await doctor.report()
+            assert (code, doc["most_likely"]) == (1, "plugin-not-registered")
+            found = row(doc, "plugin-not-registered")
+            assert "refused a later Register" in " ".join(found["evidence"])
+            assert "$ systemctl restart kubelet" in found["fix"]
+            logged = row(doc, "kubelet-log")
+            assert "refuses every Register at that path" in " ".join(logged["evidence"]), logged
+            assert "$ systemctl restart kubelet" in logged["fix"]
             assert not await plugin.restart()
             await node.kubelet.restart()  # the remedy
             mark = plugin.mark()
