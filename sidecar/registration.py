@@ -191,7 +191,6 @@ class _PluginState:
     registered_conn: int | None = None
     refused: bool = False  # the kubelet refused a later Register of the held pair (1.37): until a new pair
     contradicted_at: float | None = None  # monotonic: newer evidence first said the held pair is gone
-    contradiction: str = ""
     lost_at: float | None = None  # monotonic: the connection was first seen lost
     failed_at: float | None = None  # monotonic: a probe of the answering plugin first failed
     attempt: Attempt | None = None
@@ -677,7 +676,7 @@ class Registrar:
             p.conns = {i: _Conn(now, None, True) for i in ids}
             p.conns_pair = pair
             p.registered_conn = next(iter(ids)) if len(ids) == 1 else None
-            p.contradicted_at, p.contradiction, p.refused = None, "", False
+            p.contradicted_at, p.refused = None, False
             return
         for i in ids - p.conns.keys():
             p.conns[i] = _Conn(now, self._checkpoint_mtime, False)
@@ -737,7 +736,8 @@ class Registrar:
             if now - first < self.rules.drop_confirm:
                 return "", True
             # An accepted Register records its list within milliseconds; one still unrecorded stays
-            # refused: the stream the kubelet kept rewrites the checkpoint too, and would pass for it.
+            # refused while it stays open: the stream the kubelet kept rewrites the checkpoint too, and
+            # would pass for it. (A connection that closes, a probe's that lingered, ends the verdict.)
             for c in unrecorded:
                 c.refused = True
             p.refused = True
@@ -777,13 +777,12 @@ class Registrar:
                 "dropped the plugin; a plugin restart registers it again"
             )
         if not why:
-            p.contradicted_at, p.contradiction = None, ""
+            p.contradicted_at = None
             return None
         if p.contradicted_at is None:
             p.contradicted_at = now
         if now - p.contradicted_at < self.rules.drop_confirm:
             return "", True
-        p.contradiction = why
         return why, True
 
     def _recorded(self, r: str, seen: Round, obs: PluginRound) -> bool:

@@ -296,6 +296,25 @@ def test_a_connection_gone_within_its_confirmation_is_no_refusal() -> None:
     assert reg.wake_at() is None
 
 
+def test_an_unrecorded_connection_that_closes_ends_the_refusal() -> None:
+    """The kubelet keeps a refused dial open; one that closes was something else (a probe's connection
+    that lingered past the confirmation): the verdict goes with it."""
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node()
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 104)
+    clock.now += 0.1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    node.connect(101)
+    clock.now += 0.1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
 def test_pod_resources_empty_against_a_fresh_checkpoint_outranks_the_connection() -> None:
     """The kubelet marked the devices unhealthy itself (it does so only when it drops the plugin): the
     checkpoint written since the socket was created still records them healthy."""
