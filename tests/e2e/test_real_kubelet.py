@@ -239,6 +239,7 @@ async def test_a_second_register_on_its_own_socket_then_the_first_stream_ends(no
         await node.until("/readyz", 200)
         await node.rounds()
         mark = plugin.mark()
+        registered = time.monotonic()
         accepted = await plugin.register()
         if node.release == "old":
             assert accepted
@@ -251,6 +252,8 @@ async def test_a_second_register_on_its_own_socket_then_the_first_stream_ends(no
             assert "device plugin already connected" in (plugin.last_register_error or "")
             # Refused: the first stream still runs, but the kubelet forgot its client.
             await node.until("/readyz?verbose", 503, contains="refused that Register")
+            took = time.monotonic() - registered
+            print(f"second Register refused on {node.kubelet.version}: readiness 503 after {took:.3f} s")
             assert (await node.get("/healthz"))[0] == 200
         fault = time.monotonic()
         await plugin.end_stream("oldest")
