@@ -178,7 +178,13 @@ async def test_pr_139338_takeover_on_the_new_release(node_factory: Any) -> None:
         await node.until("/readyz?verbose", 503, contains="refused that Register")
         assert (await node.get("/healthz"))[0] == 200
         fault = time.monotonic()
-        assert not await second.restart()  # a new server, Register refused ("already connected")
+        mark = node.kubelet.mark()
+        await second.restart_server_only()  # a new server: the stale endpoint's stream ends
+        # The kubelet has seen that end before the Register: a Register at once races it (the end's
+        # lookup by path can find the new client and disconnect it, which frees the path).
+        await node.kubelet.wait_log("ListAndWatch ended unexpectedly for device plugin", after=mark)
+        await node.kubelet.capacity()  # a round trip: runClient has finished with the end by now
+        assert not await second.register()  # refused ("already connected")
         await node.until("/healthz?verbose", 503, contains="recorded no device list")
         took = time.monotonic() - fault
         print(f"PR 139338 state on {node.kubelet.version}: liveness failed {took:.3f} s after the restart")
