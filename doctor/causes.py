@@ -17,7 +17,15 @@ from doctor.evidence import (
     PluginProcesses,
     SocketProbe,
 )
-from doctor.logscan import DRIVER_FIX, RESTART_PLUGIN, RUNTIME_FIX, LogFindings, LogHit
+from doctor.logscan import (
+    ALREADY_CONNECTED,
+    DRIVER_FIX,
+    REFUSED_FIX,
+    RESTART_PLUGIN,
+    RUNTIME_FIX,
+    LogFindings,
+    LogHit,
+)
 from doctor.shell import command
 from initcheck.checks import Finding
 from initcheck.flags import AUTO_DEVICES
@@ -273,6 +281,25 @@ def registration(p: PluginEvidence, e: NodeEvidence) -> Registration:
                 "refused state on Kubernetes 1.37)",
                 UNRECORDED_FIX,
             )
+        refused = _refused_at(sock, e)
+        if conns > 0 and refused:
+            return Registration(
+                False,
+                f"the kubelet holds a connection to {sock}, but its log says it refused a later Register "
+                f"there ({refused}): it forgot the client of the stream it holds, whose end goes unnoticed, "
+                "and refuses the path until it restarts (Kubernetes 1.37)",
+                REFUSED_FIX,
+            )
+        if conns > 0 and live is not None and not live.get(r) and accepted:
+            # The kubelet marked the devices unhealthy itself, which it does only when it drops the
+            # plugin: a plugin that reports them unhealthy rewrites the checkpoint too.
+            return Registration(
+                False,
+                f"the kubelet holds a connection to {sock}, but pod-resources lists no device of {r} "
+                f"although its checkpoint, written since the socket was created, records {accepted} "
+                "healthy: it dropped the plugin (a connection is not a stream; kubernetes issue 121994)",
+                REREGISTER_FIX,
+            )
         if conns > 0:  # zero devices, or only unhealthy ones, while held is registered
             return Registration(
                 True, f"the kubelet holds a connection to {sock}{_device_note(r, e, accepted)}"
@@ -312,6 +339,16 @@ def registration(p: PluginEvidence, e: NodeEvidence) -> Registration:
         f"the kubelet drops a plugin) and nothing live tells whether the kubelet holds it now ({unseen}; "
         f"{listing})",
     )
+
+
+def _refused_at(sock: str, e: NodeEvidence) -> str:
+    """The kubelet log's newest current refusal of a Register at `sock`'s path ("device plugin already
+    connected: <path>", Kubernetes 1.37), or "": none, or a registration followed it (history)."""
+    for f in e.kubelet_logs:
+        for h in f.hits:
+            if not h.history and ALREADY_CONNECTED in h.newest and f"/{sock}" in h.newest:
+                return h.newest
+    return ""
 
 
 def _device_note(r: str, e: NodeEvidence, accepted: int | None) -> str:
@@ -412,7 +449,8 @@ def log_cause(cause_id: str, findings: Sequence[LogFindings]) -> Cause:
             if h.history:
                 cause.evidence.append(f"history (registered since): {_hit_line(f.source, h)}")
             else:
-                cause.problem(_hit_line(f.source, h), h.pattern.fix)
+                refused = ALREADY_CONNECTED in h.newest  # a plugin restart is no fix for that one
+                cause.problem(_hit_line(f.source, h), REFUSED_FIX if refused else h.pattern.fix)
         if not any(not h.history for h in mine):
             last = f"; newest registration: {f.registered}" if f.registered else ""
             cause.evidence.insert(cause._problems, f"{f.source}: no current registration error{last}")

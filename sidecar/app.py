@@ -330,14 +330,18 @@ class Sidecar:
         for plugin, result in zip(s.plugins, plugins, strict=True):
             self._observe_probe(plugin.socket, result)
             path = s.plugin_path(plugin)
+            ids: frozenset[int] | None = None
             if isinstance(connections, str):
                 held: Reading[int] = Reading.failed(connections)
             else:
                 # Where the folder is mounted elsewhere, the plugin bound it at the kubelet's own path.
-                count = connections.held(
+                found = connections.accepted(
                     path, (os.path.join(os.path.dirname(KUBELET_BOUND_PATH), plugin.socket),)
                 )
-                held = Reading.failed(count) if isinstance(count, str) else Reading(count)
+                if isinstance(found, str):
+                    held = Reading.failed(found)
+                else:
+                    ids, held = found, Reading(len(found))
             # A socket re-created since the table was read is not in it: no verdict on its owner.
             owner = (
                 socket_owner(path, s.kubelet_path, mine, names=names)
@@ -345,7 +349,7 @@ class Sidecar:
                 else SocketOwner("unknown", "")
             )
             observed[plugin.resource] = PluginRound(
-                result, socket_identity(path), held, owner.verdict, owner.reason
+                result, socket_identity(path), held, owner.verdict, owner.reason, ids
             )
         self._connections_source = connections if isinstance(connections, str) else connections.source
         seen = Round(kubelet, observed, checkpoint, pod_resources, host_devices, generation)

@@ -109,6 +109,8 @@ class PluginRound:
     # Whose listener serves the file: "elsewhere" is another device plugin (not this pod's).
     owner: Owner = "unknown"
     owner_reason: str = ""
+    # Which connections those are (the kubelet's sockets' inodes), where the reader tells them apart.
+    connection_ids: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,16 @@ class Attempt:
 
 
 @dataclass
+class _Conn:
+    """One of the kubelet's connections to a held plugin's listener, as the rounds saw it come."""
+
+    first_seen: float  # monotonic
+    checkpoint_before: int | None  # the checkpoint's mtime_ns last read before it came (None: unknown)
+    recorded: bool  # the kubelet wrote a device list after it came: a Register it accepted
+    refused: bool = False  # stayed unrecorded past its confirmation: a later write is another stream's
+
+
+@dataclass
 class _PluginState:
     """What the verdicts remember of one plugin."""
 
@@ -173,6 +185,12 @@ class _PluginState:
     vanished: tuple[str, bool] | None = None  # a vanished socket's verdict; whether the plugin is gone
     connected_pair: tuple[SocketId | None, SocketId | None] | None = None  # (plugin, kubelet) seen held
     connected_since: float | None = None  # wall
+    # The connections of the held pair by inode, and which one carries the kubelet's registration.
+    conns: dict[int, _Conn] = field(default_factory=dict)
+    conns_pair: tuple[SocketId | None, SocketId | None] | None = None
+    registered_conn: int | None = None
+    refused: bool = False  # the kubelet refused a later Register of the held pair (1.37): until a new pair
+    contradicted_at: float | None = None  # monotonic: newer evidence first said the held pair is gone
     lost_at: float | None = None  # monotonic: the connection was first seen lost
     failed_at: float | None = None  # monotonic: a probe of the answering plugin first failed
     attempt: Attempt | None = None
@@ -220,6 +238,7 @@ class Registrar:
         self._kubelet_down = False  # a kubelet restart is under way
         self._kubelet_id: SocketId | None = None  # kubelet.sock as last seen answering
         self._kubelet_recreated = False
+        self._checkpoint_mtime: int | None = None  # the checkpoint's mtime_ns as the last round read it
 
     # -- what the views read ------------------------------------------------------------
     def plugin(self, socket: str) -> PluginSpec | None:
@@ -247,6 +266,11 @@ class Registrar:
     def wake_at(self) -> float | None:
         """When a round must run to confirm a lost connection or a failed probe (monotonic), if one must."""
         firsts = [t for p in self._plugins.values() for t in (p.lost_at, p.failed_at) if t is not None]
+        now = self.clock()
+        for p in self._plugins.values():
+            # A contradiction or an unrecorded new connection, until its confirmation is due.
+            pending = [p.contradicted_at] + [c.first_seen for c in p.conns.values() if not c.recorded]
+            firsts += [t for t in pending if t is not None and now - t < self.rules.drop_confirm]
         return min(firsts) + self.rules.drop_confirm if firsts else None
 
     def _keys(self, resource: str) -> list[CheckKey]:
@@ -417,6 +441,8 @@ class Registrar:
                 vanished.append(plugin.resource)
             self._judge_registration(plugin, obs, seen)
             self._count_devices(plugin, seen)
+        cp = seen.checkpoint.value
+        self._checkpoint_mtime = cp.mtime_ns if cp is not None else None
         return vanished
 
     def _judge_kubelet(self, k: ProbeResult) -> None:
@@ -502,9 +528,9 @@ class Registrar:
             why = "the kubelet is restarting; the plugin must register again"
             self.state.report(name, False, why, restarts=False)
             return
-        held, why, definitive = self._held(plugin, p, obs, seen)
+        held, why, definitive, mends = self._held(plugin, p, obs, seen)
         if held is None:
-            return  # a lost connection waits for its confirmation
+            return  # a lost connection, or newer evidence against a held one, waits for its confirmation
         if held:
             p.episode = False
             if p.restarts_in_vain:
@@ -516,7 +542,13 @@ class Registrar:
                 self._close_attempt(r, registered=True)
         # Restarting the plugin registers it again, unless the kubelet cannot take it or the plugin is
         # not serving (its own check says so) or restarts have already failed to help.
-        restarts = seen.kubelet.verified and obs.probe.ok and obs.owner != "elsewhere" and not p.budget_spent
+        restarts = (
+            mends
+            and seen.kubelet.verified
+            and obs.probe.ok
+            and obs.owner != "elsewhere"
+            and not p.budget_spent
+        )
         if not held and p.budget_spent:
             why = f"{why}; restart budget spent: {RESTART_BUDGET} plugin restarts did not register it"
 
@@ -524,8 +556,9 @@ class Registrar:
 
     def _held(
         self, plugin: PluginSpec, p: _PluginState, obs: PluginRound, seen: Round
-    ) -> tuple[bool | None, str, bool]:
-        """Does the kubelet hold the plugin now? (held, why, whether waiting cannot mend it)."""
+    ) -> tuple[bool | None, str, bool, bool]:
+        """Does the kubelet hold the plugin now? (held, why, whether waiting cannot mend it, whether a
+        plugin restart can). The precedence is docs/design.md#registration's."""
         r, sock = plugin.resource, plugin.socket
         conns = obs.connections.value
         self.listener.connected(r, conns)
@@ -544,12 +577,27 @@ class Registrar:
                     f"the kubelet is connected to {sock} but has recorded no device list from it since "
                     "the socket was created (a Register under way, or refused)",
                     False,
+                    True,
                 )
+            if conns > 0 and p.connected_pair == pair:
+                against = self._newer_evidence(plugin, p, obs, seen, pair)
+                if against is not None:
+                    why, mends = against
+                    if not why:
+                        return None, "", False, True  # to be confirmed
+                    p.lost_at = None
+                    return False, why, True, mends
             if conns > 0:
                 if p.connected_pair != pair:
                     p.connected_pair, p.connected_since = pair, self.wall()
+                    self._track(p, pair, obs.connection_ids, seen.checkpoint.value, r)
                 p.lost_at = None
-                return True, f"the kubelet holds a connection to {sock}{self._device_note(r, seen)}", False
+                return (
+                    True,
+                    f"the kubelet holds a connection to {sock}{self._device_note(r, seen)}",
+                    False,
+                    True,
+                )
             if p.connected_pair == pair and obs.probe.ok:
                 # It held this plugin and let go while both sockets stayed: a drop, which no waiting
                 # mends (kubernetes issues 121994, 131013). Confirmed once, so that a kubelet on its
@@ -558,34 +606,184 @@ class Registrar:
                 if p.lost_at is None:
                     p.lost_at = now
                 if now - p.lost_at < self.rules.drop_confirm:
-                    return None, "", False
+                    return None, "", False, True
                 since = iso(p.connected_since) if p.connected_since else "?"
+                if p.refused and p.conns_pair == pair:
+                    # The connections a refusal left open closed (grpc-go's idle timeout): the path is
+                    # still refused, so a plugin restart would still not mend it.
+                    return (
+                        False,
+                        f"the kubelet is no longer connected to {sock} (held it from {since}) and refused "
+                        "its later Register: the path is refused until the kubelet restarts",
+                        True,
+                        False,
+                    )
                 return (
                     False,
                     f"the kubelet is no longer connected to {sock} (held it from {since}): it dropped the "
                     "plugin, which keeps serving; a plugin restart registers it again",
                     True,
+                    True,
                 )
             p.lost_at = None
-            return False, f"the kubelet holds no connection to {sock}: {self._not_held(r, seen, obs)}", False
+            return (
+                False,
+                f"the kubelet holds no connection to {sock}: {self._not_held(r, seen, obs)}",
+                False,
+                True,
+            )
         # No view of the kubelet's connections: pod-resources is live, the checkpoint is history.
         p.lost_at = None
         live = seen.pod_resources.value
         if live is not None and live.get(r):
-            return True, f"pod-resources lists {len(live[r])} device(s) of {r}", False
+            return True, f"pod-resources lists {len(live[r])} device(s) of {r}", False, True
         accepted = self._accepted(r, seen, obs)
         if accepted is None:
-            return False, f"{self._not_held(r, seen, obs)} ({obs.connections.error})", False
+            return False, f"{self._not_held(r, seen, obs)} ({obs.connections.error})", False, True
         if live is not None and accepted:
             return (
                 False,
                 f"pod-resources lists no device of {r} although the kubelet recorded {accepted} healthy: "
                 "it dropped the plugin",
                 False,
+                True,
             )
         # `[]` in a fresh checkpoint: registered with no healthy device, or dropped; a restart would not
         # make a registered plugin more registered, so this passes, saying what cannot be told.
-        return True, f"the kubelet accepted the plugin ({accepted} healthy device(s) recorded)", False
+        return True, f"the kubelet accepted the plugin ({accepted} healthy device(s) recorded)", False, True
+
+    def _track(
+        self,
+        p: _PluginState,
+        pair: tuple[SocketId | None, SocketId | None],
+        ids: frozenset[int] | None,
+        cp: Checkpoint | None,
+        r: str,
+    ) -> None:
+        """Follow the held pair's connections one by one: which came when, which the kubelet recorded.
+
+        The connections there when the pair is first held are its registration (the unrecorded rule
+        has vouched for them); one alone is the registered one. A later one is a second Register:
+        recorded once the checkpoint is rewritten listing the resource after it came (the kubelet
+        writes it on the first ListAndWatch answer of an accepted Register), and then the registered
+        one, since the kubelet keeps the newest.
+        """
+        if ids is None:
+            p.conns, p.conns_pair, p.registered_conn = {}, None, None
+            return
+        now = self.clock()
+        if p.conns_pair != pair:
+            p.conns = {i: _Conn(now, None, True) for i in ids}
+            p.conns_pair = pair
+            p.registered_conn = next(iter(ids)) if len(ids) == 1 else None
+            p.contradicted_at, p.refused = None, False
+            return
+        for i in ids - p.conns.keys():
+            p.conns[i] = _Conn(now, self._checkpoint_mtime, False)
+        for i in p.conns.keys() - ids:
+            del p.conns[i]
+        fresh = [
+            (c.first_seen, i)
+            for i, c in p.conns.items()
+            if not c.recorded
+            and not c.refused
+            and cp is not None
+            and c.checkpoint_before is not None
+            and cp.mtime_ns > c.checkpoint_before
+            and cp.devices(r) is not None
+        ]
+        for _, i in fresh:
+            p.conns[i].recorded = True
+        if fresh:
+            p.registered_conn = max(fresh)[1]
+        for c in p.conns.values():
+            if not c.recorded and c.checkpoint_before is None:
+                # No checkpoint was read before it came: whether it was recorded cannot be told.
+                c.recorded = True
+                p.registered_conn = None
+
+    def _newer_evidence(
+        self,
+        plugin: PluginSpec,
+        p: _PluginState,
+        obs: PluginRound,
+        seen: Round,
+        pair: tuple[SocketId | None, SocketId | None],
+    ) -> tuple[str, bool] | None:
+        """What, newer than the connection that made this pair held, says the kubelet no longer holds
+        the plugin: (why, whether a plugin restart mends it); ("", True) while it awaits its
+        confirmation; None when nothing does.
+
+        In order: a later connection the kubelet recorded no device list from (it refused a second
+        Register: 1.37 keeps the first stream but forgets its client, and refuses the path until it
+        restarts, so no plugin restart helps); the connection that carried the registration closed
+        while older ones stay (up to 1.36, the end of an older stream disconnects the newest client:
+        the older connections carry no stream); pod-resources listing none of the resource that a
+        checkpoint written since the plugin's socket was created records healthy (the kubelet
+        marked the devices unhealthy itself, which it does only when it drops the plugin); a
+        checkpoint rewritten since without the resource. Those last three are confirmed once,
+        `drop_confirm` later, as a lost connection is: the kubelet changes its live view a moment
+        before it rewrites the checkpoint, and a stopping kubelet closes its clients before its
+        socket goes.
+        """
+        r, sock = plugin.resource, plugin.socket
+        cp = seen.checkpoint.value
+        now = self.clock()
+        self._track(p, pair, obs.connection_ids, cp, r)
+        unrecorded = [c for c in p.conns.values() if not c.recorded]
+        if unrecorded:
+            first = min(c.first_seen for c in unrecorded)
+            if now - first < self.rules.drop_confirm:
+                return "", True
+            # An accepted Register records its list within milliseconds; one still unrecorded stays
+            # refused while it stays open: the stream the kubelet kept rewrites the checkpoint too, and
+            # would pass for it. (A connection that closes, a probe's that lingered, ends the verdict.)
+            for c in unrecorded:
+                c.refused = True
+            p.refused = True
+            return (
+                f"the kubelet opened {len(unrecorded)} more connection(s) to {sock} (a second Register) "
+                "and recorded no device list since: it refused that Register (Kubernetes 1.37: device "
+                "plugin already connected), which also forgets the stream it holds; that stream's end "
+                "goes unnoticed and the path is refused until the kubelet restarts, so a plugin restart "
+                "would not mend it",
+                False,
+            )
+        why = ""
+        ids = obs.connection_ids
+        if p.registered_conn is not None and ids is not None and p.registered_conn not in ids:
+            why = (
+                f"the kubelet closed the connection to {sock} that carried its registration and keeps "
+                f"{len(ids)} older one(s) with no stream (an earlier stream's end disconnected the newest "
+                "Register): it dropped the plugin, which keeps serving; a plugin restart registers it again"
+            )
+        live = seen.pod_resources.value
+        accepted = self._accepted(r, seen, obs)
+        if not why and live is not None and not live.get(r) and accepted:
+            why = (
+                f"pod-resources lists no device of {r} although the kubelet's checkpoint, written since "
+                f"{sock} was created, records {accepted} healthy: the kubelet dropped the plugin (its "
+                "connection carries no stream); a plugin restart registers it again"
+            )
+        if (
+            not why
+            and cp is not None
+            and cp.devices(r) is None
+            and pair[0] is not None
+            and cp.mtime_ns >= max(pair[0].mtime_ns, pair[1].mtime_ns if pair[1] else 0)
+        ):
+            why = (
+                f"the kubelet's checkpoint, rewritten since {sock} was created, no longer lists {r}: it "
+                "dropped the plugin; a plugin restart registers it again"
+            )
+        if not why:
+            p.contradicted_at = None
+            return None
+        if p.contradicted_at is None:
+            p.contradicted_at = now
+        if now - p.contradicted_at < self.rules.drop_confirm:
+            return "", True
+        return why, True
 
     def _recorded(self, r: str, seen: Round, obs: PluginRound) -> bool:
         """The kubelet has the plugin's first ListAndWatch answer: the end of the latency SLI."""

@@ -207,7 +207,14 @@ class Connections:
 
     def held(self, path: str, bound_as: tuple[str, ...] = ()) -> int | str:
         """Open connections accepted on the listener that owns the socket file at `path` now, or why
-        they cannot be told.
+        they cannot be told (see `accepted`)."""
+        ids = self.accepted(path, bound_as)
+        return ids if isinstance(ids, str) else len(ids)
+
+    def accepted(self, path: str, bound_as: tuple[str, ...] = ()) -> frozenset[int] | str:
+        """The accepted ends (by inode: which one came or went between two reads) of the open
+        connections on the listener that owns the socket file at `path` now, or why they cannot be
+        told.
 
         sock_diag: an accepted end bound to that very file (device and inode: no name can forge it),
         not shut down, whose peer is in this namespace and names it back; where the kubelet's
@@ -221,10 +228,10 @@ class Connections:
             try:
                 st = os.stat(path)
             except OSError:
-                return 0
+                return frozenset()
             vfs = (st.st_dev, st.st_ino)
             ends = {s.ino: s for s in self.sockets}
-            count = 0
+            ids: set[int] = set()
             for s in self.sockets:
                 if s.state != ESTABLISHED or s.vfs != vfs or s.shutdown:
                     continue
@@ -233,8 +240,8 @@ class Connections:
                     continue
                 if self.owned is not None and peer.ino not in self.owned:
                     continue
-                count += 1
-            return count
+                ids.add(s.ino)
+            return frozenset(ids)
         names = {normalise(path), *bound_as}
         name = os.path.basename(path)
         if any(s.state == LISTEN and s.path in names for s in self.sockets):
@@ -242,13 +249,13 @@ class Connections:
                 f"a listener is bound at {name}'s path in the kubelet's network namespace, not this pod's: "
                 "whose connections are whose cannot be told by path"
             )
-        count = sum(1 for s in self.sockets if s.state == ESTABLISHED and s.path in names)
-        if not count and any(s.state == ESTABLISHED and s.path in names for s in self.doubtful):
+        found = frozenset(s.ino for s in self.sockets if s.state == ESTABLISHED and s.path in names)
+        if not found and any(s.state == ESTABLISHED and s.path in names for s in self.doubtful):
             return (
                 f"a line of the kubelet's net/unix that may be a part of another socket's name shows a "
                 f"connection to {name}: it is not counted, and none other is seen"
             )
-        return count
+        return found
 
 
 def kubelet_connections(

@@ -96,6 +96,10 @@ class Node:
     checkpoint_error: str = ""
     pod_resources: dict[str, frozenset[str]] | None = None
     host: int | None = None
+    connection_ids: frozenset[int] | None = None  # the kubelet's connections by inode, where told apart
+
+    def connect(self, *ids: int) -> None:
+        self.connection_ids, self.connections = frozenset(ids), len(ids)
 
     def round(self) -> Round:
         conns = Reading(self.connections) if self.connections is not None else Reading.failed("not visible")
@@ -104,7 +108,11 @@ class Node:
         )
         pr = Reading(self.pod_resources) if self.pod_resources is not None else Reading.failed("not mounted")
         return Round(
-            self.kubelet, {GPU: PluginRound(self.plugin, self.plugin.identity, conns)}, cp, pr, self.host
+            self.kubelet,
+            {GPU: PluginRound(self.plugin, self.plugin.identity, conns, connection_ids=self.connection_ids)},
+            cp,
+            pr,
+            self.host,
         )
 
 
@@ -190,6 +198,164 @@ def test_a_drop_fails_liveness_once_confirmed_saying_the_kubelet_let_go() -> Non
     node.connections = 1  # it came back (a plugin restart re-registered)
     reg.round(node.round())
     assert verdicts(reg) == (True, True)
+
+
+# -- a connection is not a stream: newer evidence against a held connection --------------------------
+def test_a_second_register_the_kubelet_recorded_moves_the_registration_to_its_connection() -> None:
+    """Up to 1.36 a second Register on the same socket is accepted: the newest connection carries it."""
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node()
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 102)  # the second Register's dial
+    clock.now += 0.01
+    reg.round(node.round())
+    node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 4_000)  # its first ListAndWatch answer
+    clock.now += 0.5
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    assert reg.wake_at() is None
+
+
+def test_the_end_of_the_first_stream_after_a_second_register_is_a_drop_a_restart_mends() -> None:
+    """1.36: the first stream's end disconnects the client in the map (the second); the first's
+    connection stays with no stream. The registration's own connection closed: a drop."""
+    reg, clock, seen = make(drop_confirm=0.2)
+    node = Node()
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 102)
+    node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 4_000)
+    clock.now += 0.01
+    reg.round(node.round())
+    node.connect(101)  # the second connection closed; the first stays, streamless
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)  # confirmed once first
+    assert reg.wake_at() == clock.now + 0.2
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+    assert "carried its registration" in reason(reg, f"registered:{GPU}")
+    assert seen.restart_requests == 1
+    assert reg.wake_at() is None  # confirmed: no busy wake-ups while it stays
+
+
+def test_a_second_register_the_kubelet_never_recorded_was_refused_and_fails_readiness_only() -> None:
+    """1.37: the second Register is refused ("device plugin already connected"), its dial kept, and the
+    kubelet forgets the first stream's client too: no plugin restart helps until the kubelet restarts."""
+    reg, clock, seen = make(drop_confirm=0.2)
+    node = Node()
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 102)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)  # a Register under way records within ms
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert "refused that Register" in reason(reg, f"registered:{GPU}")
+    assert verdicts(reg) == (True, False)
+    assert seen.restart_requests == 0
+    # The first stream still runs and pushes a health change: the write is that stream's, not the
+    # refused connection's.
+    node.checkpoint = Checkpoint({GPU: ("GPU-0",)}, 4_000)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    # The connections it left open close (grpc-go's idle timeout): the path is still refused.
+    node.connect()
+    for _ in range(2):
+        clock.now += 0.2
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert "refused its later Register" in reason(reg, f"registered:{GPU}")
+    assert seen.restart_requests == 0
+    # A kubelet restart is the remedy: a new pair, a new registration.
+    node.kubelet, node.checkpoint = alive(K2), Checkpoint({GPU: ("GPU-0", "GPU-1")}, 8_000)
+    node.connect(201)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_a_connection_gone_within_its_confirmation_is_no_refusal() -> None:
+    """A connection that comes and goes between two rounds (a dial that lingered) decides nothing."""
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node()
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 103)
+    clock.now += 0.1
+    reg.round(node.round())
+    node.connect(101)
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    assert reg.wake_at() is None
+
+
+def test_an_unrecorded_connection_that_closes_ends_the_refusal() -> None:
+    """The kubelet keeps a refused dial open; one that closes was something else (a probe's connection
+    that lingered past the confirmation): the verdict goes with it."""
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node()
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 104)
+    clock.now += 0.1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    node.connect(101)
+    clock.now += 0.1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_pod_resources_empty_against_a_fresh_checkpoint_outranks_the_connection() -> None:
+    """The kubelet marked the devices unhealthy itself (it does so only when it drops the plugin): the
+    checkpoint written since the socket was created still records them healthy."""
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node(pod_resources={GPU: frozenset({"GPU-0", "GPU-1"})})
+    reg.round(node.round())
+    node.pod_resources = {}
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)  # the write may trail the live view
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+    assert "pod-resources lists no device" in reason(reg, f"registered:{GPU}")
+    node.pod_resources = {GPU: frozenset({"GPU-0", "GPU-1"})}  # registered again
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_pod_resources_empty_with_the_checkpoint_rewritten_empty_is_the_plugins_own_report() -> None:
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node(pod_resources={GPU: frozenset({"GPU-0", "GPU-1"})})
+    reg.round(node.round())
+    node.pod_resources, node.checkpoint = {}, Checkpoint({GPU: ()}, 4_000)  # all unhealthy, reported
+    for _ in range(3):
+        clock.now += 0.5
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_a_checkpoint_rewritten_without_the_resource_outranks_the_connection() -> None:
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node()
+    reg.round(node.round())
+    node.checkpoint = Checkpoint({"other.com/dev": ("X",)}, 4_000)
+    clock.now += 1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+    assert "no longer lists nvidia.com/gpu" in reason(reg, f"registered:{GPU}")
 
 
 def test_a_connection_back_within_the_confirmation_is_no_drop() -> None:
