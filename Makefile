@@ -11,6 +11,8 @@ GO          ?= go
 REALKUBELET := tests/realkubelet
 KUBELET_NEW := v1.37.2
 KUBELET_OLD := v1.36.5
+# The kubelet's real plugin manager and DRA manager with DRA drivers on the plugin helper (tests/realdra).
+REALDRA     := tests/realdra
 
 .PHONY: test lint typecheck pytest demo proto bench soak clean lock manifests dashboard
 
@@ -37,7 +39,7 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 # With Go on PATH, pytest first (re)builds the real-kubelet fixtures; without it their tests skip.
-pytest: $(STAMP) $(TOOLS) $(if $(shell command -v $(GO) 2>/dev/null),kubelet-fixtures)
+pytest: $(STAMP) $(TOOLS) $(if $(shell command -v $(GO) 2>/dev/null),kubelet-fixtures dra-fixtures)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The kubelet's real device manager, PodResources server and plugins (tests/realkubelet,
@@ -51,6 +53,20 @@ kubelet-fixture-new:
 
 kubelet-fixture-old:
 	cd $(REALKUBELET) && $(GO) build -buildvcs=false -modfile=go.old.mod -tags oldkubelet -o bin/realkubelet-$(KUBELET_OLD) .
+
+# The DRA fixture (tests/realdra, docs/real-kubelet.md#dra), at the same two releases.
+.PHONY: dra-fixtures dra-fixture-new dra-fixture-old dra-fixtures-check
+dra-fixtures: dra-fixture-new dra-fixture-old
+
+dra-fixture-new:
+	cd $(REALDRA) && $(GO) build -buildvcs=false -o bin/realdra-$(KUBELET_NEW) .
+
+dra-fixture-old:
+	cd $(REALDRA) && $(GO) build -buildvcs=false -modfile=go.old.mod -tags oldkubelet -o bin/realdra-$(KUBELET_OLD) .
+
+dra-fixtures-check:
+	cd $(REALDRA) && files="$$(gofmt -l .)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
+	cd $(REALDRA) && $(GO) vet ./... && $(GO) vet -modfile=go.old.mod -tags oldkubelet ./...
 
 # gofmt and go vet over the fixture's module, with each go.mod.
 kubelet-fixtures-check:
@@ -111,4 +127,4 @@ lock:
 	rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) .venv-tools build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(REALKUBELET)/bin
+	rm -rf $(VENV) .venv-tools build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(REALKUBELET)/bin $(REALDRA)/bin
