@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
 	"os"
 	"path"
 	"path/filepath"
@@ -63,6 +64,36 @@ type driver struct {
 	unhang chan struct{}
 	mu     sync.Mutex
 	calls  map[string]int
+	svc    *serviceListener
+}
+
+// serviceListener is the DRA service's listener as the helper makes it (remove a stale file, listen),
+// keeping the connections it accepted so that a test can end them ("drop") or stop serving ("service off").
+type serviceListener struct {
+	net.Listener
+	mu    sync.Mutex
+	conns []net.Conn
+}
+
+func (l *serviceListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err == nil {
+		l.mu.Lock()
+		l.conns = append(l.conns, c)
+		l.mu.Unlock()
+	}
+	return c, err
+}
+
+func (l *serviceListener) drop() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := len(l.conns)
+	for _, c := range l.conns {
+		_ = c.Close()
+	}
+	l.conns = nil
+	return n
 }
 
 func driverMain(args []string) int {
@@ -114,6 +145,17 @@ func (d *driver) start() error {
 		kubeletplugin.NodeName(d.o.node),
 		kubeletplugin.GRPCInterceptor(d.unary),
 		kubeletplugin.GRPCStreamInterceptor(d.stream),
+		kubeletplugin.PluginListener(func(_ context.Context, path string) (net.Listener, error) {
+			if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
+				return nil, err
+			}
+			l, err := net.Listen("unix", path)
+			if err != nil {
+				return nil, err
+			}
+			d.svc = &serviceListener{Listener: l}
+			return d.svc, nil
+		}),
 	}
 	if d.o.regSocket != "" {
 		opts = append(opts, kubeletplugin.RegistrarSocketFilename(d.o.regSocket))
@@ -201,6 +243,14 @@ func (d *driver) handle(c command) bool {
 		}
 		d.mu.Unlock()
 		c.reply(nil, nil)
+	case "drop":
+		// The kubelet's connections to the DRA service end; the listener stays.
+		c.reply(map[string]any{"dropped": d.svc.drop()}, nil)
+	case "service-off":
+		// The DRA service's listener closes (its socket file goes) and its connections end; the
+		// registration socket keeps answering: a driver whose DRA server died.
+		err := d.svc.Listener.Close()
+		c.reply(map[string]any{"dropped": d.svc.drop()}, err)
 	case "status":
 		calls := map[string]int{}
 		d.mu.Lock()

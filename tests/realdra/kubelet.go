@@ -6,6 +6,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
 	"os"
 	"reflect"
 	"sort"
@@ -32,6 +33,7 @@ type kubeletOptions struct {
 	registry  string
 	state     string
 	node      string
+	socket    string
 	verbosity string
 }
 
@@ -41,6 +43,8 @@ func parseKubeletFlags(args []string) (kubeletOptions, error) {
 	fs.StringVar(&o.registry, "registry", "", "the folder the plugin watcher watches (the kubelet's plugins_registry)")
 	fs.StringVar(&o.state, "state", "", "the DRA manager's state folder (its checkpoints)")
 	fs.StringVar(&o.node, "node", "node-1", "the node's name (the fake API server holds this Node)")
+	fs.StringVar(&o.socket, "kubelet-socket", "", "listen here as every kubelet listens on device-plugins/kubelet.sock "+
+		"(its device manager's registration socket): the sign of a running kubelet (accepts, serves nothing)")
 	fs.StringVar(&o.verbosity, "v", "4", "klog verbosity")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -62,6 +66,7 @@ type kubelet struct {
 	cancel  context.CancelFunc
 	stopCh  chan struct{}
 	wg      sync.WaitGroup
+	sock    net.Listener
 }
 
 func kubeletMain(args []string) int {
@@ -78,7 +83,7 @@ func kubeletMain(args []string) int {
 		fmt.Fprintln(os.Stderr, "realdra kubelet:", err)
 		return 1
 	}
-	event("ready", map[string]any{"pid": os.Getpid(), "release": kubernetesRelease, "registry": o.registry})
+	event("ready", map[string]any{"pid": os.Getpid(), "release": kubernetesRelease, "registry": o.registry, "socket": o.socket})
 	serveCommands(k.handle)
 	k.stop()
 	return 0
@@ -116,6 +121,25 @@ func (k *kubelet) start() error {
 	}
 	k.plugins = pluginmanager.NewPluginManager(k.opts.registry, &record.FakeRecorder{})
 	k.plugins.AddHandler(registerapi.DRAPlugin, m.GetWatcherHandler())
+	if k.opts.socket != "" {
+		if err := os.Remove(k.opts.socket); err != nil && !os.IsNotExist(err) {
+			return err
+		}
+		l, err := net.Listen("unix", k.opts.socket)
+		if err != nil {
+			return fmt.Errorf("kubelet socket: %w", err)
+		}
+		k.sock = l
+		go func() {
+			for {
+				c, err := l.Accept()
+				if err != nil {
+					return
+				}
+				_ = c.Close()
+			}
+		}()
+	}
 	k.stopCh = make(chan struct{})
 	k.wg.Add(1)
 	go func() {
@@ -130,6 +154,9 @@ func (k *kubelet) stop() {
 	k.cancel()
 	stopManager(k.manager)
 	k.wg.Wait()
+	if k.sock != nil {
+		_ = k.sock.Close() // removes the socket file, as a kubelet's orderly stop does
+	}
 }
 
 func (k *kubelet) handle(c command) bool {

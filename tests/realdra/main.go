@@ -3,7 +3,7 @@
 // plugin helper of k8s.io/dynamic-resource-allocation (kubeletplugin), each subcommand a process
 // of its own driven over stdin/stdout.
 //
-//	realdra kubelet --registry DIR --state DIR [--node NAME] [-v 4]
+//	realdra kubelet --registry DIR --state DIR [--kubelet-socket PATH] [--node NAME] [-v 4]
 //	realdra driver --name DRIVER --registry DIR --plugin-dir DIR [--reg-socket FILE] [--rolling-uid UID] [--health off|unsupported|v1]
 //	realdra version
 //
