@@ -48,6 +48,34 @@ InfoKind = Literal["ok", "absent", "not-socket", "refused", "timeout", "error"]
 FileId = tuple[int, int]
 
 
+# The kubelet's plugin watcher folder, and the helper's default registration socket name.
+DEFAULT_REGISTRY = "/var/lib/kubelet/plugins_registry"
+
+
+@dataclass(frozen=True)
+class DraSpec:
+    """A DRA driver to watch: its name, its registration socket, and optionally its service socket
+    (by default the endpoint its GetInfo names)."""
+
+    name: str
+    registration: str
+    service: str = ""
+
+
+def dra_spec(value: str, registry: str = DEFAULT_REGISTRY) -> DraSpec:
+    """`NAME[=SOCKET]`: a driver name and its registration socket, a path or a file name in
+    `registry` (default `<NAME>-reg.sock`, the kubelet plugin helper's). Raises ValueError."""
+    name, _, sock = value.strip().partition("=")
+    name, sock = name.strip(), sock.strip()
+    if not name or "/" in name or any(c.isspace() for c in name) or "," in name:
+        raise ValueError(f"expected NAME[=SOCKET] (gpu.nvidia.com=gpu.nvidia.com-reg.sock), got {value!r}")
+    if "\0" in sock:
+        raise ValueError(f"a socket path has no NUL: {value!r}")
+    sock = sock or f"{name}-reg.sock"
+    path = sock if sock.startswith("/") else f"{registry.rstrip('/')}/{sock}"
+    return DraSpec(name, path)
+
+
 @dataclass(frozen=True)
 class Info:
     """The answer to GetInfo on the registration socket, or why there is none."""

@@ -13,27 +13,16 @@ import os
 import stat
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 
 import grpc
 
 from initcheck.checks import try_connect
-from sidecar.dra import DEFAULT_GRACE, DraJudge, Evidence, FileId, Info, Judgement
+from sidecar.dra import DEFAULT_GRACE, DraJudge, DraSpec, Evidence, FileId, Info, Judgement
 from sidecar.proto import pluginregistration_v1_pb2 as reg
 from sidecar.rpc import insecure_channel, unary
 from sidecar.unixdiag import KUBELET_PROCESS_NAMES, kubelet_connections, normalise
 
 REGISTRATION = reg.DESCRIPTOR.services_by_name["Registration"]
-
-
-@dataclass(frozen=True)
-class DraSpec:
-    """A DRA driver to watch: its name, its registration socket, and optionally its service socket
-    (by default the endpoint its GetInfo names)."""
-
-    name: str
-    registration: str
-    service: str = ""
 
 
 def socket_file(path: str) -> FileId | None:

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from sidecar.dra import DEFAULT_GRACE, Judgement
-from sidecar.drawatch import DraSpec, DraWatch, get_info
+from sidecar.dra import DEFAULT_GRACE, DraSpec, Judgement
+from sidecar.drawatch import DraWatch, get_info
 from sidecar.health import Status
 from sidecar.testing.realdra import FixtureError, RealDraDriver, RealDraKubelet, Release, missing_reason
 
@@ -74,7 +74,7 @@ class Node:
 
     def watch(self, registration: str, name: str = DRIVER, grace: float = DEFAULT_GRACE) -> DraWatch:
         return DraWatch(
-            [DraSpec(name, registration)], self.kubelet_socket, grace=grace, timeout=1.0, clock=self.clock
+            [DraSpec(name, registration)], self.kubelet_socket, grace=grace, timeout=2.0, clock=self.clock
         )
 
     async def close(self) -> None:
@@ -102,7 +102,7 @@ async def until(predicate: Callable[[], Awaitable[bool]], timeout: float = 15.0,
             await asyncio.sleep(0.05)
 
 
-async def settle(node: Node, watch: DraWatch, usable: bool, timeout: float = 15.0) -> Judgement:
+async def settle(node: Node, watch: DraWatch, usable: bool, timeout: float = 30.0) -> Judgement:
     """Wait until the kubelet's truth is `usable` and the sidecar's reading agrees (the kernel's table
     and the kubelet's gRPC state change a few ms apart); the last verdict."""
     last: list[Judgement] = []

@@ -5,6 +5,7 @@
 //
 //	realdra kubelet --registry DIR --state DIR [--kubelet-socket PATH] [--node NAME] [-v 4]
 //	realdra driver --name DRIVER --registry DIR --plugin-dir DIR [--reg-socket FILE] [--rolling-uid UID] [--health off|unsupported|v1]
+//	realdra vectors  (the kubelet types' wire bytes, for tests/test_dra_proto.py)
 //	realdra version
 //
 // Commands arrive one a line on stdin: words separated by blanks, optionally led by "@ID";
@@ -28,6 +29,8 @@ func main() {
 		code = kubeletMain(os.Args[2:])
 	case "driver":
 		code = driverMain(os.Args[2:])
+	case "vectors":
+		code = vectorsMain()
 	case "version":
 		fmt.Println(kubernetesRelease)
 	default:
