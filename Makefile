@@ -88,13 +88,15 @@ bench: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m bench.soak
 
-# Slow real-kubelet checks (about 8 minutes): the kubelet's 5-minute stop grace against both releases
-# and the simulator, the oracle's 200 random events with three seeds on each release, and the demo's
+# Slow real-kubelet checks (about 45 minutes): the kubelet's 5-minute stop grace against both releases
+# and the simulator, the oracles' 200 random events with three seeds on each release (device plugins,
+# then DRA drivers: about 35 minutes of it), and the demo's
 # tour against the real device manager.
 .PHONY: real-slow
-real-slow: $(STAMP) kubelet-fixtures
+real-slow: $(STAMP) kubelet-fixtures dra-fixtures
 	$(PY) -m pytest -q -m slow tests/e2e/test_stop_grace.py
 	ORACLE_EVENTS=200 ORACLE_SEEDS=1,2,3 $(PY) -m pytest -q -s tests/e2e/test_oracle.py
+	ORACLE_EVENTS=200 ORACLE_SEEDS=1,2,3 $(PY) -m pytest -q -s tests/e2e/test_dra_oracle.py
 	DEMO_KUBELET=real DEMO_TOUR_ONLY=1 $(PY) -m sidecar.demo > /dev/null
 
 # The serving-limits floods on loopback (about 75 s): /healthz p99 during each, peak RSS, fds, exit on

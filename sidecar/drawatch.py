@@ -97,10 +97,16 @@ class DraWatch:
         self.judge = DraJudge(tuple(s.name for s in self.specs), grace, clock)
         self.connections_source = ""
         self.last: dict[str, tuple[Evidence, Judgement]] = {}
+        # The service socket each driver's GetInfo named last: a driver that stops answering (hung,
+        # restarting) keeps its service socket, and the kubelet may still hold it.
+        self.endpoints: dict[str, str] = {}
 
     async def round(self) -> dict[str, tuple[Evidence, Judgement]]:
         infos = await asyncio.gather(*(get_info(s.registration, self.timeout) for s in self.specs))
-        services = [s.service or (i.endpoint if i.ok else "") for s, i in zip(self.specs, infos, strict=True)]
+        for spec, info in zip(self.specs, infos, strict=True):
+            if info.ok and info.endpoint:
+                self.endpoints[spec.name] = info.endpoint
+        services = [s.service or self.endpoints.get(s.name, "") for s in self.specs]
         up, kubelet_id = kubelet_alive(self.kubelet_socket)
         paths = {normalise(p) for p in services if p}
         connections = kubelet_connections(self.kubelet_socket, self.proc, self.names, paths=paths)
