@@ -90,14 +90,21 @@ soak: $(STAMP)
 
 # Slow real-kubelet checks (about 45 minutes): the kubelet's 5-minute stop grace against both releases
 # and the simulator, the oracles' 200 random events with three seeds on each release (device plugins,
-# then DRA drivers: about 35 minutes of it), and the demo's
+# then DRA drivers, the two releases side by side: about 18 minutes of it), the DRA fixture's
+# scenarios, and the demo's
 # tour against the real device manager.
 .PHONY: real-slow
 real-slow: $(STAMP) kubelet-fixtures dra-fixtures
 	$(PY) -m pytest -q -m slow tests/e2e/test_stop_grace.py
 	ORACLE_EVENTS=200 ORACLE_SEEDS=1,2,3 $(PY) -m pytest -q -s tests/e2e/test_oracle.py
-	ORACLE_EVENTS=200 ORACLE_SEEDS=1,2,3 $(PY) -m pytest -q -s tests/e2e/test_dra_oracle.py
+	$(PY) -m pytest -q -m slow tests/test_realdra.py
+	$(MAKE) -j2 dra-oracle-new dra-oracle-old
 	DEMO_KUBELET=real DEMO_TOUR_ONLY=1 $(PY) -m sidecar.demo > /dev/null
+
+# The DRA oracle (tests/e2e/test_dra_oracle.py), one release per job: 200 events x 3 seeds, about 18 minutes.
+.PHONY: dra-oracle-new dra-oracle-old
+dra-oracle-new dra-oracle-old: dra-oracle-%: $(STAMP) dra-fixtures
+	ORACLE_EVENTS=200 ORACLE_SEEDS=1,2,3 $(PY) -m pytest -q -s -m slow tests/e2e/test_dra_oracle.py -k '$*'
 
 # The serving-limits floods on loopback (about 75 s): /healthz p99 during each, peak RSS, fds, exit on
 # SIGTERM (BENCHMARKS.md#stress). STRESS_CPU_LIMIT=0.2 adds the manifests' CPU limit where cgroups allow.

@@ -4,7 +4,7 @@ Both releases of the fixture: "new" is k8s.io/kubernetes v1.37.2, "old" v1.36.5.
 truth is its own state (the DRA plugin manager's endpoints and whether gRPC reports them
 connected); the sidecar's verdicts come from `sidecar.drawatch.DraWatch`, whose judge runs on a
 clock the test moves. Without the fixture (`make dra-fixtures`) the tests skip; under CI=true
-they fail.
+they fail. Marked slow: `make real-slow` runs them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from sidecar.testing.realdra import FixtureError, RealDraDriver, RealDraKubelet,
 
 DRIVER = "gpu.example.com"
 RELEASES: list[Release] = ["new", "old"]
+# About a minute for both releases: run by `make real-slow` (and .ci/run), not `make test`, which
+# keeps tests/e2e/test_dra.py (the whole sidecar against the same fixture) and the wire vectors.
+pytestmark = pytest.mark.slow
 
 
 def require_fixture(release: Release) -> None:
