@@ -196,7 +196,7 @@ def test_dra_spec(value: str, expected: str) -> None:
 
 @pytest.mark.parametrize("value", ["", "=x.sock", "a/b=x", "a b", "a=x\0y"])
 def test_dra_spec_rejects(value: str) -> None:
-    with pytest.raises(ValueError, match="expected NAME|no NUL"):
+    with pytest.raises(ValueError, match=r"expected NAME|no NUL"):
         dra_spec(value)
 
 
