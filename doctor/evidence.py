@@ -23,7 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from doctor.logscan import (
     KUBELET_PATTERNS,
@@ -36,6 +36,9 @@ from doctor.logscan import (
     scan_journal,
 )
 from doctor.settings import DoctorSettings
+
+if TYPE_CHECKING:
+    from doctor.dra import DraReading
 from initcheck.checks import Finding, options_for, run_checks, try_connect
 from initcheck.flags import AUTO_DEVICES, PluginSpec
 from initcheck.proc import process_visible
@@ -186,6 +189,9 @@ class NodeEvidence:
     rss_growth_mib: float = 20.0
     driver: DriverNodes = DriverNodes(checked=False)
     errors: tuple[str, ...] = ()  # evidence that could not be gathered, and why
+    # DRA drivers (doctor/dra.py): None when --dra-driver names none.
+    dra: tuple[DraReading, ...] | None = None
+    dra_logs: tuple[LogFindings, ...] = ()
 
 
 T = TypeVar("T")
@@ -298,7 +304,23 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
             DriverNodes(False),
         ),
         errors=tuple(g.errors),
+        **(await _dra_evidence(s, g, names) if s.dra_drivers else {}),
     )
+
+
+async def _dra_evidence(s: DoctorSettings, g: Gathering, names: set[str]) -> dict[str, Any]:
+    """The DRA drivers' readings and the kubelet's DRA log lines (doctor/dra.py)."""
+    from doctor.dra import dra_kubelet_logs, gather_dra
+
+    try:
+        readings = await gather_dra(s.dra_drivers, s.kubelet_path, s.probe_timeout, frozenset(names))
+    except Exception as e:  # a broken reader never costs the whole report
+        g.errors.append(f"DRA drivers: {type(e).__name__}: {e}")
+        readings = []
+    return {
+        "dra": tuple(readings),
+        "dra_logs": tuple(g.take("kubelet DRA log", lambda: dra_kubelet_logs(s.kubelet_log, s.since), [])),
+    }
 
 
 _NO_OWNER = SocketOwner("unknown", "could not be read")

@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.registration_grace,
         help=f"seconds a check may stay pending (default {d.registration_grace:g})",
     )
-    _dra_flags(p, d)
+    dra_flags(p, d.dra_grace)
     p.add_argument("--plugin-label", default=d.plugin_label, help="the `plugin` label of the metrics")
     p.add_argument("--log-format", choices=("text", "json"), default=d.log_format)
     p.add_argument(
@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _dra_flags(p: argparse.ArgumentParser, d: Settings) -> None:
+def dra_flags(p: argparse.ArgumentParser, grace: float | None) -> None:
+    """The DRA drivers' flags (the sidecar's and hami-doctor's); `grace` None: no --dra-grace."""
     p.add_argument(
         "--dra-driver",
         action="append",
@@ -132,16 +133,18 @@ def _dra_flags(p: argparse.ArgumentParser, d: Settings) -> None:
         help="NAME=PATH, repeatable: a DRA driver's service socket, when not the one its GetInfo names",
     )
     p.add_argument("--dra-registry-dir", default=DEFAULT_REGISTRY, help=f"default {DEFAULT_REGISTRY}")
-    p.add_argument(
-        "--dra-grace",
-        type=PERIOD,
-        default=d.dra_grace,
-        help=f"seconds a DRA driver may stay unregistered (default {d.dra_grace:g}: the kubelet retries "
-        "a refused registration up to 2 min 2 s apart)",
-    )
+    if grace is not None:
+        p.add_argument(
+            "--dra-grace",
+            type=PERIOD,
+            default=grace,
+            help=f"seconds a DRA driver may stay unregistered (default {grace:g}: the kubelet retries "
+            "a refused registration up to 2 min 2 s apart)",
+        )
 
 
-def _dra_drivers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[DraSpec, ...]:
+def dra_drivers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[DraSpec, ...]:
+    """The --dra-driver and --dra-service flags' drivers (a usage error on a bad one)."""
     specs: dict[str, DraSpec] = {}
     for value in args.dra_driver or ():
         try:
@@ -165,7 +168,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
     if args.probe_timeout >= args.probe_interval:
         timeout, interval = args.probe_timeout, args.probe_interval
         parser.error(f"--probe-timeout ({timeout:g}s) must be below --probe-interval ({interval:g}s)")
-    dra = _dra_drivers(parser, args)
+    dra = dra_drivers(parser, args)
     plugins = tuple(args.plugin or (() if dra else DEFAULTS.plugins))
     resources = [p.resource for p in plugins]
     if len(set(resources)) != len(resources):
