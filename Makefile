@@ -76,6 +76,11 @@ kubelet-fixtures-check:
 demo: $(STAMP)
 	$(PY) -m sidecar.demo
 
+# A DRA driver's tour against the kubelet's own plugin manager and DRA manager (tests/realdra).
+.PHONY: demo-dra
+demo-dra: $(STAMP) dra-fixture-new
+	DEMO_KUBELET=dra $(PY) -m sidecar.demo
+
 # Figures for BENCHMARKS.md (each script prints medians and ratios from one run).
 bench: $(STAMP)
 	$(PY) bench/initcheck_startup.py
@@ -100,6 +105,7 @@ real-slow: $(STAMP) kubelet-fixtures dra-fixtures
 	$(PY) -m pytest -q -m slow tests/test_realdra.py
 	$(MAKE) -j2 dra-oracle-new dra-oracle-old
 	DEMO_KUBELET=real DEMO_TOUR_ONLY=1 $(PY) -m sidecar.demo > /dev/null
+	DEMO_KUBELET=dra DEMO_TOUR_ONLY=1 $(PY) -m sidecar.demo > /dev/null
 
 # The DRA oracle (tests/e2e/test_dra_oracle.py), one release per job: 200 events x 3 seeds, about 18 minutes.
 .PHONY: dra-oracle-new dra-oracle-old
