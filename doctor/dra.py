@@ -171,16 +171,9 @@ def _minor(version: str | None) -> int | None:
 
 def dra_kubelet_logs(where: str, since: float) -> list[LogFindings]:
     """The kubelet's log (as hami-doctor's --kubelet-log reads it), scanned for the DRA lines only."""
-    import os
+    from doctor.evidence import kubelet_logs
 
-    from doctor.logscan import KUBELET_UNITS, RKE2_KUBELET_LOG, scan_file, scan_journal
-
-    if where in ("auto", "journal"):
-        found = [scan_journal(KUBELET_UNITS, DRA_PATTERNS, since)]
-        if where == "auto" and os.path.exists(RKE2_KUBELET_LOG):
-            found.append(scan_file(RKE2_KUBELET_LOG, DRA_PATTERNS, since))
-        return found
-    return [scan_file(where, DRA_PATTERNS, since)] if where else []
+    return kubelet_logs(where, since, DRA_PATTERNS)
 
 
 def scan_dra_log(data: bytes, source: str, since: float | None = None) -> LogFindings:

@@ -31,6 +31,7 @@ from doctor.logscan import (
     PLUGIN_PATTERNS,
     RKE2_KUBELET_LOG,
     LogFindings,
+    Pattern,
     plugin_log_files,
     scan_file,
     scan_journal,
@@ -390,14 +391,16 @@ def kubelet_version(pid: int, process: str) -> str | None:
     return ".".join(m.groups()) if m else None
 
 
-def kubelet_logs(where: str, since: float) -> list[LogFindings]:
+def kubelet_logs(
+    where: str, since: float, patterns: tuple[Pattern, ...] = KUBELET_PATTERNS
+) -> list[LogFindings]:
     """auto: the journal units of every distribution, and RKE2's kubelet log file when there is one."""
     if where in ("auto", "journal"):
-        found = [scan_journal(KUBELET_UNITS, KUBELET_PATTERNS, since)]
+        found = [scan_journal(KUBELET_UNITS, patterns, since)]
         if where == "auto" and os.path.exists(RKE2_KUBELET_LOG):
-            found.append(scan_file(RKE2_KUBELET_LOG, KUBELET_PATTERNS, since))
+            found.append(scan_file(RKE2_KUBELET_LOG, patterns, since))
         return found
-    return [scan_file(where, KUBELET_PATTERNS, since)] if where else []
+    return [scan_file(where, patterns, since)] if where else []
 
 
 def plugin_logs(where: str, since: float) -> list[LogFindings]:

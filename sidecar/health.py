@@ -162,21 +162,7 @@ class HealthState:
         check.restarts = restarts
         if latency is not None:
             check.latency = latency
-        old, was_live = check.status, check.name in self._failed
-        check.reason, check.status = reason, status
-        if check.live_failed:
-            self._failed.add(check.name)
-        else:
-            self._failed.discard(check.name)
-        if status is Status.OK:
-            self._not_ok.discard(check.name)
-        else:
-            self._not_ok.add(check.name)
-        if status is not old or check.live_failed != was_live:
-            if status is not old:
-                check.since = self.wall()
-            if self.on_transition is not None:
-                self.on_transition(check, old)
+        self._set(check, status, reason)
 
     def refresh(self) -> float | None:
         """Fail the pending checks whose grace ran out; the next moment one will, if any (monotonic)."""
@@ -227,6 +213,9 @@ class HealthState:
             status, reason = Status.FAILED, "no probe answered within the registration grace"
         else:
             status = Status.FAILED
+        self._set(check, status, reason)
+
+    def _set(self, check: Check, status: Status, reason: str) -> None:
         old, was_live = check.status, check.name in self._failed
         check.reason = reason
         check.status = status

@@ -101,3 +101,17 @@ def kubelet_elsewhere(short_tmp: str) -> Iterator[tuple[subprocess.Popen[bytes],
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture(params=["new", "old"])
+def dra_release(request: pytest.FixtureRequest) -> str:
+    """A release of the DRA fixture (tests/realdra): skipped where it is not built, failing under CI=true."""
+    from sidecar.testing.realdra import missing_reason
+
+    reason = missing_reason(request.param)
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason} (CI builds it: .ci/run runs `make dra-fixtures`)")
+        pytest.skip(reason)
+    rel: str = request.param
+    return rel

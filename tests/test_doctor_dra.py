@@ -8,22 +8,12 @@ import io
 import json
 import os
 
-import pytest
-
 from doctor.cli import main
 from doctor.dra import dra_causes, gather_dra, scan_dra_log
 from sidecar.dra import DraSpec
 from sidecar.testing.realdra import RealDraDriver, RealDraKubelet, Release
-from tests.test_realdra import require_fixture
 
 DRIVER = "gpu.example.com"
-
-
-@pytest.fixture(params=["new", "old"])
-def dra_release(request: pytest.FixtureRequest) -> Release:
-    rel: Release = request.param
-    require_fixture(rel)
-    return rel
 
 
 def kubelet_log(k: RealDraKubelet) -> bytes:

@@ -21,18 +21,10 @@ from sidecar.dra import DraSpec
 from sidecar.testing import free_port
 from sidecar.testing.realdra import RealDraDriver, RealDraKubelet, Release
 from tests.e2e.conftest import Watch, sidecar_running
-from tests.test_realdra import require_fixture
 
 DRIVER = "gpu.example.com"
 GRACE = 3.0
 INTERVAL = 0.5
-
-
-@pytest.fixture(params=["new", "old"])
-def dra_release(request: pytest.FixtureRequest) -> Release:
-    rel: Release = request.param
-    require_fixture(rel)
-    return rel
 
 
 @dataclass

@@ -27,7 +27,7 @@ from sidecar.dra import RESTART_BUDGET, DraSpec, Judgement
 from sidecar.drawatch import DraWatch
 from sidecar.health import Status
 from sidecar.testing.realdra import RealDraDriver, RealDraKubelet, Release
-from tests.test_realdra import Clock, require_fixture
+from tests.test_realdra import Clock
 
 EVENTS = int(os.environ.get("ORACLE_EVENTS", "5"))
 SEEDS = [int(s) for s in os.environ.get("ORACLE_SEEDS", "1").split(",")]
@@ -35,13 +35,6 @@ SETTLE = 8.0  # the kubelet's registration (its 1 s reconciler, its retry backof
 GRACE = 150.0
 QUIET = 1.5
 DRIVER = "gpu.example.com"
-
-
-@pytest.fixture(params=["new", "old"])
-def dra_release(request: pytest.FixtureRequest) -> Release:
-    rel: Release = request.param
-    require_fixture(rel)
-    return rel
 
 
 @dataclass
