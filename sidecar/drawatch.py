@@ -20,7 +20,14 @@ from initcheck.checks import try_connect
 from sidecar.dra import DEFAULT_GRACE, DraJudge, DraSpec, Evidence, FileId, Info, Judgement
 from sidecar.proto import pluginregistration_v1_pb2 as reg
 from sidecar.rpc import insecure_channel, unary
-from sidecar.unixdiag import KUBELET_PROCESS_NAMES, kubelet_connections, normalise
+from sidecar.unixdiag import (
+    KUBELET_PROCESS_NAMES,
+    DiagUnavailable,
+    UnixSocket,
+    diag_dump,
+    kubelet_connections,
+    normalise,
+)
 
 REGISTRATION = reg.DESCRIPTOR.services_by_name["Registration"]
 
@@ -109,7 +116,13 @@ class DraWatch:
         services = [s.service or self.endpoints.get(s.name, "") for s in self.specs]
         up, kubelet_id = kubelet_alive(self.kubelet_socket)
         paths = {normalise(p) for p in services if p}
-        connections = kubelet_connections(self.kubelet_socket, self.proc, self.names, paths=paths)
+        # Only the sockets bound to the files that matter: a host's namespace holds thousands.
+        files = {i for p in (self.kubelet_socket, *paths) if (i := socket_file(p))}
+        try:
+            mine: list[UnixSocket] | str = diag_dump(files)
+        except DiagUnavailable as e:
+            mine = str(e)
+        connections = kubelet_connections(self.kubelet_socket, self.proc, self.names, mine=mine, paths=paths)
         self.connections_source = connections if isinstance(connections, str) else connections.source
         out: dict[str, tuple[Evidence, Judgement]] = {}
         for spec, info, service in zip(self.specs, infos, services, strict=True):
