@@ -62,6 +62,8 @@ async def get_info(path: str, timeout: float) -> Info:
         return Info("error", f"GetInfo on {path}: {code.name}: {e.details()}")
     except Exception as e:  # a malformed answer is the driver's failure, not the sidecar's
         return Info("error", f"GetInfo on {path}: {type(e).__name__}: {e}")
+    if not isinstance(answer, reg.PluginInfo):  # grpcio answers None for bytes it cannot decode
+        return Info("error", f"GetInfo on {path}: the answer is not a PluginInfo")
     return Info(
         "ok",
         "GetInfo answered",

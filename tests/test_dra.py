@@ -7,10 +7,13 @@ quickly (the 150 s grace, the restart budget).
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
+import grpc
 import pytest
 
+from sidecar import drawatch
 from sidecar.config import parse_settings
 from sidecar.dra import DEFAULT_GRACE, RESTART_BUDGET, DraJudge, DraSpec, Evidence, Info, dra_spec
 from sidecar.health import HealthState, Status
@@ -213,3 +216,36 @@ def test_settings_dra_only_and_mixed() -> None:
     for bad in (["--dra-driver", "a.io", "--dra-driver", "a.io"], ["--dra-service", "x.io=/s"]):
         with pytest.raises(SystemExit):
             parse_settings(bad)
+
+
+@pytest.mark.parametrize(
+    ("answer", "kind"),
+    [
+        (b"\xff\xff\xff", "error"),  # not a PluginInfo
+        (b"", "ok"),  # an empty PluginInfo: no type, no name
+    ],
+)
+async def test_a_hostile_getinfo_answer_is_a_reading_not_an_exception(
+    short_tmp: str, answer: bytes, kind: str
+) -> None:
+    """A registration socket serving raw bytes as GetInfo's answer, over real gRPC."""
+    path = os.path.join(short_tmp, "evil-reg.sock")
+
+    async def get_info(_request: bytes, _context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        return answer
+
+    handler = grpc.method_handlers_generic_handler(
+        "pluginregistration.Registration", {"GetInfo": grpc.unary_unary_rpc_method_handler(get_info)}
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"unix:{path}")
+    await server.start()
+    try:
+        info = await drawatch.get_info(path, 1.0)
+    finally:
+        await server.stop(None)
+    assert info.kind == kind, info
+    j = DraJudge((DRIVER,), DEFAULT_GRACE, Clock()).judge(DRIVER, replace(HELD, info=info, connections=0))
+    if kind == "ok":  # an empty answer names no driver: a setting to look at, not a restart
+        assert j.plugin.status is Status.FAILED and not j.plugin.restarts
