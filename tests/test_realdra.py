@@ -18,7 +18,8 @@ import pytest
 from sidecar.dra import DEFAULT_GRACE, DraSpec, Judgement
 from sidecar.drawatch import DraWatch, get_info
 from sidecar.health import Status
-from sidecar.testing.realdra import FixtureError, RealDraDriver, RealDraKubelet, Release, missing_reason
+from sidecar.testing.realdra import FixtureError, RealDraDriver, RealDraKubelet, Release
+from tests.conftest import require_dra_fixture
 
 DRIVER = "gpu.example.com"
 RELEASES: list[Release] = ["new", "old"]
@@ -27,13 +28,7 @@ RELEASES: list[Release] = ["new", "old"]
 pytestmark = pytest.mark.slow
 
 
-def require_fixture(release: Release) -> None:
-    reason = missing_reason(release)
-    if reason is None:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason} (CI builds it: .ci/run runs `make dra-fixtures`)")
-    pytest.skip(reason)
+require_fixture = require_dra_fixture
 
 
 @pytest.fixture(params=RELEASES)
