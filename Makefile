@@ -11,6 +11,8 @@ GO          ?= go
 REALKUBELET := tests/realkubelet
 KUBELET_NEW := v1.37.2
 KUBELET_OLD := v1.36.5
+# The kubelet's real plugin manager and DRA manager with DRA drivers on the plugin helper (tests/realdra).
+REALDRA     := tests/realdra
 
 # Helm, built by `make helm-binaries` for tests/test_manifests.py (the versions the README's lines are tested with).
 HELM_BIN      := tests/helm/bin
@@ -41,8 +43,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-# With Go on PATH, pytest first (re)builds the real-kubelet fixtures and Helm; without it their tests skip.
-pytest: $(STAMP) $(TOOLS) $(if $(shell command -v $(GO) 2>/dev/null),kubelet-fixtures helm-binaries)
+# With Go on PATH, pytest first (re)builds the real-kubelet and DRA fixtures and Helm; without it their tests skip.
+pytest: $(STAMP) $(TOOLS) $(if $(shell command -v $(GO) 2>/dev/null),kubelet-fixtures dra-fixtures helm-binaries)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The kubelet's real device manager, PodResources server and plugins (tests/realkubelet,
@@ -57,6 +59,20 @@ kubelet-fixture-new:
 kubelet-fixture-old:
 	cd $(REALKUBELET) && $(GO) build -buildvcs=false -modfile=go.old.mod -tags oldkubelet -o bin/realkubelet-$(KUBELET_OLD) .
 
+# The DRA fixture (tests/realdra, docs/real-kubelet.md#dra), at the same two releases.
+.PHONY: dra-fixtures dra-fixture-new dra-fixture-old dra-fixtures-check
+dra-fixtures: dra-fixture-new dra-fixture-old
+
+dra-fixture-new:
+	cd $(REALDRA) && $(GO) build -buildvcs=false -o bin/realdra-$(KUBELET_NEW) .
+
+dra-fixture-old:
+	cd $(REALDRA) && $(GO) build -buildvcs=false -modfile=go.old.mod -tags oldkubelet -o bin/realdra-$(KUBELET_OLD) .
+
+dra-fixtures-check:
+	cd $(REALDRA) && files="$$(gofmt -l .)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
+	cd $(REALDRA) && $(GO) vet ./... && $(GO) vet -modfile=go.old.mod -tags oldkubelet ./...
+
 # gofmt and go vet over the fixture's module, with each go.mod.
 kubelet-fixtures-check:
 	cd $(REALKUBELET) && files="$$(gofmt -l .)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
@@ -64,6 +80,11 @@ kubelet-fixtures-check:
 
 demo: $(STAMP)
 	$(PY) -m sidecar.demo
+
+# A DRA driver's tour against the kubelet's own plugin manager and DRA manager (tests/realdra).
+.PHONY: demo-dra
+demo-dra: $(STAMP) dra-fixture-new
+	DEMO_KUBELET=dra $(PY) -m sidecar.demo
 
 # Figures for BENCHMARKS.md (each script prints medians and ratios from one run).
 bench: $(STAMP)
@@ -84,14 +105,24 @@ FUZZ_SECONDS ?= 60
 fuzz: $(STAMP)
 	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS)
 
-# Slow real-kubelet checks (about 8 minutes): the kubelet's 5-minute stop grace against both releases
-# and the simulator, the oracle's 200 random events with three seeds on each release, and the demo's
+# Slow real-kubelet checks (about 30 minutes): the kubelet's 5-minute stop grace against both releases
+# and the simulator, the oracles' 200 random events with three seeds on each release (device plugins,
+# then DRA drivers, the two releases side by side: about 20 minutes of it), the DRA fixture's
+# scenarios, and the demo's
 # tour against the real device manager.
 .PHONY: real-slow
-real-slow: $(STAMP) kubelet-fixtures
+real-slow: $(STAMP) kubelet-fixtures dra-fixtures
 	$(PY) -m pytest -q -m slow tests/e2e/test_stop_grace.py
 	ORACLE_EVENTS=200 ORACLE_SEEDS=1,2,3 $(PY) -m pytest -q -s tests/e2e/test_oracle.py
+	$(PY) -m pytest -q -m slow tests/test_realdra.py
+	$(MAKE) -j2 dra-oracle-new dra-oracle-old
 	DEMO_KUBELET=real DEMO_TOUR_ONLY=1 $(PY) -m sidecar.demo > /dev/null
+	DEMO_KUBELET=dra DEMO_TOUR_ONLY=1 $(PY) -m sidecar.demo > /dev/null
+
+# The DRA oracle (tests/e2e/test_dra_oracle.py), one release per job: 200 events x 3 seeds, about 18 minutes.
+.PHONY: dra-oracle-new dra-oracle-old
+dra-oracle-new dra-oracle-old: dra-oracle-%: $(STAMP) dra-fixtures
+	ORACLE_EVENTS=200 ORACLE_SEEDS=1,2,3 $(PY) -m pytest -q -s -m slow tests/e2e/test_dra_oracle.py -k '$*'
 
 # The serving-limits floods on loopback (about 75 s): /healthz p99 during each, peak RSS, fds, exit on
 # SIGTERM (BENCHMARKS.md#stress). STRESS_CPU_LIMIT=0.2 adds the manifests' CPU limit where cgroups allow.
@@ -152,4 +183,4 @@ lock:
 	rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) .venv-tools .venv-aiohttp-oldest .venv-aiohttp-newest build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(REALKUBELET)/bin
+	rm -rf $(VENV) .venv-tools .venv-aiohttp-oldest .venv-aiohttp-newest build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(REALKUBELET)/bin $(REALDRA)/bin

@@ -54,8 +54,15 @@ CAUSES = (
     ("plugin-growth", "plugin resource growth"),
     ("kubelet-version", "kubelet version"),
 )
-TITLES = dict(CAUSES)
+# DRA drivers' rows (doctor/dra.py), only when --dra-driver names any: after the device plugins'.
+DRA_CAUSES = (
+    ("dra-not-serving", "DRA driver not serving"),
+    ("dra-not-registered", "DRA driver not registered"),
+    ("dra-log", "kubelet DRA log lines"),
+)
+TITLES = dict(CAUSES + DRA_CAUSES)
 ORDER = {cause: i for i, (cause, _) in enumerate(CAUSES)}
+RANK = {cause: i for i, (cause, _) in enumerate(CAUSES + DRA_CAUSES)}
 # initcheck's checks that are about permission; the others are about the socket's path.
 PERMISSION_CHECKS = frozenset(
     ("PERMISSION_DENIED", "OWNER_MISMATCH", "GROUP_MISMATCH", "MODE_MISMATCH", "MODE_TOO_OPEN")
@@ -138,7 +145,11 @@ def diagnose(e: NodeEvidence) -> list[Cause]:
         for c in causes[5:8]:
             if c.verdict == "problem":
                 c.fix = [DRIVER_FIRST]
-    causes.sort(key=lambda c: (c.verdict != "problem", ORDER[c.id]))
+    if e.dra is not None:
+        from doctor.dra import dra_causes
+
+        causes += dra_causes(e.dra, e.dra_logs, e.kubelet.version)
+    causes.sort(key=lambda c: (c.verdict != "problem", RANK[c.id]))
     return causes
 
 

@@ -21,7 +21,9 @@ from typing import Any
 from sidecar import __version__
 from sidecar.checkpoint import CHECKPOINT_NAME
 from sidecar.config import PluginSpec, Settings
-from sidecar.health import Check, Status
+from sidecar.dra import RESTART_BUDGET as DRA_RESTART_BUDGET
+from sidecar.drawatch import DraWatch
+from sidecar.health import Check, CheckKey, Kind, Status
 from sidecar.metrics import Metrics
 from sidecar.probes import (
     ProbeResult,
@@ -144,6 +146,26 @@ class Sidecar:
             self.metrics.listandwatch_latency.labels(s.plugin_label, p.resource)
             self.metrics.restart_requests.labels(s.plugin_label, p.resource)
             self.metrics.budget_spent.labels(s.plugin_label, p.resource).set(0)
+        self._publish = publish
+        # DRA drivers (sidecar.dra): their checks are judged there, with their own grace.
+        self.dra: DraWatch | None = None
+        if s.dra_drivers:
+            names = {*KUBELET_PROCESS_NAMES, s.kubelet_process_name}
+            self.dra = DraWatch(
+                s.dra_drivers,
+                s.kubelet_path,
+                grace=s.dra_grace,
+                timeout=s.probe_timeout,
+                clock=clock,
+                names=names,
+            )
+            for spec in s.dra_drivers:
+                for kind in (Kind.DRA_PLUGIN, Kind.DRA_REGISTERED):
+                    key = CheckKey(kind, spec.name)
+                    self.state.add(key)
+                    self.state.checks[key.name].judged_elsewhere = True
+                self.metrics.restart_requests.labels(s.plugin_label, spec.name)
+                self.metrics.budget_spent.labels(s.plugin_label, spec.name).set(0)
         for check in self.state.checks.values():
             publish.check(check)
         self.started = clock()
@@ -357,8 +379,24 @@ class Sidecar:
             self._tasks.spawn(
                 self._observe_vanished(self.registrar.plugin_for(resource)), f"vanish:{resource}"
             )
+        if self.dra is not None:
+            await self._dra_round()
         self.rounds += 1
         self._schedule_refresh()
+
+    async def _dra_round(self) -> None:
+        """The DRA drivers' verdicts (sidecar.dra), into the same checks and metrics."""
+        assert self.dra is not None
+        label = self.settings.plugin_label
+        for name, (ev, j) in (await self.dra.round()).items():
+            for kind, v in ((Kind.DRA_PLUGIN, j.plugin), (Kind.DRA_REGISTERED, j.registered)):
+                key = CheckKey(kind, name).name
+                was = self.state.checks[key].live_failed
+                self.state.assign(key, v.status, v.reason, restarts=v.restarts)
+                if v.live_failed and not was:
+                    self.metrics.restart_requests.labels(label, name).inc()
+            self._publish.connected(name, ev.connections)
+            self._publish.budget(name, j.restarts_in_vain >= DRA_RESTART_BUDGET)
 
     def _observe_probe(self, socket: str, result: ProbeResult) -> None:
         if result.latency:
@@ -408,7 +446,7 @@ class Sidecar:
                     "last_probe_latency_seconds": c.latency,
                     **(
                         {"grace_left_seconds": round(state.grace_left(c), 3)}
-                        if c.status is Status.PENDING
+                        if c.status is Status.PENDING and not c.judged_elsewhere
                         else {}
                     ),
                 }
@@ -420,6 +458,7 @@ class Sidecar:
                 "pod-resources": _socket_info(s.pod_resources_socket),
             },
             "kubelet_connections_from": self._connections_source,
+            **({"dra": self._dra_document()} if self.dra is not None else {}),
             "kubelet_restarts": self.registrar.kubelet_restarts,
             "probe_rounds": self.rounds,
             "runtime": _runtime(),
@@ -433,6 +472,27 @@ class Sidecar:
                 "registration_grace": s.registration_grace,
                 "plugins": {p.resource: p.socket for p in s.plugins},
             },
+        }
+
+    def _dra_document(self) -> dict[str, Any]:
+        assert self.dra is not None
+        drivers: dict[str, Any] = {}
+        for spec in self.dra.specs:
+            ev, j = self.dra.last.get(spec.name, (None, None))
+            drivers[spec.name] = {
+                "registration_socket": _socket_info(spec.registration),
+                "service_socket": ev.service if ev else spec.service,
+                "getinfo": None
+                if ev is None
+                else {"answer": ev.info.kind, "reason": ev.info.reason, "versions": list(ev.info.versions)},
+                "kubelet_connections": None if ev is None else ev.connections,
+                "restarts_in_vain": 0 if j is None else j.restarts_in_vain,
+                "spell_seconds": None if j is None else round(self.clock() - j.spell_started, 3),
+            }
+        return {
+            "grace": self.dra.judge.grace,
+            "kubelet_connections_from": self.dra.connections_source,
+            "drivers": drivers,
         }
 
 
