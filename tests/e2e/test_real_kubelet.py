@@ -9,6 +9,7 @@ CI=true they fail.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from functools import partial
@@ -115,6 +116,31 @@ async def test_hami_split_ids_count_per_gpu_against_the_real_kubelet(node_factor
         for n in range(10):
             await plugin.set_health(f"{UUIDS[1]}-{n}", False)
         await node.until("/readyz?verbose", 503, contains="lists 1 healthy device(s) by pod-resources")
+        assert (await node.get("/healthz"))[0] == 200
+
+
+async def test_rapid_health_updates_keep_the_fixture_plugins_stream(node_factory: Any) -> None:
+    """The fixture's plugin sends each list while later updates arrive: every list must reach the
+    kubelet whole. A list changed while gRPC marshals it reaches the kubelet as bytes it cannot
+    parse: it ends the stream and drops the plugin for real, and the sidecar rightly fails liveness."""
+    async with node_factory(expect_devices=2) as node:
+        ids = [f"{u}-{n}" for u in UUIDS for n in range(10)]
+        plugin = await node.plugin(devices=ids)
+        await node.until("/readyz", 200)
+        kubelet_mark, plugin_mark = node.kubelet.mark(), plugin.mark()
+        for healthy in (False, True) * 5:
+            for i in ids:
+                await plugin.set_health(i, healthy)
+        for _ in range(400):  # the kubelet takes the last list: all healthy again
+            if (await node.kubelet.capacity())["allocatable"] == {GPU: 20}:
+                break
+            await asyncio.sleep(0.025)
+        await node.rounds()
+        assert plugin.process.find("stream-closed", after=plugin_mark) == []
+        ended = "ListAndWatch ended unexpectedly for device plugin"
+        assert node.kubelet.process.find("log", lambda e: e.get("msg") == ended, after=kubelet_mark) == []
+        assert await plugin.streams_open() == 1
+        assert (await node.kubelet.capacity())["allocatable"] == {GPU: 20}
         assert (await node.get("/healthz"))[0] == 200
 
 

@@ -261,7 +261,7 @@ type ownPlugin struct {
 	path string
 
 	mu               sync.Mutex
-	devices          []*pluginapi.Device
+	devices          []*pluginapi.Device // replaced, never changed in place: streams send it outside mu
 	server           *grpc.Server
 	inode            uint64
 	streams          map[int]chan struct{}
@@ -417,7 +417,12 @@ func (p *ownPlugin) setHealth(id, health string) (map[string]any, error) {
 	defer p.mu.Unlock()
 	for i, d := range p.devices {
 		if d.ID == id {
-			p.devices[i] = &pluginapi.Device{ID: d.ID, Health: health, Topology: d.Topology}
+			// A new list, never a change in place: a stream may be marshalling the current one
+			// outside the lock, and a Health that changes length between gRPC's size pass and its
+			// write pass sends bytes the kubelet cannot parse, so it ends the stream and drops us.
+			devs := append([]*pluginapi.Device{}, p.devices...)
+			devs[i] = &pluginapi.Device{ID: d.ID, Health: health, Topology: d.Topology}
+			p.devices = devs
 			return p.notify(), nil
 		}
 	}
