@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from sidecar import __version__
+from sidecar import __version__, hamiconfig
 from sidecar.checkpoint import CHECKPOINT_NAME
 from sidecar.config import PluginSpec, Settings
 from sidecar.health import Check, Status
@@ -26,6 +26,7 @@ from sidecar.metrics import Metrics
 from sidecar.probes import (
     ProbeResult,
     Reading,
+    SocketId,
     pod_resources_devices,
     probe_kubelet,
     probe_plugin,
@@ -156,6 +157,7 @@ class Sidecar:
         self._folder_id: tuple[int, int] | None = None
         self._reader: ThreadPoolExecutor | None = None
         self._folder_waiting = False
+        self._expectation: hamiconfig.Expectation | None = None
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -326,6 +328,20 @@ class Sidecar:
         except TimeoutError:
             checkpoint = Reading.failed(f"the checkpoint could not be read within {s.probe_timeout:g}s")
         host_devices = len(glob.glob(s.device_glob)) if s.expect_devices == -1 else None
+        expectation = (
+            hamiconfig.expectation(
+                hamiconfig.Sources(s.device_glob, s.hami_config, s.node_name, s.nvidia_gpus_dir, s.vfio_dir)
+            )
+            if s.expect_devices == -1
+            else None
+        )
+        self._expectation = expectation
+        # Other sockets served in the folder, only while a plugin's own is missing (under another name?).
+        others = (
+            _served_elsewhere(s.device_plugin_dir, {s.kubelet_socket, *(p.socket for p in s.plugins)})
+            if any(r.state == "absent" for r in plugins)
+            else ()
+        )
         observed = {}
         for plugin, result in zip(s.plugins, plugins, strict=True):
             self._observe_probe(plugin.socket, result)
@@ -347,7 +363,16 @@ class Sidecar:
                 result, socket_identity(path), held, owner.verdict, owner.reason
             )
         self._connections_source = connections if isinstance(connections, str) else connections.source
-        seen = Round(kubelet, observed, checkpoint, pod_resources, host_devices, generation)
+        seen = Round(
+            kubelet,
+            observed,
+            checkpoint,
+            pod_resources,
+            host_devices,
+            generation,
+            expectation=expectation,
+            others=others,
+        )
         for resource in self.registrar.round(seen):
             self._tasks.spawn(
                 self._observe_vanished(self.registrar.plugin_for(resource)), f"vanish:{resource}"
@@ -385,6 +410,17 @@ class Sidecar:
         """The first probe round has run: before it, nothing is known."""
         return self.rounds > 0
 
+    def _expected_devices(self) -> dict[str, Any]:
+        """What the devices check wants, and why (auto: which devices HAMi registers, which it filters)."""
+        expect = self.settings.expect_devices
+        if expect == 0:
+            return {"check": "off (--expect-devices 0)"}
+        if expect is None:
+            return {"check": "at least one healthy device", "want": 1}
+        if expect != hamiconfig.AUTO or self._expectation is None:
+            return {"check": "--expect-devices", "want": expect}
+        return {"check": "--expect-devices auto", **self._expectation.as_dict()}
+
     def status_document(self) -> dict[str, Any]:
         s = self.settings
         state = self.state
@@ -421,6 +457,7 @@ class Sidecar:
             "registration": self.registrar.registration(),
             "registration_history": [a.as_dict() for a in self.registrar.history],
             "devices": self.registrar.devices(),
+            "expected_devices": self._expected_devices(),
             "settings": {
                 "device_plugin_dir": s.device_plugin_dir,
                 "probe_interval": s.probe_interval,
@@ -429,6 +466,25 @@ class Sidecar:
                 "plugins": {p.resource: p.socket for p in s.plugins},
             },
         }
+
+
+MAX_FOLDER_SOCKETS = 32  # other sockets tried in the folder per round
+
+
+def _served_elsewhere(folder: str, mine: set[str]) -> tuple[tuple[str, SocketId], ...]:
+    """Socket files in the folder, not the kubelet's or a configured plugin's, that accept a connection."""
+    out = []
+    try:
+        with os.scandir(folder) as entries:
+            names = sorted(e.name for e in entries if e.name not in mine and e.name.endswith(".sock"))
+    except OSError:
+        return ()
+    for name in names[:MAX_FOLDER_SOCKETS]:
+        path = os.path.join(folder, name)
+        identity = socket_identity(path)
+        if identity is not None and not socket_refuses(path):
+            out.append((name, identity))
+    return tuple(out)
 
 
 def _file_id(path: str) -> tuple[int, int] | None:
