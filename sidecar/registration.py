@@ -645,12 +645,14 @@ class Registrar:
             return "the kubelet's socket is not the real registration service: a plugin restart won't mend it"
         if obs.owner == "elsewhere":
             return "another device plugin owns the socket: a restart of this one would only fight it"
-        if not obs.probe.ok and sock.live_failed:
-            return f"{sock.name} fails liveness already: that plugin restart mends this too"
+        if not obs.probe.ok and not (p.budget_spent and not sock.live_failed):
+            # Said alike while that check is pending and once it fails: the text outlives the round.
+            return (
+                f"the plugin does not answer: {sock.name} judges that, and the plugin restart it asks for "
+                "mends this too"
+            )
         if p.budget_spent:
             return f"restart budget spent: {p.restarts_in_vain} plugin restarts did not register it"
-        if not obs.probe.ok:
-            return f"the plugin is not serving: {sock.name} says why"
         return ""
 
     def _held(

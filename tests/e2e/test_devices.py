@@ -17,11 +17,13 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from sidecar.app import Sidecar
 from sidecar.registration import RESTART_BUDGET
 from sidecar.testing import FakeKubelet, free_port
 from sidecar.testing.plugin import hami_device_ids
@@ -110,6 +112,14 @@ async def plugin_process(
             await proc.wait()
 
 
+def counted(sidecar: Sidecar, n: int) -> bool:
+    return bool(sidecar.registrar.registration()[GPU]["restarts_without_registration"] == n)
+
+
+def rounds_past(sidecar: Sidecar, n: int) -> bool:
+    return sidecar.rounds >= n
+
+
 @contextlib.asynccontextmanager
 async def healthz(port: int) -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as http:
@@ -165,13 +175,7 @@ async def test_a_renamed_resource_stops_failing_liveness_after_the_budget_and_sa
                     await stack.aclose()
                     await stack.enter_async_context(plugin_process(dp_dir, VGPU, "nvidia-vgpu.sock"))
                     if restart < RESTART_BUDGET - 1:
-                        await wait_for(
-                            lambda n=restart: (
-                                sidecar.registrar.registration()[GPU]["restarts_without_registration"]
-                                == n + 1
-                            ),
-                            what="the restart counted",
-                        )
+                        await wait_for(partial(counted, sidecar, restart + 1), what="the restart counted")
                         assert (await answer(http))[0] == 503  # within the budget: still failing
                 body = await until(http, 200)
                 assert (
@@ -248,7 +252,6 @@ async def test_a_plugin_that_had_served_and_crashed_still_fails_at_once_whatever
             body = await until(http, 503, timeout=1.0)  # stopped, its socket removed: at once
             assert f"[-]plugin:{GPU} failed" in body
             async with plugin_process(dp_dir, VGPU, "nvidia-vgpu.sock"):  # another socket comes and goes
-                rounds = sidecar.rounds
-                await wait_for(lambda r=rounds: sidecar.rounds >= r + 3)
+                await wait_for(partial(rounds_past, sidecar, sidecar.rounds + 3))
                 assert (await answer(http))[0] == 503
         assert sidecar.registrar.registration()[GPU]["restarts_without_registration"] == 0

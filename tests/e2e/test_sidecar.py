@@ -575,8 +575,8 @@ async def test_expected_devices_check_counts_what_the_kubelet_lists(
         body = await node.until("/readyz?verbose", 503, timeout=3, contains=f"devices:{GPU} failed")
         assert (
             f"[!]devices:{GPU} failed (no restart: readiness only: a plugin restart does not bring devices "
-            "back): the kubelet lists 2 healthy device(s) by pod-resources, 3 expected (--expect-devices auto: "
-            "3 device node(s) on the host; no HAMi node configuration at "
+            "back): the kubelet lists 2 healthy device(s) by pod-resources, 3 expected "
+            "(--expect-devices auto: 3 device node(s) on the host; no HAMi node configuration at "
         ) in body
         assert await node.get("/healthz") == (200, "ok")  # a device shortfall restarts nothing
         node.plugin.set_devices(["GPU-0", "GPU-1", "GPU-2"])
