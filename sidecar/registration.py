@@ -793,7 +793,7 @@ class Registrar:
         if expect is None:
             return (
                 1,
-                "a registered GPU plugin with no healthy device is not ready; --expect-devices 0 opts out",
+                "a registered plugin with no healthy device is not ready; --expect-devices 0 opts out",
             )
         if expect != -1:
             return expect, "--expect-devices"

@@ -557,7 +557,7 @@ async def test_one_log_line_per_transition_none_per_probe(
                 f"check plugin:{GPU}: pending -> ok: GetDevicePluginOptions answered",
                 f"check registered:{GPU}: pending -> ok: the kubelet holds a connection to nvidia-gpu.sock; "
                 "pod-resources lists 2 healthy device(s)",
-                f"check devices:{GPU}: pending -> ok: the kubelet lists 2 (want 1: a registered GPU plugin "
+                f"check devices:{GPU}: pending -> ok: the kubelet lists 2 (want 1: a registered plugin "
                 "with no healthy device is not ready; --expect-devices 0 opts out)",
             ]
         )
