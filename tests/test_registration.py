@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -696,23 +696,20 @@ def _zero_devices(reg: Registrar, clock: Clock) -> None:
     reg.round(Node(pod_resources={GPU: frozenset()}).round())
 
 
-def _renamed_after_the_budget(reg: Registrar, clock: Clock) -> None:
-    node = Node(plugin=down("absent"), connections=0, checkpoint=None, checkpoint_error="no checkpoint")
-    node.others = {VGPU_SOCK: SocketId(20, 1)}
-    reg.round(node.round())
-    clock.now += 61
-    reg.round(node.round())
-    for n in range(1, RESTART_BUDGET + 1):
-        node.others = {VGPU_SOCK: SocketId(20 + n, 1 + n)}
+def _renamed(restarts: int) -> Callable[[Registrar, Clock], None]:
+    """The plugin serves nvidia-vgpu.sock, never its own socket; the kubelet restarted it `restarts` times."""
+
+    def build(reg: Registrar, clock: Clock) -> None:
+        node = Node(plugin=down("absent"), connections=0, checkpoint=None, checkpoint_error="no checkpoint")
+        node.others = {VGPU_SOCK: SocketId(20, 1)}
         reg.round(node.round())
+        clock.now += 61
+        reg.round(node.round())
+        for n in range(1, restarts + 1):
+            node.others = {VGPU_SOCK: SocketId(20 + n, 1 + n)}
+            reg.round(node.round())
 
-
-def _renamed_within_the_budget(reg: Registrar, clock: Clock) -> None:
-    node = Node(plugin=down("absent"), connections=0, checkpoint=None, checkpoint_error="no checkpoint")
-    node.others = {VGPU_SOCK: SocketId(20, 1)}
-    reg.round(node.round())
-    clock.now += 61
-    reg.round(node.round())
+    return build
 
 
 PLUGIN_ASKS = f"the plugin does not answer: plugin:{GPU} judges that, and the plugin restart it asks for"
@@ -759,8 +756,8 @@ BUILDERS = {
     "another plugin owns the socket": _another_plugin_owns_the_socket,
     "budget spent, never registering": _budget_spent_never_registering,
     "zero devices": _zero_devices,
-    "renamed, within the budget": _renamed_within_the_budget,
-    "renamed, budget spent": _renamed_after_the_budget,
+    "renamed, within the budget": _renamed(RESTART_BUDGET - 1),
+    "renamed, budget spent": _renamed(RESTART_BUDGET),
 }
 
 

@@ -24,6 +24,7 @@ import aiohttp
 import pytest
 
 from sidecar.app import Sidecar
+from sidecar.config import Settings
 from sidecar.registration import RESTART_BUDGET
 from sidecar.testing import FakeKubelet, free_port
 from sidecar.testing.plugin import hami_device_ids
@@ -112,6 +113,20 @@ async def plugin_process(
             await proc.wait()
 
 
+def fast_node(dp_dir: str, short_tmp: str, **overrides: float) -> tuple[str, Settings]:
+    """pod-resources' socket, and the sidecar's settings: a round every 0.2 s."""
+    pod_resources = os.path.join(short_tmp, "pod-resources", "kubelet.sock")
+    settings = replace(
+        FAST,
+        device_plugin_dir=dp_dir,
+        pod_resources_socket=pod_resources,
+        port=free_port(),
+        probe_interval=0.2,
+        **overrides,  # type: ignore[arg-type]
+    )
+    return pod_resources, settings
+
+
 def counted(sidecar: Sidecar, n: int) -> bool:
     return bool(sidecar.registrar.registration()[GPU]["restarts_without_registration"] == n)
 
@@ -149,16 +164,7 @@ async def test_a_renamed_resource_stops_failing_liveness_after_the_budget_and_sa
     """HAMi installed with resourceName=nvidia.com/vgpu serves nvidia-vgpu.sock; the sidecar keeps its
     default nvidia.com/gpu=nvidia-gpu.sock. Each failed liveness restarts the plugin process (here: the
     test, as the kubelet would); after the budget's three, liveness passes and says what matches."""
-    pod_resources = os.path.join(short_tmp, "pod-resources", "kubelet.sock")
-    settings = replace(
-        FAST,
-        device_plugin_dir=dp_dir,
-        pod_resources_socket=pod_resources,
-        port=free_port(),
-        probe_interval=0.2,
-        probe_timeout=0.1,
-        registration_grace=0.5,
-    )
+    pod_resources, settings = fast_node(dp_dir, short_tmp, probe_timeout=0.1, registration_grace=0.5)
     fix = "--plugin nvidia.com/vgpu=nvidia-vgpu.sock, or HAMI_GUARD_PLUGIN=nvidia.com/vgpu=nvidia-vgpu.sock"
     async with FakeKubelet(dp_dir, pod_resources, dial_timeout=0.5) as kubelet:
         stack = contextlib.AsyncExitStack()
@@ -233,14 +239,7 @@ async def test_a_plugin_that_had_served_and_crashed_still_fails_at_once_whatever
 ) -> None:
     """The budget covers a socket never served; a crash of a plugin that served fails as before, even with
     another plugin's socket coming and going in the folder."""
-    pod_resources = os.path.join(short_tmp, "pod-resources", "kubelet.sock")
-    settings = replace(
-        FAST,
-        device_plugin_dir=dp_dir,
-        pod_resources_socket=pod_resources,
-        port=free_port(),
-        probe_interval=0.2,
-    )
+    pod_resources, settings = fast_node(dp_dir, short_tmp)
     async with (
         FakeKubelet(dp_dir, pod_resources, dial_timeout=0.5),
         sidecar_running(settings) as (sidecar, _),
