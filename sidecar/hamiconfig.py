@@ -441,8 +441,13 @@ def _subtract(src: Sources, cfg: NodeConfig, nodes: list[str], folder: str, note
             filtered.append(Filtered(name, f"index listed in {where}"))
         elif path in listed:
             expected.append(name)
+    for gpu in gpus:
+        if gpu.excluded and gpu.node(folder) in listed:  # NVML does not list it, so HAMi cannot
+            filtered.append(
+                Filtered(f"{gpu.uuid or 'no UUID'}, {gpu.node(folder)}", "the driver excludes it")
+            )
     # Device nodes no GPU of the driver's list explains are counted as before.
-    known = {g.node(folder) for g in ranked}
+    known = {g.node(folder) for g in gpus}
     expected += [n for n in nodes if n not in known]
     gone = [f for f in filtered if f.device.rsplit(", ", 1)[-1] in listed]
     want = max(0, len(nodes) - len(gone))

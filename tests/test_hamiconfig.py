@@ -285,3 +285,17 @@ def test_the_fuzz_harness_holds_over_its_corpus_and_seeded_mutations() -> None:
             else:
                 data[at:at] = rng.choice(seeds)[: rng.randint(0, 40)]
         TestOneInput(bytes(data))
+
+
+def test_a_gpu_the_driver_excludes_is_not_expected(host: Host) -> None:
+    info = Path(host.gpus, BUSES[0], "information")
+    info.write_text(information(UUIDS[0], BUSES[0], 0, excluded="Yes"))
+    Path(host.config).write_bytes(chart_config({"name": NODE, "filterdevices": {"index": [0]}}))
+    e = expectation(host.sources())
+    # NVML numbers the three it lists from 0: index 0 is the second bus's GPU.
+    assert e.want == 2
+    assert [f.device for f in e.filtered] == [
+        f"index 0, {UUIDS[1]}, {host.dev}/nvidia1",
+        f"{UUIDS[0]}, {host.dev}/nvidia0",
+    ]
+    assert e.filtered[1].why == "the driver excludes it"
