@@ -16,7 +16,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from sidecar import __version__, hamiconfig
 from sidecar.checkpoint import CHECKPOINT_NAME
@@ -49,6 +50,7 @@ from sidecar.unixdiag import (
 from sidecar.watcher import FolderWatcher, FsEvent
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FOLDER_RETRY_SECONDS = 0.25
 MIN_ROUND_GAP = 0.01
@@ -158,6 +160,7 @@ class Sidecar:
         self._reader: ThreadPoolExecutor | None = None
         self._folder_waiting = False
         self._expectation: hamiconfig.Expectation | None = None
+        self._others: tuple[tuple[str, SocketId], ...] = ()
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -329,19 +332,16 @@ class Sidecar:
             checkpoint = Reading.failed(f"the checkpoint could not be read within {s.probe_timeout:g}s")
         host_devices = len(glob.glob(s.device_glob)) if s.expect_devices == -1 else None
         expectation = (
-            hamiconfig.expectation(
-                hamiconfig.Sources(s.device_glob, s.hami_config, s.node_name, s.nvidia_gpus_dir, s.vfio_dir)
-            )
-            if s.expect_devices == -1
-            else None
+            await self._off_loop(self._expected, self._expectation) if s.expect_devices == -1 else None
         )
         self._expectation = expectation
         # Other sockets served in the folder, only while a plugin's own is missing (under another name?).
-        others = (
-            _served_elsewhere(s.device_plugin_dir, {s.kubelet_socket, *(p.socket for p in s.plugins)})
-            if any(r.state == "absent" for r in plugins)
-            else ()
-        )
+        others: tuple[tuple[str, SocketId], ...] = ()
+        if any(r.state == "absent" for r in plugins):
+            taken = {s.kubelet_socket, *(p.socket for p in s.plugins)}
+            # A read cut short keeps the last answer: an empty one would make the next look like a restart.
+            read = partial(_served_elsewhere, s.device_plugin_dir, taken)
+            others = self._others = await self._off_loop(read, self._others)
         observed = {}
         for plugin, result in zip(s.plugins, plugins, strict=True):
             self._observe_probe(plugin.socket, result)
@@ -380,6 +380,21 @@ class Sidecar:
         self.rounds += 1
         self._schedule_refresh()
 
+    def _expected(self) -> hamiconfig.Expectation:
+        s = self.settings
+        return hamiconfig.expectation(
+            hamiconfig.Sources(s.device_glob, s.hami_config, s.node_name, s.nvidia_gpus_dir, s.vfio_dir)
+        )
+
+    async def _off_loop(self, read: Callable[[], T], fallback: T) -> T:
+        """`read` (files, connects) on the reader's thread within the probe timeout, never on the loop."""
+        assert self._reader is not None
+        try:
+            async with asyncio.timeout(self.settings.probe_timeout):
+                return await asyncio.get_running_loop().run_in_executor(self._reader, read)
+        except TimeoutError:
+            return fallback
+
     def _observe_probe(self, socket: str, result: ProbeResult) -> None:
         if result.latency:
             self.metrics.probe_duration.labels(socket).observe(result.latency)
@@ -417,8 +432,10 @@ class Sidecar:
             return {"check": "off (--expect-devices 0)"}
         if expect is None:
             return {"check": "at least one healthy device", "want": 1}
-        if expect != hamiconfig.AUTO or self._expectation is None:
+        if expect != hamiconfig.AUTO:
             return {"check": "--expect-devices", "want": expect}
+        if self._expectation is None:
+            return {"check": "--expect-devices auto", "want": None, "notes": ["not read yet"]}
         return {"check": "--expect-devices auto", **self._expectation.as_dict()}
 
     def status_document(self) -> dict[str, Any]:
