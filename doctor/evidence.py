@@ -331,7 +331,8 @@ def _connections_to(seen: Connections | str, spec: PluginSpec, path: str) -> Rea
         return Reading.failed(seen)
     # Where the folder is mounted elsewhere, the plugin bound it at the kubelet's own path.
     bound = os.path.join(os.path.dirname(KUBELET_BOUND_PATH), spec.socket)
-    return Reading(seen.to(path, (bound,)))
+    count = seen.held(path, (bound,))
+    return Reading.failed(count) if isinstance(count, str) else Reading(count)
 
 
 def kubelet_process(name: str) -> KubeletProcess:

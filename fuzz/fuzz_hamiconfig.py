@@ -1,12 +1,11 @@
 """Fuzz harness: HAMi's node configuration and the driver's GPU information files, parsed totally.
 
-`TestOneInput(data)` is the entry point a coverage-guided fuzzer calls (atheris' convention); the seed
-corpus is fuzz/corpus/hamiconfig/. Any exception, or an answer of the wrong shape, is a finding.
+`parse_node_config` answers what HAMi's plugin takes from config.json (an unreadable file: no filter, and
+why), `parse_gpu_information` what the driver's information file says; neither ever raises. Any
+exception, or an answer of the wrong shape, is a finding (`make fuzz`; seeds in fuzz/corpus/hamiconfig/).
 """
 
 from __future__ import annotations
-
-import sys
 
 from sidecar.hamiconfig import Gpu, NodeConfig, parse_gpu_information, parse_node_config
 
@@ -23,15 +22,3 @@ def TestOneInput(data: bytes) -> None:
     gpu = parse_gpu_information(data.decode("utf-8", errors="replace"), "0000:00:00.0")
     assert isinstance(gpu, Gpu)
     assert gpu.minor is None or gpu.minor >= 0
-
-
-def main(paths: list[str]) -> int:
-    """Run the harness once over each file given (the corpus, without a fuzzer)."""
-    for path in paths:
-        with open(path, "rb") as f:
-            TestOneInput(f.read())
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

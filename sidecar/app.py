@@ -350,9 +350,10 @@ class Sidecar:
                 held: Reading[int] = Reading.failed(connections)
             else:
                 # Where the folder is mounted elsewhere, the plugin bound it at the kubelet's own path.
-                held = Reading(
-                    connections.to(path, (os.path.join(os.path.dirname(KUBELET_BOUND_PATH), plugin.socket),))
+                count = connections.held(
+                    path, (os.path.join(os.path.dirname(KUBELET_BOUND_PATH), plugin.socket),)
                 )
+                held = Reading.failed(count) if isinstance(count, str) else Reading(count)
             # A socket re-created since the table was read is not in it: no verdict on its owner.
             owner = (
                 socket_owner(path, s.kubelet_path, mine, names=names)
