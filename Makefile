@@ -12,6 +12,11 @@ REALKUBELET := tests/realkubelet
 KUBELET_NEW := v1.37.2
 KUBELET_OLD := v1.36.5
 
+# Helm, built by `make helm-binaries` for tests/test_manifests.py (the versions the README's lines are tested with).
+HELM_BIN      := tests/helm/bin
+HELM3_VERSION := v3.22.0
+HELM4_VERSION := v4.3.2
+
 .PHONY: test lint typecheck pytest demo proto bench soak clean lock manifests dashboard fuzz
 
 $(STAMP): pyproject.toml
@@ -36,8 +41,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-# With Go on PATH, pytest first (re)builds the real-kubelet fixtures; without it their tests skip.
-pytest: $(STAMP) $(TOOLS) $(if $(shell command -v $(GO) 2>/dev/null),kubelet-fixtures)
+# With Go on PATH, pytest first (re)builds the real-kubelet fixtures and Helm; without it their tests skip.
+pytest: $(STAMP) $(TOOLS) $(if $(shell command -v $(GO) 2>/dev/null),kubelet-fixtures helm-binaries)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The kubelet's real device manager, PodResources server and plugins (tests/realkubelet,
@@ -68,6 +73,7 @@ bench: $(STAMP)
 	$(PY) -m bench.fault_latency
 	$(PY) -m bench.resources
 	$(PY) bench/doctor_log.py
+	$(PY) -m bench.sidecar_listen
 
 soak: $(STAMP)
 	$(PY) -m bench.soak
@@ -115,10 +121,21 @@ test-aiohttp-range:
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. sidecar/proto/*.proto
 
-# Regenerate the standalone DaemonSet from HAMi's shape and the patch (tests/test_manifests.py compares them).
-manifests:
-	{ cat manifests/standalone/header.yaml.in; kubectl kustomize manifests/example-hami; } \
-		> manifests/standalone/hami-device-plugin.yaml
+# Regenerate manifests/example-hami/hami.yaml: the chart fixture as the README's kustomize route renders
+# HAMi's chart (tests/test_manifests.py checks it is current).
+manifests: helm-binaries
+	$(HELM_BIN)/helm-$(HELM3_VERSION) template hami tests/fixtures/hami-chart --namespace kube-system \
+		--kube-version 1.33.0 > manifests/example-hami/hami.yaml
+
+# Helm 3 and Helm 4, built from their Go modules at pinned versions (tests/test_manifests.py installs
+# with both). Kept in tests/helm/bin like the kubelet fixtures: a second run finds them and does nothing.
+.PHONY: helm-binaries
+helm-binaries: $(HELM_BIN)/helm-$(HELM3_VERSION) $(HELM_BIN)/helm-$(HELM4_VERSION)
+
+$(HELM_BIN)/helm-%:
+	mkdir -p $(HELM_BIN)/.gobin-$*
+	GOBIN=$(CURDIR)/$(HELM_BIN)/.gobin-$* $(GO) install helm.sh/helm/$(firstword $(subst ., ,$*))/cmd/helm@$*
+	mv $(HELM_BIN)/.gobin-$*/helm $@ && rmdir $(HELM_BIN)/.gobin-$*
 
 # Regenerate the Grafana dashboard (manifests/monitoring/dashboard.json) with grafana-foundation-sdk, a dev
 # dependency (tests/test_monitoring.py checks the committed JSON is current).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from functools import partial
 from pathlib import Path
@@ -27,11 +28,15 @@ def registered_since(node: Node, count: int) -> bool:
 
 
 def probe_paths() -> tuple[str, str]:
-    """(liveness, readiness) paths of the `device-plugin` container in the shipped patch."""
+    """(liveness, readiness) paths of the `device-plugin` container in the shipped patch: the path its
+    livenessProbe command asks for, and its readinessProbe's path less the query (the probe excludes the
+    checks a rollback cannot mend: tests/test_manifests.py tests that gate; here /readyz is every check)."""
     doc = yaml.safe_load(PATCH.read_text())
     containers = doc["spec"]["template"]["spec"]["containers"]
     plugin = next(c for c in containers if c["name"] == "device-plugin")
-    return plugin["livenessProbe"]["httpGet"]["path"], plugin["readinessProbe"]["httpGet"]["path"]
+    asked = re.search(r"GET (\S+) HTTP", plugin["livenessProbe"]["exec"]["command"][-1])
+    assert asked is not None
+    return asked.group(1), plugin["readinessProbe"]["httpGet"]["path"].split("?", 1)[0]
 
 
 LIVE, READY = probe_paths()
