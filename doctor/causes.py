@@ -5,6 +5,7 @@ Pure functions, no I/O: a test builds the evidence by hand and checks every bran
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -32,8 +33,11 @@ from initcheck.flags import AUTO_DEVICES
 from sidecar.registration import (
     accepted_devices,
     iso,
+    matching_plugins,
     not_held_reason,
     physical_devices,
+    pick_found,
+    socket_found_instead,
     unrecorded_connection,
 )
 
@@ -42,6 +46,7 @@ Verdict = Literal["problem", "ok", "unknown"]
 # Root causes, in the order a cause explains the ones after it: the most likely first.
 CAUSES = (
     ("socket-path", "socket path mismatch"),
+    ("socket-name", "plugin socket under another name"),
     ("socket-permission", "socket permission"),
     ("protocol", "API/protocol mismatch"),
     ("driver-runtime", "GPU driver or runtime"),
@@ -139,6 +144,7 @@ def diagnose(e: NodeEvidence) -> list[Cause]:
         log_cause("plugin-log", e.plugin_logs),
         growth_cause(e.plugin_process, e.rss_growth_mib),
         version_cause(e.kubelet),
+        socket_name_cause(e),
     ]
     driver = causes[3]
     if driver.verdict == "problem":  # restarting a plugin that cannot see a GPU mends nothing
@@ -167,6 +173,52 @@ def initcheck_causes(findings: Iterable[Finding]) -> tuple[Cause, Cause]:
         elif f.status == "skip" and f.id == "PATH_MISMATCH":
             path.evidence.append(f"PATH_MISMATCH not checked: {f.found}")
     return path, perm
+
+
+def socket_name_cause(e: NodeEvidence) -> Cause:
+    """A plugin's socket missing while a device plugin serves another in the folder: HAMi installed with
+    another resourceName (`nvidia.com/vgpu` serves nvidia-vgpu.sock) than the sidecar's --plugin says."""
+    cause = Cause("socket-name", "ok")
+    configured = {p.spec.socket for p in e.plugins} | {os.path.basename(e.kubelet_path)}
+    served = [
+        name for s in e.folder_sockets if s.listening and (name := os.path.basename(s.path)) not in configured
+    ]
+    specs = tuple(p.spec for p in e.plugins)
+    for p in e.plugins:
+        if p.probe.state != "absent":
+            cause.evidence.append(f"{p.spec.socket}: exists")
+            continue
+        found = pick_found(p.spec, served)
+        if found is None:
+            cause.evidence.append(f"{p.spec.socket} is missing, and no other socket is served in the folder")
+            continue
+        fixed = matching_plugins(specs, p.spec, found)
+        value = ",".join(f"{s.resource}={s.socket}" for s in fixed)
+        flags = " ".join(f"--plugin {s.resource}={s.socket}" for s in fixed)
+        cause.problem(
+            f"{p.spec.socket} does not exist; {socket_found_instead(specs, p.spec, found)}",
+            [
+                "the plugin serves another socket than hami-guard was told: give the sidecar (and "
+                "hami-doctor) the plugin setting that matches it, or install HAMi with the resourceName "
+                "the setting names:",
+                "$ "
+                + command(
+                    "kubectl",
+                    "-n",
+                    "kube-system",
+                    "set",
+                    "env",
+                    "daemonset/hami-device-plugin",
+                    "-c",
+                    "hami-sidecar",
+                    f"HAMI_GUARD_PLUGIN={value}",
+                ),
+                f"hami-doctor {flags}",
+            ],
+        )
+    if not e.plugins:
+        cause.verdict = "unknown"
+    return cause
 
 
 def protocol_cause(kubelet: SocketProbe) -> Cause:

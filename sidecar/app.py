@@ -16,9 +16,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
-from sidecar import __version__
+from sidecar import __version__, hamiconfig
 from sidecar.checkpoint import CHECKPOINT_NAME
 from sidecar.config import PluginSpec, Settings
 from sidecar.dra import RESTART_BUDGET as DRA_RESTART_BUDGET
@@ -28,6 +29,7 @@ from sidecar.metrics import Metrics
 from sidecar.probes import (
     ProbeResult,
     Reading,
+    SocketId,
     pod_resources_devices,
     probe_kubelet,
     probe_plugin,
@@ -50,6 +52,7 @@ from sidecar.unixdiag import (
 from sidecar.watcher import FolderWatcher, FsEvent
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FOLDER_RETRY_SECONDS = 0.25
 MIN_ROUND_GAP = 0.01
@@ -178,6 +181,8 @@ class Sidecar:
         self._folder_id: tuple[int, int] | None = None
         self._reader: ThreadPoolExecutor | None = None
         self._folder_waiting = False
+        self._expectation: hamiconfig.Expectation | None = None
+        self._others: tuple[tuple[str, SocketId], ...] = ()
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -348,6 +353,17 @@ class Sidecar:
         except TimeoutError:
             checkpoint = Reading.failed(f"the checkpoint could not be read within {s.probe_timeout:g}s")
         host_devices = len(glob.glob(s.device_glob)) if s.expect_devices == -1 else None
+        expectation = (
+            await self._off_loop(self._expected, self._expectation) if s.expect_devices == -1 else None
+        )
+        self._expectation = expectation
+        # Other sockets served in the folder, only while a plugin's own is missing (under another name?).
+        others: tuple[tuple[str, SocketId], ...] = ()
+        if any(r.state == "absent" for r in plugins):
+            taken = {s.kubelet_socket, *(p.socket for p in s.plugins)}
+            # A read cut short keeps the last answer: an empty one would make the next look like a restart.
+            read = partial(_served_elsewhere, s.device_plugin_dir, taken)
+            others = self._others = await self._off_loop(read, self._others)
         observed = {}
         for plugin, result in zip(s.plugins, plugins, strict=True):
             self._observe_probe(plugin.socket, result)
@@ -374,7 +390,16 @@ class Sidecar:
                 result, socket_identity(path), held, owner.verdict, owner.reason, ids
             )
         self._connections_source = connections if isinstance(connections, str) else connections.source
-        seen = Round(kubelet, observed, checkpoint, pod_resources, host_devices, generation)
+        seen = Round(
+            kubelet,
+            observed,
+            checkpoint,
+            pod_resources,
+            host_devices,
+            generation,
+            expectation=expectation,
+            others=others,
+        )
         for resource in self.registrar.round(seen):
             self._tasks.spawn(
                 self._observe_vanished(self.registrar.plugin_for(resource)), f"vanish:{resource}"
@@ -397,6 +422,21 @@ class Sidecar:
                     self.metrics.restart_requests.labels(label, name).inc()
             self._publish.connected(name, ev.connections)
             self._publish.budget(name, j.restarts_in_vain >= DRA_RESTART_BUDGET)
+
+    def _expected(self) -> hamiconfig.Expectation:
+        s = self.settings
+        return hamiconfig.expectation(
+            hamiconfig.Sources(s.device_glob, s.hami_config, s.node_name, s.nvidia_gpus_dir, s.vfio_dir)
+        )
+
+    async def _off_loop(self, read: Callable[[], T], fallback: T) -> T:
+        """`read` (files, connects) on the reader's thread within the probe timeout, never on the loop."""
+        assert self._reader is not None
+        try:
+            async with asyncio.timeout(self.settings.probe_timeout):
+                return await asyncio.get_running_loop().run_in_executor(self._reader, read)
+        except TimeoutError:
+            return fallback
 
     def _observe_probe(self, socket: str, result: ProbeResult) -> None:
         if result.latency:
@@ -427,6 +467,19 @@ class Sidecar:
     def ready(self) -> bool:
         """The first probe round has run: before it, nothing is known."""
         return self.rounds > 0
+
+    def _expected_devices(self) -> dict[str, Any]:
+        """What the devices check wants, and why (auto: which devices HAMi registers, which it filters)."""
+        expect = self.settings.expect_devices
+        if expect == 0:
+            return {"check": "off (--expect-devices 0)"}
+        if expect is None:
+            return {"check": "at least one healthy device", "want": 1}
+        if expect != hamiconfig.AUTO:
+            return {"check": "--expect-devices", "want": expect}
+        if self._expectation is None:
+            return {"check": "--expect-devices auto", "want": None, "notes": ["not read yet"]}
+        return {"check": "--expect-devices auto", **self._expectation.as_dict()}
 
     def status_document(self) -> dict[str, Any]:
         s = self.settings
@@ -465,6 +518,7 @@ class Sidecar:
             "registration": self.registrar.registration(),
             "registration_history": [a.as_dict() for a in self.registrar.history],
             "devices": self.registrar.devices(),
+            "expected_devices": self._expected_devices(),
             "settings": {
                 "device_plugin_dir": s.device_plugin_dir,
                 "probe_interval": s.probe_interval,
@@ -494,6 +548,25 @@ class Sidecar:
             "kubelet_connections_from": self.dra.connections_source,
             "drivers": drivers,
         }
+
+
+MAX_FOLDER_SOCKETS = 32  # other sockets tried in the folder per round
+
+
+def _served_elsewhere(folder: str, mine: set[str]) -> tuple[tuple[str, SocketId], ...]:
+    """Socket files in the folder, not the kubelet's or a configured plugin's, that accept a connection."""
+    out = []
+    try:
+        with os.scandir(folder) as entries:
+            names = sorted(e.name for e in entries if e.name not in mine and e.name.endswith(".sock"))
+    except OSError:
+        return ()
+    for name in names[:MAX_FOLDER_SOCKETS]:
+        path = os.path.join(folder, name)
+        identity = socket_identity(path)
+        if identity is not None and not socket_refuses(path):
+            out.append((name, identity))
+    return tuple(out)
 
 
 def _file_id(path: str) -> tuple[int, int] | None:

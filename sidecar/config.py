@@ -17,6 +17,7 @@ from initcheck import flags
 from initcheck.checks import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, DEFAULT_SOCKET
 from initcheck.envflags import env_name, parse_with_env
 from initcheck.flags import AUTO_DEVICES, PluginSpec
+from sidecar import hamiconfig
 from sidecar.dra import DEFAULT_GRACE as DEFAULT_DRA_GRACE
 from sidecar.dra import DEFAULT_REGISTRY, DraSpec, dra_spec
 
@@ -50,8 +51,14 @@ class Settings(flags.DeviceFolder):
     probe_interval: float = 10.0
     probe_timeout: float = 2.0
     registration_grace: float = 60.0
-    expect_devices: int | None = None  # None: no devices check; AUTO_DEVICES (-1): count host device nodes
+    # None: at least one healthy device; 0: no devices check; AUTO_DEVICES (-1): the host's less HAMi's filter
+    expect_devices: int | None = None
     device_glob: str = DEFAULT_DEVICE_GLOB
+    # HAMi's node configuration (its device-plugin ConfigMap's config.json) and this node's name in it.
+    hami_config: str = hamiconfig.CONFIG_PATH
+    node_name: str = ""
+    nvidia_gpus_dir: str = hamiconfig.GPUS_DIR  # the driver's GPUs, with their UUIDs
+    vfio_dir: str = hamiconfig.VFIO_DIR
     plugin_label: str = "hami"
     log_format: str = "text"
     log_level: str = "INFO"
@@ -119,6 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default=d.log_level, type=str.upper
     )
     p.add_argument("--watch-mode", choices=("auto", "inotify", "polling"), default=d.watch_mode)
+    p.add_argument(
+        "--hami-config",
+        default=d.hami_config,
+        help="HAMi's node configuration, read for --expect-devices auto: the device plugin's ConfigMap "
+        f"(config.json) mounted as in HAMi's own container (default {d.hami_config})",
+    )
+    p.add_argument(
+        "--node-name",
+        default=d.node_name,
+        help=f"this node's name in HAMi's node configuration (default: ${hamiconfig.NODE_NAME_ENV}, as "
+        "HAMi's pod sets it from spec.nodeName)",
+    )
     p.add_argument(
         "--polling-interval",
         type=PERIOD,
@@ -201,6 +220,9 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
         registration_grace=args.registration_grace,
         expect_devices=args.expect_devices,
         device_glob=args.device_glob,
+        hami_config=args.hami_config,
+        node_name=args.node_name
+        or (os.environ if environ is None else environ).get(hamiconfig.NODE_NAME_ENV, ""),
         plugin_label=args.plugin_label,
         log_format=args.log_format,
         log_level=args.log_level,

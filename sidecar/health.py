@@ -67,6 +67,12 @@ class Check:
     reset_at: float = 0.0  # monotonic
     restarts: bool = True  # a failure of this check fails liveness (restarting the plugin helps)
     judged_elsewhere: bool = False  # its status comes whole from `assign` (its own graces)
+    quiet: str = ""  # why a failure of this check restarts nothing, when the default is not the truth
+
+    @property
+    def no_restart(self) -> str:
+        """Why this failure does not fail liveness, as `[!]` lines say it."""
+        return self.quiet or NO_RESTART
 
     @property
     def name(self) -> str:
@@ -83,6 +89,7 @@ class Check:
 
 
 Transition = Callable[[Check, Status], None]
+NO_RESTART = "a plugin restart would not mend it"
 
 
 class HealthState:
@@ -119,14 +126,17 @@ class HealthState:
         *,
         definitive: bool = False,
         restarts: bool = True,
+        quiet: str = "",
     ) -> None:
         """A probe's outcome. `definitive`: a failure no waiting can mend (another service on the
         socket, a file where a socket should be) fails at once, grace or not. `restarts`: whether
-        this failure fails liveness."""
+        this failure fails liveness; `quiet`: why not, where "a plugin restart would not mend it"
+        is not the truth (another check already asks for the restart, the restart budget is spent)."""
         check = self.checks[name]
         check.last_ok = ok
         check.definitive = definitive and not ok
         check.restarts = restarts
+        check.quiet = "" if restarts else quiet
         if latency is not None:
             check.latency = latency
         if ok:

@@ -19,14 +19,19 @@ from typing import Any, Protocol
 
 from initcheck.flags import PluginSpec
 from sidecar.checkpoint import Checkpoint
+from sidecar.hamiconfig import Expectation
 from sidecar.health import Check, CheckKey, HealthState, Kind, Status
 from sidecar.probes import ProbeResult, Reading, SocketId
 from sidecar.unixdiag import Owner
 
 logger = logging.getLogger(__name__)
 
-# Liveness failure episodes for "not registered" whose plugin restarts did not help, before giving up.
+# Liveness failure episodes whose plugin restarts did not help, before giving up: "not registered", and a
+# plugin socket that never came back (a plugin serving under another name).
 RESTART_BUDGET = 3
+# HAMi's socket for resource `nvidia.com/<name>` is `nvidia-<name>.sock` (getPluginSocketPath,
+# pkg/device-plugin/nvidiadevice/nvinternal/plugin/server.go in Project-HAMi/HAMi).
+_HAMI_SOCKET = re.compile(r"^nvidia-([A-Za-z0-9][A-Za-z0-9._-]{0,62})\.sock$")
 # HAMi advertises each GPU as `<GPU-UUID>-<n>`; NVIDIA's time-slicing as `<id>::<n>`.
 _HAMI_SPLIT = re.compile(r"^(GPU-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12})-\d+$")
 _REPLICA = re.compile(r"^(.+)::\d+$")
@@ -67,6 +72,48 @@ def unrecorded_connection(connections: int, checkpoint: Checkpoint | None, accep
     return connections > 0 and checkpoint is not None and accepted is None
 
 
+def hami_resource(socket: str) -> str | None:
+    """The resource HAMi registers when it serves `socket` (`nvidia-vgpu.sock`: nvidia.com/vgpu)."""
+    m = _HAMI_SOCKET.match(socket)
+    return f"nvidia.com/{m.group(1)}" if m else None
+
+
+def matching_plugins(plugins: Iterable[PluginSpec], plugin: PluginSpec, found: str) -> tuple[PluginSpec, ...]:
+    """The plugins setting with `plugin` replaced by the one serving `found` (a socket in the folder)."""
+    resource = hami_resource(found) if plugin.resource.startswith("nvidia.com/") else None
+    new = PluginSpec(resource or plugin.resource, found)
+    return tuple(new if p == plugin else p for p in plugins)
+
+
+def socket_found_instead(plugins: Iterable[PluginSpec], plugin: PluginSpec, found: str) -> str:
+    """What to say of a plugin whose socket is missing while `found` is served in the folder."""
+    specs = matching_plugins(plugins, plugin, found)
+    new = next(p for p in specs if p.socket == found)
+    flags = " ".join(f"--plugin {p.resource}={p.socket}" for p in specs)
+    env = ",".join(f"{p.resource}={p.socket}" for p in specs)
+    hami = (
+        f" (HAMi serves nvidia-<name>.sock for resourceName nvidia.com/<name>: {new.resource})"
+        if new.resource != plugin.resource
+        else ""
+    )
+    return (
+        f"a device plugin serves {found} in the folder instead{hami}: the settings that match it are "
+        f"{flags}, or HAMI_GUARD_PLUGIN={env}"
+    )
+
+
+def seen_others(p: _PluginState) -> list[tuple[str, SocketId]]:
+    return sorted((p.others or {}).items())
+
+
+def pick_found(plugin: PluginSpec, others: Iterable[str]) -> str | None:
+    """Of the other sockets served in the folder, the one most likely this plugin's under another name."""
+    names = sorted(others)
+    domain = plugin.resource.partition("/")[0]
+    same = [n for n in names if (hami_resource(n) or "").startswith(domain + "/")]
+    return (same or names)[0] if names else None
+
+
 def not_held_reason(
     checkpoint: Reading[Checkpoint], resource: str, plugin: SocketId | None, connected_since: float | None
 ) -> str:
@@ -94,7 +141,8 @@ class Rules:
     plugins: tuple[PluginSpec, ...]
     grace: float
     kubelet_socket: str = "kubelet.sock"
-    expect_devices: int | None = None  # None: no devices check; -1: count host device nodes
+    # None: at least one healthy device; 0: no devices check; -1 (auto): the host's devices HAMi registers
+    expect_devices: int | None = None
     device_glob: str = ""
     drop_confirm: float = 0.2  # a lost connection must stay lost this long to be a drop
 
@@ -121,6 +169,10 @@ class Round:
     pod_resources: Reading[dict[str, frozenset[str]]]  # healthy device IDs by resource
     host_devices: int | None = None
     generation: int | None = None  # Registrar.generation when the round began (None: current)
+    # auto's expectation (the host's devices less HAMi's filtered ones); None: `host_devices` stands
+    expectation: Expectation | None = None
+    # Other sockets served in the folder (name, identity), read while a plugin's own socket is missing.
+    others: tuple[tuple[str, SocketId], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -198,6 +250,9 @@ class _PluginState:
     restarts_in_vain: int = 0
     budget_announced: bool = False  # logged and published once the spent budget took effect
     devices: dict[str, int] = field(default_factory=dict)
+    served: bool = False  # its own socket answered since start: a missing one is then a crash
+    others: dict[str, SocketId] | None = None  # other sockets served in the folder, last round
+    found: str | None = None  # the socket it seems to serve instead of its own
 
     @property
     def budget_spent(self) -> bool:
@@ -259,6 +314,7 @@ class Registrar:
                 "kubelet_connected_since": iso(p.connected_since) if p.connected_since else None,
                 "restarts_without_registration": p.restarts_in_vain,
                 "restart_budget_spent": p.budget_announced,
+                "socket_found_instead": p.found,
                 "open_attempt": p.attempt.as_dict() if p.attempt else None,
             }
         return out
@@ -275,7 +331,7 @@ class Registrar:
 
     def _keys(self, resource: str) -> list[CheckKey]:
         kinds = [Kind.PLUGIN, Kind.REGISTERED]
-        if self.rules.expect_devices is not None:
+        if self.rules.expect_devices != 0:  # an explicit 0 opts out
             kinds.append(Kind.DEVICES)
         return [CheckKey(k, resource) for k in kinds]
 
@@ -437,6 +493,7 @@ class Registrar:
         vanished = []
         for plugin in self.rules.plugins:
             obs = seen.plugins[plugin.resource]
+            self._watch_others(plugin, seen)
             if self._judge_plugin(plugin, obs):
                 vanished.append(plugin.resource)
             self._judge_registration(plugin, obs, seen)
@@ -500,7 +557,15 @@ class Registrar:
             # Another device plugin re-bound the socket (up to 1.36 the kubelet keeps whichever
             # registered last; 1.37 refuses the second on one path): a restart would only fight it.
             why = f"{obs.owner_reason}; run one device plugin per resource (remove the other DaemonSet)"
-            self.state.report(name, False, why, result.latency, definitive=True, restarts=False)
+            self.state.report(
+                name,
+                False,
+                why,
+                result.latency,
+                definitive=True,
+                restarts=False,
+                quiet="another device plugin owns the socket: a restart of this one would only fight it",
+            )
             return False
         if result.ok or result.definitive:
             p.failed_at = None
@@ -514,10 +579,57 @@ class Registrar:
                 return False
         # While the kubelet is away its cleanup explains a missing socket: a restart would not help.
         restarts = not (self._kubelet_down and result.state == "absent")
+        reason, quiet = result.reason, ""
+        if result.ok:
+            p.served, p.found = True, None
+        elif not restarts:
+            quiet = "the kubelet is restarting: its cleanup removed the socket, and HAMi serves a new one"
+        elif result.state == "absent" and not p.served:
+            # Never served since start: a plugin serving under another name, if the folder shows one;
+            # restarts that do not bring the socket back are counted against the budget.
+            found = pick_found(plugin, (n for n, _ in seen_others(p)))
+            p.found = found
+            if found is not None:
+                reason = f"{reason}; {socket_found_instead(self.rules.plugins, plugin, found)}"
+            if p.budget_spent:
+                restarts = False
+                quiet = (
+                    f"restart budget spent: {p.restarts_in_vain} plugin restarts did not bring "
+                    f"{plugin.socket} back"
+                )
         self.state.report(
-            name, result.ok, result.reason, result.latency, definitive=result.definitive, restarts=restarts
+            name,
+            result.ok,
+            reason,
+            result.latency,
+            definitive=result.definitive,
+            restarts=restarts,
+            quiet=quiet,
         )
         return False
+
+    def _watch_others(self, plugin: PluginSpec, seen: Round) -> None:
+        """A restart in vain: the plugin failed liveness for a socket it never served, and a socket came
+        back in the folder under another name (a new file where the last round saw none, or another)."""
+        r = plugin.resource
+        p = self._plugins[r]
+        now = dict(seen.others)
+        check = self.state.checks[CheckKey(Kind.PLUGIN, r).name]
+        if p.others is not None and check.live_failed and not p.served:
+            back = sorted(n for n, ident in now.items() if p.others.get(n) != ident)
+            if back and not p.budget_spent:
+                p.restarts_in_vain += 1
+                if not p.budget_spent:
+                    self.listener.restart_requested(r)  # still failing: the next restart is asked for
+                logger.info(
+                    "%s: the plugin restarted and serves %s, not %s (%d of %d restarts in vain)",
+                    r,
+                    ", ".join(back),
+                    plugin.socket,
+                    p.restarts_in_vain,
+                    RESTART_BUDGET,
+                )
+        p.others = now
 
     def _judge_registration(self, plugin: PluginSpec, obs: PluginRound, seen: Round) -> None:
         r = plugin.resource
@@ -526,7 +638,9 @@ class Registrar:
             p.lost_at = None
             self.listener.connected(r, None)
             why = "the kubelet is restarting; the plugin must register again"
-            self.state.report(name, False, why, restarts=False)
+            self.state.report(
+                name, False, why, restarts=False, quiet="a kubelet restart: HAMi registers again by itself"
+            )
             return
         held, why, definitive, mends = self._held(plugin, p, obs, seen)
         if held is None:
@@ -551,8 +665,27 @@ class Registrar:
         )
         if not held and p.budget_spent:
             why = f"{why}; restart budget spent: {RESTART_BUDGET} plugin restarts did not register it"
+        self.state.report(
+            name, held, why, definitive=definitive, restarts=restarts, quiet=self._quiet(plugin, obs, seen)
+        )
 
-        self.state.report(name, held, why, definitive=definitive, restarts=restarts)
+    def _quiet(self, plugin: PluginSpec, obs: PluginRound, seen: Round) -> str:
+        """Why `registered:` restarts nothing, true for the state at hand."""
+        p = self._plugins[plugin.resource]
+        sock = self.state.checks[CheckKey(Kind.PLUGIN, plugin.resource).name]
+        if not seen.kubelet.verified:
+            return "the kubelet's socket is not the real registration service: a plugin restart won't mend it"
+        if obs.owner == "elsewhere":
+            return "another device plugin owns the socket: a restart of this one would only fight it"
+        if not obs.probe.ok and not (p.budget_spent and not sock.live_failed):
+            # Said alike while that check is pending and once it fails: the text outlives the round.
+            return (
+                f"the plugin does not answer: {sock.name} judges that, and the plugin restart it asks for "
+                "mends this too"
+            )
+        if p.budget_spent:
+            return f"restart budget spent: {p.restarts_in_vain} plugin restarts did not register it"
+        return ""
 
     def _held(
         self, plugin: PluginSpec, p: _PluginState, obs: PluginRound, seen: Round
@@ -827,25 +960,48 @@ class Registrar:
         self.listener.devices(r, counts)
         p.devices = counts
         expect = self.rules.expect_devices
-        if expect is None:
-            return
+        if expect == 0:
+            return  # opted out: a node where no healthy device is normal
         name = CheckKey(Kind.DEVICES, r).name
-        want = seen.host_devices if expect == -1 else expect
+        want, why_want = self._wanted(expect, seen)
         source = "pod-resources" if "pod_resources" in counts else "checkpoint"
         have = counts.get("pod_resources", counts.get("checkpoint"))
+        # Devices are a readiness question: a plugin restart does not make a GPU healthy.
+        quiet = "readiness only: a plugin restart does not bring devices back"
         if have is None:
             why = "the kubelet is restarting" if self._kubelet_down else "no current count"
-            self.state.report(name, False, f"{why}: the checkpoint predates kubelet.sock", restarts=False)
-        elif want is None or have >= want:
-            self.state.report(name, True, f"the kubelet lists {have} (want {want})", restarts=False)
+            self.state.report(
+                name, False, f"{why}: the checkpoint predates kubelet.sock", restarts=False, quiet=quiet
+            )
+        elif have >= want:
+            self.state.report(
+                name, True, f"the kubelet lists {have} (want {want}: {why_want})", restarts=False
+            )
         else:
-            where = f" ({self.rules.device_glob} on the host)" if expect == -1 else ""
             self.state.report(
                 name,
                 False,
-                f"the kubelet lists {have} healthy device(s) by {source}, {want} expected{where}",
+                f"the kubelet lists {have} healthy device(s) by {source}, {want} expected ({why_want})",
                 restarts=False,
+                quiet=quiet,
             )
+
+    def _wanted(self, expect: int | None, seen: Round) -> tuple[int, str]:
+        """The minimum of healthy devices, and where it comes from."""
+        if expect is None:
+            return (
+                1,
+                "a registered plugin with no healthy device is not ready; --expect-devices 0 opts out",
+            )
+        if expect != -1:
+            return expect, "--expect-devices"
+        if seen.expectation is not None:
+            e = seen.expectation
+            # Every GPU filtered: HAMi registers none, and none is right; no device node: at least one.
+            return (e.want if e.host else 1), f"--expect-devices auto: {e.summary()}"
+        if seen.host_devices:
+            return seen.host_devices, f"--expect-devices auto: {self.rules.device_glob} on the host"
+        return 1, f"--expect-devices auto: no {self.rules.device_glob} on the host; at least one"
 
     # -- transitions -------------------------------------------------------------------------------
     def refresh(self) -> float | None:
@@ -853,6 +1009,7 @@ class Registrar:
         return self.state.refresh()
 
     def _on_transition(self, check: Check, old: Status) -> None:
+        r = check.key.resource
         if check.status is Status.FAILED and check.key.kind is Kind.REGISTERED:
             r = check.key.resource
             p = self._plugins[r]
@@ -870,6 +1027,21 @@ class Registrar:
             if check.live_failed and not p.episode:
                 p.episode = True
                 self.listener.restart_requested(check.key.resource)
+        elif check.status is Status.FAILED and check.key.kind is Kind.PLUGIN and not self._plugins[r].served:
+            p = self._plugins[r]
+            if check.live_failed:
+                self.listener.restart_requested(r)  # for a socket it never served
+            elif p.budget_spent and not p.budget_announced:
+                p.budget_announced = True
+                logger.warning(
+                    "restart budget spent for %s: %d plugin restarts did not bring %s back%s; liveness no "
+                    "longer fails for it until it registers (this node needs a person)",
+                    r,
+                    p.restarts_in_vain,
+                    self.plugin_for(r).socket,
+                    f" (it serves {p.found})" if p.found else "",
+                )
+                self.listener.budget(r, True)
         self.listener.transition(check, old)
 
 

@@ -514,7 +514,7 @@ async def test_json_shape(doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlu
     assert doc["errors"] == []
     causes = doc["causes"]
     assert isinstance(causes, list)
-    assert len(causes) == 12
+    assert len(causes) == 13
     for c in causes:
         assert set(c) == {"id", "title", "verdict", "evidence", "fix"}
         assert c["verdict"] in {"problem", "ok", "unknown"}

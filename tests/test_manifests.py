@@ -397,7 +397,7 @@ def test_every_setting_reaches_the_sidecar_and_the_probes() -> None:
     assert "hami-sidecar" not in by_name(pod["initContainers"])
     sidecar = by_name(pod["containers"])["hami-sidecar"]
     assert "restartPolicy" not in sidecar
-    assert "HAMI_GUARD_EXPECT_DEVICES" not in {e["name"] for e in sidecar["env"]}
+    assert {e["name"]: e.get("value") for e in sidecar["env"]}["HAMI_GUARD_EXPECT_DEVICES"] == "0"
     live = by_name(pod["containers"])["device-plugin"]["livenessProbe"]
     assert live["httpGet"] == {"path": "/healthz", "port": 9395}
     assert "exec" not in live

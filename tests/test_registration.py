@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import pytest
 
 from initcheck.flags import PluginSpec
 from sidecar.checkpoint import Checkpoint
-from sidecar.health import Check, Status
+from sidecar.health import NO_RESTART, Check, Status
+from sidecar.http import _line
 from sidecar.probes import ProbeResult, Reading, SocketId
 from sidecar.registration import (
     RESTART_BUDGET,
@@ -97,6 +98,7 @@ class Node:
     pod_resources: dict[str, frozenset[str]] | None = None
     host: int | None = None
     connection_ids: frozenset[int] | None = None  # the kubelet's connections by inode, where told apart
+    others: dict[str, SocketId] = field(default_factory=dict)  # other sockets served in the folder
 
     def connect(self, *ids: int) -> None:
         self.connection_ids, self.connections = frozenset(ids), len(ids)
@@ -113,6 +115,7 @@ class Node:
             cp,
             pr,
             self.host,
+            others=tuple(self.others.items()),
         )
 
 
@@ -704,3 +707,234 @@ def test_one_failed_probe_of_an_answering_plugin_is_confirmed_before_liveness_fa
     clock.now += 0.2
     reg.round(node.round())
     assert status(reg, f"plugin:{GPU}") == ("failed", True)
+
+
+# -- devices: on for every registered resource ------------------------------------------------------
+
+
+@pytest.mark.parametrize("listed", [frozenset(), frozenset({"GPU-0"})], ids=["zero", "one"])
+def test_without_an_expectation_devices_wants_one_healthy_device_for_readiness_only(
+    listed: frozenset[str],
+) -> None:
+    reg, clock, _ = make()
+    reg.round(Node(pod_resources={GPU: listed}).round())
+    clock.now += 61  # past the grace: a count may rise while the plugin's first list comes in
+    reg.round(Node(pod_resources={GPU: listed}).round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    if listed:
+        assert status(reg, f"devices:{GPU}") == ("ok", False)
+        assert verdicts(reg) == (True, True)
+    else:
+        assert status(reg, f"devices:{GPU}") == ("failed", False)
+        assert "lists 0 healthy device(s) by pod-resources, 1 expected" in reason(reg, f"devices:{GPU}")
+        assert "--expect-devices 0 opts out" in reason(reg, f"devices:{GPU}")
+        assert verdicts(reg) == (True, False)
+
+
+def test_expect_devices_0_has_no_devices_check() -> None:
+    reg, _, _ = make(expect_devices=0)
+    reg.round(Node(pod_resources={GPU: frozenset()}).round())
+    assert f"devices:{GPU}" not in reg.state.checks
+    assert verdicts(reg) == (True, True)
+
+
+# -- the budget for a socket that never comes back ----------------------------------------------------
+
+VGPU_SOCK = "nvidia-vgpu.sock"
+
+
+def test_a_socket_served_under_another_name_is_named_and_spends_the_budget_in_three_restarts() -> None:
+    reg, clock, seen = make(grace=1)
+    node = Node(plugin=down("absent"), connections=0, checkpoint=None, checkpoint_error="no checkpoint")
+    node.others = {VGPU_SOCK: SocketId(20, 1)}
+    reg.round(node.round())
+    clock.now += 1.5
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)
+    why = reason(reg, f"plugin:{GPU}")
+    assert "a device plugin serves nvidia-vgpu.sock in the folder instead" in why
+    assert "resourceName nvidia.com/<name>: nvidia.com/vgpu" in why
+    assert (
+        "--plugin nvidia.com/vgpu=nvidia-vgpu.sock, or HAMI_GUARD_PLUGIN=nvidia.com/vgpu=nvidia-vgpu.sock"
+        in why
+    )
+    assert seen.restart_requests == 1
+    for n in range(1, RESTART_BUDGET + 1):
+        assert not reg.state.healthy()
+        node.others = {}  # the plugin's container stops: its socket goes
+        reg.round(node.round())
+        node.others = {VGPU_SOCK: SocketId(20 + n, 1 + n)}  # and its successor serves the same name
+        reg.round(node.round())
+        assert reg.registration()[GPU]["restarts_without_registration"] == n
+    assert verdicts(reg) == (True, False)
+    assert status(reg, f"plugin:{GPU}") == ("failed", False)
+    assert reg.state.checks[f"plugin:{GPU}"].no_restart == (
+        "restart budget spent: 3 plugin restarts did not bring nvidia-gpu.sock back"
+    )
+    assert seen.budgets == [True]
+    assert reg.registration()[GPU]["socket_found_instead"] == VGPU_SOCK
+    assert seen.restart_requests == RESTART_BUDGET
+
+
+def test_another_socket_coming_and_going_spends_nothing_for_a_plugin_that_had_served() -> None:
+    reg, clock, _ = make(grace=1)
+    node = Node()
+    reg.round(node.round())
+    node.plugin, node.connections = down("absent"), 0
+    reg.plugin_socket_deleted(GPU)  # it stopped: the same kubelet.sock answers
+    reg.judge_vanished(GPU, Vanish(None, K1, False), restart_window_over=True)
+    for n in range(RESTART_BUDGET + 2):
+        node.others = {VGPU_SOCK: SocketId(30 + n, n)}
+        clock.now += 1
+        reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)
+    assert reg.registration()[GPU]["restarts_without_registration"] == 0
+
+
+def test_a_missing_socket_with_nothing_else_in_the_folder_spends_nothing() -> None:
+    reg, clock, _ = make(grace=1)
+    node = Node(plugin=down("absent"), connections=0, checkpoint=None, checkpoint_error="no checkpoint")
+    for _ in range(10):
+        reg.round(node.round())
+        clock.now += 1
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)
+    assert "instead" not in reason(reg, f"plugin:{GPU}")
+    assert reg.registration()[GPU]["restarts_without_registration"] == 0
+
+
+# -- what each [!] line says, state by state --------------------------------------------------------
+
+
+def _missed_kubelet_restart(reg: Registrar, clock: Clock) -> None:
+    """The kubelet restarted and removed the plugin's socket; the plugin never served a new one."""
+    node = Node()
+    reg.round(node.round())
+    node.kubelet, node.plugin, node.connections = alive(K2), down("absent"), 0
+    reg.round(node.round())
+    clock.now += 61
+    reg.round(node.round())
+
+
+def _kubelet_restarting(reg: Registrar, clock: Clock) -> None:
+    node = Node()
+    reg.round(node.round())
+    node.kubelet, node.connections = down("absent"), None
+    reg.round(node.round())
+    clock.now += 61
+    reg.round(node.round())
+
+
+def _unverified_kubelet(reg: Registrar, clock: Clock) -> None:
+    node = Node(kubelet=alive(K1, verified=False), connections=0)
+    reg.round(node.round())
+    clock.now += 61
+    reg.round(node.round())
+
+
+def _another_plugin_owns_the_socket(reg: Registrar, clock: Clock) -> None:
+    obs = PluginRound(alive(P1), P1, Reading(0), "elsewhere", "another process listens")
+    base = Node().round()
+    reg.round(replace(base, plugins={GPU: obs}))
+    clock.now += 61
+    reg.round(replace(base, plugins={GPU: obs}))
+
+
+def _budget_spent_never_registering(reg: Registrar, clock: Clock) -> None:
+    node = Node(connections=0, checkpoint=None, checkpoint_error="no checkpoint")
+    reg.round(node.round())
+    for plugin in (P2, P3, SocketId(14, 8_000), SocketId(15, 9_000)):
+        clock.now += 61
+        reg.refresh()
+        reg.plugin_socket_created(GPU, plugin)
+        node.plugin = alive(plugin)
+        reg.round(node.round())
+    clock.now += 61
+    reg.round(node.round())
+
+
+def _zero_devices(reg: Registrar, clock: Clock) -> None:
+    reg.round(Node(pod_resources={GPU: frozenset()}).round())
+    clock.now += 61
+    reg.round(Node(pod_resources={GPU: frozenset()}).round())
+
+
+def _renamed(restarts: int) -> Callable[[Registrar, Clock], None]:
+    """The plugin serves nvidia-vgpu.sock, never its own socket; the kubelet restarted it `restarts` times."""
+
+    def build(reg: Registrar, clock: Clock) -> None:
+        node = Node(plugin=down("absent"), connections=0, checkpoint=None, checkpoint_error="no checkpoint")
+        node.others = {VGPU_SOCK: SocketId(20, 1)}
+        reg.round(node.round())
+        clock.now += 61
+        reg.round(node.round())
+        for n in range(1, restarts + 1):
+            node.others = {VGPU_SOCK: SocketId(20 + n, 1 + n)}
+            reg.round(node.round())
+
+    return build
+
+
+PLUGIN_ASKS = f"the plugin does not answer: plugin:{GPU} judges that, and the plugin restart it asks for"
+OTHER_OWNER = "another device plugin owns the socket: a restart of this one would only fight it"
+DEVICES = {f"devices:{GPU}": "readiness only: a plugin restart does not bring devices back"}
+STATES = {
+    # state: ({the check: what its [!] line says after "no restart: "}, the checks failing liveness)
+    "missed kubelet restart": ({f"registered:{GPU}": PLUGIN_ASKS, **DEVICES}, {f"plugin:{GPU}"}),
+    "kubelet restarting": (
+        {
+            "kubelet": NO_RESTART,
+            f"registered:{GPU}": "a kubelet restart: HAMi registers again by itself",
+            **DEVICES,
+        },
+        set(),
+    ),
+    "unverified kubelet": (
+        {f"registered:{GPU}": "the kubelet's socket is not the real registration service"},
+        set(),
+    ),
+    "another plugin owns the socket": (
+        {f"plugin:{GPU}": OTHER_OWNER, f"registered:{GPU}": OTHER_OWNER},  # the checkpoint lists two
+        set(),
+    ),
+    "budget spent, never registering": (
+        {f"registered:{GPU}": "restart budget spent: 3 plugin restarts did not register it", **DEVICES},
+        set(),
+    ),
+    "zero devices": (DEVICES, set()),
+    "renamed, within the budget": ({f"registered:{GPU}": PLUGIN_ASKS, **DEVICES}, {f"plugin:{GPU}"}),
+    "renamed, budget spent": (
+        {
+            f"plugin:{GPU}": "restart budget spent: 3 plugin restarts did not bring nvidia-gpu.sock back",
+            f"registered:{GPU}": "restart budget spent: 3 plugin restarts did not register it",
+            **DEVICES,
+        },
+        set(),
+    ),
+}
+BUILDERS = {
+    "missed kubelet restart": _missed_kubelet_restart,
+    "kubelet restarting": _kubelet_restarting,
+    "unverified kubelet": _unverified_kubelet,
+    "another plugin owns the socket": _another_plugin_owns_the_socket,
+    "budget spent, never registering": _budget_spent_never_registering,
+    "zero devices": _zero_devices,
+    "renamed, within the budget": _renamed(RESTART_BUDGET - 1),
+    "renamed, budget spent": _renamed(RESTART_BUDGET),
+}
+
+
+@pytest.mark.parametrize("state", list(STATES))
+def test_each_no_restart_line_says_what_is_true_in_its_state(state: str) -> None:
+    """Every `[!]` line of the state, and only those, with its why; never "a plugin restart would not
+    mend it" for registration while a plugin restart is what liveness asks for."""
+    quiet, live = STATES[state]
+    reg, clock, _ = make(expect_devices=None)
+    BUILDERS[state](reg, clock)
+    lines = {c.name: _line(reg.state, c) for c in reg.state.checks.values()}
+    marked = {name for name, line in lines.items() if line.startswith("[!]")}
+    assert marked == set(quiet), lines
+    for name, why in quiet.items():
+        assert lines[name].startswith(f"[!]{name} failed (no restart: {why}"), lines[name]
+    assert reg.state.failed == live, lines
+    if live:  # a plugin restart is under way: no registration line may say it would not mend it
+        assert all(NO_RESTART not in lines[n] for n in marked if not n.startswith(("kubelet", "checkpoint")))

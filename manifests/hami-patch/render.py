@@ -174,9 +174,9 @@ def adapt(ds: dict[str, Any], original: Mapping[str, Any], s: Mapping[str, str],
     kept = []
     for e in sidecar["env"]:
         if e["name"] in env:
-            if e["name"] == "HAMI_GUARD_EXPECT_DEVICES" and env[e["name"]] == "none":
-                continue
-            e["value"] = env[e["name"]]
+            # none: no devices check, which the sidecar spells 0 (absent, it wants one healthy device)
+            none = e["name"] == "HAMI_GUARD_EXPECT_DEVICES" and env[e["name"]] == "none"
+            e["value"] = "0" if none else env[e["name"]]
         kept.append(e)
     sidecar["env"] = kept
 
