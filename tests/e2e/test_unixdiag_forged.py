@@ -37,13 +37,18 @@ DEV = "example.com/dev"  # its plugin registers
 BOUND_DIR = "/var/lib/kubelet/device-plugins"  # where the kubelet's mount namespace has the folder
 # A process in the kubelet's namespace that answers each line (a port) with that sidecar's /status on
 # one line: one interpreter for the whole test, not one per question.
+# /status is rate limited (the serving limits answer 503 "busy" past their rate): a refused ask is
+# asked again a moment later, a few times, never forever.
 STATUS = (
-    "import sys, urllib.request\n"
+    "import sys, time, urllib.request\n"
     "for port in sys.stdin:\n"
-    "    try:\n"
-    "        body = urllib.request.urlopen(f'http://127.0.0.1:{port.strip()}/status', timeout=5).read()\n"
-    "    except OSError:\n"
-    "        body = b'{}'\n"
+    "    for _ in range(50):\n"
+    "        try:\n"
+    "            body = urllib.request.urlopen(f'http://127.0.0.1:{port.strip()}/status', timeout=5).read()\n"
+    "            break\n"
+    "        except OSError:\n"
+    "            body = b'{}'\n"
+    "            time.sleep(0.05)\n"
     "    print(body.decode().replace(chr(10), ' '), flush=True)\n"
 )
 
