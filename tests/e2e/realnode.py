@@ -29,22 +29,20 @@ def restarts_seen(node: RealNode, count: int) -> bool:
     return node.sidecar.registrar.kubelet_restarts >= count
 
 
-@dataclass
-class RealNode:
-    dir: str
-    kubelet: RealKubelet
-    sidecar: Sidecar
+class Asks:
+    """What a test node asks its sidecar over HTTP (its `settings.port`, through `http`)."""
+
     settings: Settings
     http: aiohttp.ClientSession
-    release: Release
-    plugins: list[RealPlugin]
+    until_timeout = 10.0
 
     async def get(self, path: str) -> tuple[int, str]:
         async with self.http.get(f"http://127.0.0.1:{self.settings.port}{path}") as r:
             return r.status, await r.text()
 
-    async def until(self, path: str, status: int, timeout: float = 10.0, contains: str = "") -> float:
+    async def until(self, path: str, status: int, timeout: float | None = None, contains: str = "") -> float:
         """Poll until `path` answers `status` (containing `contains`); the seconds it took."""
+        timeout = self.until_timeout if timeout is None else timeout
         started = time.monotonic()
         while True:
             code, body = await self.get(path)
@@ -53,6 +51,17 @@ class RealNode:
             if time.monotonic() - started > timeout:
                 pytest.fail(f"{path} answered {code} after {timeout}s, not {status} {contains!r}:\n{body}")
             await asyncio.sleep(0.005)
+
+
+@dataclass
+class RealNode(Asks):
+    dir: str
+    kubelet: RealKubelet
+    sidecar: Sidecar
+    settings: Settings
+    http: aiohttp.ClientSession
+    release: Release
+    plugins: list[RealPlugin]
 
     async def rounds(self, n: int = 2) -> None:
         target = self.sidecar.rounds + n

@@ -21,6 +21,7 @@ from sidecar.dra import DraSpec
 from sidecar.testing import free_port
 from sidecar.testing.realdra import RealDraDriver, RealDraKubelet, Release
 from tests.e2e.conftest import Watch, sidecar_running
+from tests.e2e.realnode import Asks
 
 DRIVER = "gpu.example.com"
 GRACE = 3.0
@@ -28,7 +29,7 @@ INTERVAL = 0.5
 
 
 @dataclass
-class DraNode:
+class DraNode(Asks):
     root: str
     kubelet: RealDraKubelet
     driver: RealDraDriver
@@ -36,19 +37,7 @@ class DraNode:
     settings: Settings
     http: aiohttp.ClientSession
 
-    async def get(self, path: str) -> tuple[int, str]:
-        async with self.http.get(f"http://127.0.0.1:{self.settings.port}{path}") as r:
-            return r.status, await r.text()
-
-    async def until(self, path: str, status: int, timeout: float = 15.0, contains: str = "") -> float:
-        started = time.monotonic()
-        while True:
-            code, body = await self.get(path)
-            if code == status and contains in body:
-                return time.monotonic() - started
-            if time.monotonic() - started > timeout:
-                pytest.fail(f"{path} answered {code} after {timeout}s, not {status} {contains!r}:\n{body}")
-            await asyncio.sleep(0.01)
+    until_timeout = 15.0
 
     async def until_ok(self, check: str, timeout: float = 15.0) -> None:
         """Until the check's state is ok (its /healthz/<check> also answers 200 while it fails
