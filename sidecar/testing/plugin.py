@@ -102,7 +102,7 @@ class FakeDevicePlugin:
         self._private = tempfile.mkdtemp(prefix="fake-plugin-")
         self._server: grpc.aio.Server | None = None
         self._front: SocketFront | None = None
-        self._streams: set[asyncio.Queue[None]] = set()
+        self._streams: set[asyncio.Queue[bool]] = set()  # True: end the stream
         self._watcher: FolderWatcher | None = None
         self._tasks = TaskSet()
         self._retry: asyncio.TimerHandle | None = None
@@ -269,12 +269,13 @@ class FakeDevicePlugin:
         self, _req: dp.Empty, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[dp.ListAndWatchResponse]:
         await self._answer("ListAndWatch", context)
-        changed: asyncio.Queue[None] = asyncio.Queue()
+        changed: asyncio.Queue[bool] = asyncio.Queue()
         self._streams.add(changed)
         try:
             while True:
                 yield dp.ListAndWatchResponse(devices=[self._device(d, h) for d, h in self._devices.items()])
-                await changed.get()
+                if await changed.get():
+                    return
         finally:
             self._streams.discard(changed)
 
@@ -286,7 +287,12 @@ class FakeDevicePlugin:
 
     def _notify(self) -> None:
         for q in self._streams:
-            q.put_nowait(None)
+            q.put_nowait(False)
+
+    def end_streams(self) -> None:
+        """Every open ListAndWatch stream ends (status OK) while the plugin keeps serving: a drop."""
+        for q in self._streams:
+            q.put_nowait(True)
 
     async def _preferred(
         self, req: dp.PreferredAllocationRequest, context: grpc.aio.ServicerContext[Any, Any]
