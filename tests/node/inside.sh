@@ -13,7 +13,7 @@ pki=$run/pki
 mkdir -p "$log" "$pki" "$run/var-lib" "$run/var-log" "$run/run" "$run/cni" "$run/sysctl" "$run/etcd"
 export KUBECONFIG=$run/admin.kubeconfig
 NODE=node-e2e
-NODE_IP=192.0.2.1 # TEST-NET-1 (RFC 5737), on a dummy interface of this network namespace only
+NODE_IP=192.0.2.1 # TEST-NET-1 (RFC 5737), on an interface of this network namespace only
 hostname "$NODE"
 
 # Mounts: the kubelet's and containerd's fixed paths on folders of the run.
@@ -35,10 +35,11 @@ for kv in vm/overcommit_memory=1 vm/panic_on_oom=0 kernel/panic=10 kernel/panic_
   mount -o remount,bind,ro "/proc/sys/$k"
 done
 
-# Network: loopback and a dummy interface for the node's address.
+# Network: loopback, and a veth pair whose one end holds the node's address.
 ip link set lo up
-ip link add node0 type dummy
+ip link add node0 type veth peer name node1
 ip addr add "$NODE_IP/24" dev node0
+ip link set node1 up
 ip link set node0 up
 ip route add default dev node0
 
