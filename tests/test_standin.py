@@ -18,7 +18,8 @@ async def test_standin_faults(kubelet: FakeKubelet, dp_dir: str, short_tmp: str)
     control = os.path.join(short_tmp, "control")
     devices = hami_device_ids(["GPU-a", "GPU-b"])
     assert len(devices) == 20 and devices[0] == "GPU-a-0"
-    async with StandInPlugin(dp_dir, RESOURCE, devices=devices, register_timeout=5) as plugin:
+    plugin = StandInPlugin(dp_dir, RESOURCE, devices=devices, register_timeout=5)
+    async with plugin:
         apply_control(plugin, control)  # no folder: no fault
         await wait_for(lambda: sorted(kubelet.healthy_devices(RESOURCE)) == sorted(devices))
 

@@ -60,13 +60,18 @@ def get(kind: str, name: str = "", namespace: str = NS, selector: str = "") -> A
 
 
 def wait(what: str, check: Callable[[], T | None], timeout: float, interval: float = 0.5) -> T:
-    """Polls until `check` returns something other than None or False."""
+    """Polls until `check` returns something other than None or False (an assertion in it: not yet)."""
     deadline = time.monotonic() + timeout
-    last: T | None = None
+    last: object = None
     while time.monotonic() < deadline:
-        last = check()
-        if last is not None and last is not False:
-            return last
+        try:
+            value = check()
+        except (AssertionError, KeyError, IndexError) as e:  # not there yet (a pod being replaced)
+            last = e
+        else:
+            if value is not None and value is not False:
+                return value
+            last = value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
@@ -378,4 +383,50 @@ def test_init_container_without_kubelet_socket() -> None:
         figure(f"init: hami-initcheck exited {term['exitCode']} ({term.get('reason')}); then {waiting}")
     finally:
         node_ctl("kubelet-restart")  # kubelet.sock again
+    healthy_plugin(240)
+
+
+def sidecar_metric(name: str) -> float | None:
+    """The sidecar's /metrics sample `name` (summed over its labels), or None when it has none."""
+    ip = plugin_pod()["status"].get("podIP", "")
+    try:
+        with urllib.request.urlopen(f"http://{ip}:9395/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    values = [float(line.rpartition(" ")[2]) for line in text.splitlines() if line.startswith(name + "{")]
+    return sum(values) if values else None
+
+
+def test_restart_budget_against_crashloopbackoff() -> None:
+    """A plugin that can never register: the kubelet restarts it (with its CrashLoopBackOff) only as often
+    as the sidecar's restart budget allows, then it is left running, not Ready, with the alert's series."""
+    healthy_plugin()
+    before = restarts("device-plugin")
+    t0 = time.monotonic()
+    set_fault("noregister", True)
+    try:
+        node_ctl("kubelet-restart")  # the plugin loses its registration and never registers again
+        wait(
+            "device_plugin_restart_budget_spent 1",
+            lambda: sidecar_metric("device_plugin_restart_budget_spent") == 1,
+            600,
+            2,
+        )
+        t_spent = time.monotonic() - t0
+        spent_at = restarts("device-plugin") - before
+        time.sleep(60)  # past another registration grace and probe window: no further restart
+        after = restarts("device-plugin") - before
+        pod = plugin_pod()
+        assert healthz() == 200
+        assert not ready(pod)
+        assert spent_at == after == 3, (spent_at, after)
+        backoff = container_status(pod, "device-plugin").get("lastState", {})
+        figure(
+            f"restart budget: {after} kubelet restarts of the unregistered plugin, budget spent "
+            f"{t_spent:.0f} s after the fault; then /healthz 200, pod not Ready (last state {backoff})"
+        )
+    finally:
+        set_fault("noregister", False)
+        kubectl("delete", "pod", "-n", NS, plugin_pod()["metadata"]["name"], "--wait=false")
     healthy_plugin(240)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the node's images without a Docker engine or a registry, into tests/node/build/images/*.tar
+# Builds the node's images without a Docker engine or a registry, into build/node-e2e/images/*.tar
 # (docker-archive files that `ctr images import` loads):
 # - the Dockerfiles' base, python:3.11.7-slim-bookworm, stood in for by a Debian bookworm root file
 #   system (debootstrap --variant=minbase, Debian's python3 3.11, pip and venv) under the same name;
@@ -11,7 +11,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
-build=$here/build
+build=$repo/build/node-e2e
 out=$build/images
 mkdir -p "$out"
 export PATH=/usr/local/go/bin:$PATH
@@ -35,7 +35,7 @@ stale() {
   local target=$1
   shift
   [ -e "$target" ] || return 0
-  [ -n "$(find "$@" -newer "$target" -print -quit 2>/dev/null)" ]
+  [ -n "$(find "$@" -newer "$target" -not -path '*/__pycache__*' -print -quit 2>/dev/null)" ]
 }
 
 # 1. The base root file system and image.

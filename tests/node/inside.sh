@@ -137,7 +137,7 @@ containerd --config "$run/containerd.toml" > "$log/containerd.log" 2>&1 &
 pids+=($!)
 wait_for 60 containerd ctr --address /run/containerd/containerd.sock version
 for i in pause init sidecar; do
-  ctr --address /run/containerd/containerd.sock -n k8s.io images import --no-unpack "$here/build/images/$i.tar" > /dev/null
+  ctr --address /run/containerd/containerd.sock -n k8s.io images import "$repo/build/node-e2e/images/$i.tar" > /dev/null
 done
 
 # The kubelet: cgroup v1 and cgroupfs as this machine has them, eviction thresholds relaxed.

@@ -27,7 +27,7 @@ for b in kubelet-e2e kube-apiserver kube-controller-manager kube-scheduler; do
   [ -x "$here/bin/$b" ] || missing+=("tests/node/bin/$b (make node-bins)")
 done
 for i in init sidecar pause; do
-  [ -s "$here/build/images/$i.tar" ] || missing+=("tests/node/build/images/$i.tar (make node-images)")
+  [ -s "$repo/build/node-e2e/images/$i.tar" ] || missing+=("build/node-e2e/images/$i.tar (make node-images)")
 done
 if ((${#missing[@]})); then
   printf 'node-e2e: missing: %s\n' "${missing[@]}"
