@@ -82,4 +82,41 @@ def listening_paths(name: str) -> KubeletSockets:
         laddr: object = conn.laddr  # a Unix socket's address is its path (str)
         if isinstance(laddr, str) and laddr.startswith("/"):
             paths.add(laddr)
+    paths |= namespace_unix_paths(proc.pid)
     return KubeletSockets(proc.pid, tuple(sorted(paths)), comm, distribution(comm, cmdline))
+
+
+def namespace_unix_paths(pid: int, proc: str = "/proc") -> set[str]:
+    """The paths of the Unix sockets `pid` holds, from the table of its own network namespace.
+
+    psutil matches the process's socket inodes against /proc/net/unix, the table of the reader's
+    network namespace; a plugin's pod without hostNetwork (HAMi's) has another one, where the
+    kubelet's sockets are not listed. /proc/<pid>/net/unix is the kubelet's. Total: anything
+    unreadable or malformed adds nothing.
+    """
+    inodes: set[str] = set()
+    try:
+        fds = os.listdir(f"{proc}/{pid}/fd")
+    except OSError:
+        return set()
+    for fd in fds:
+        try:
+            target = os.readlink(f"{proc}/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target.endswith("]"):
+            inodes.add(target[8:-1])
+    if not inodes:
+        return set()
+    try:
+        with open(f"{proc}/{pid}/net/unix", encoding="utf-8", errors="replace") as f:
+            lines = f.read(1 << 24).splitlines()
+    except OSError:
+        return set()
+    paths: set[str] = set()
+    for line in lines[1:]:
+        # Num RefCount Protocol Flags Type St Inode Path (the path, when bound, is the rest of the line)
+        parts = line.split(None, 7)
+        if len(parts) == 8 and parts[6] in inodes and parts[7].startswith("/"):
+            paths.add(parts[7])
+    return paths

@@ -93,6 +93,7 @@ pids+=($!)
   --advertise-address="$NODE_IP" --endpoint-reconciler-type=none --service-cluster-ip-range=10.96.0.0/16 \
   --client-ca-file="$pki/ca.crt" --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
   --kubelet-client-certificate="$pki/admin.crt" --kubelet-client-key="$pki/admin.key" \
+  --kubelet-preferred-address-types=InternalIP \
   --service-account-issuer=https://kubernetes.default.svc --service-account-key-file="$pki/sa.pub" \
   --service-account-signing-key-file="$pki/sa.key" --authorization-mode=RBAC --allow-privileged=true \
   > "$log/kube-apiserver.log" 2>&1 &
@@ -193,7 +194,7 @@ echo "node-e2e: node $NODE Ready ($(date -u +%T))"
 
 set +e
 cd "$repo"
-NODE_E2E_DIR=$run "$repo/.venv/bin/python" -m pytest -q -p no:cacheprovider -o addopts= ${NODE_E2E_TESTS:-tests/node/e2e_node.py}
+NODE_E2E_DIR=$run "$repo/.venv/bin/python" -m pytest -q -p no:cacheprovider -o addopts= -o timeout=1200 ${NODE_E2E_TESTS:-tests/node/e2e_node.py}
 rc=$?
 set -e
 if [ "${NODE_E2E_KEEP:-}" = 1 ]; then
