@@ -12,7 +12,7 @@ REALKUBELET := tests/realkubelet
 KUBELET_NEW := v1.37.2
 KUBELET_OLD := v1.36.5
 
-.PHONY: test lint typecheck pytest demo proto bench soak clean lock manifests dashboard
+.PHONY: test lint typecheck pytest demo proto bench soak clean lock manifests dashboard fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -97,6 +97,12 @@ bench: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m bench.soak
 
+# Coverage-guided fuzzing (atheris): each fuzz/fuzz_<name>.py for FUZZ_SECONDS, seeded from fuzz/corpus/<name>/.
+# Fails on an escaping exception or an input over 100 ms of CPU; the input goes to fuzz/crashes/.
+FUZZ_SECONDS ?= 60
+fuzz: $(STAMP)
+	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS)
+
 # Slow real-kubelet checks (about 8 minutes): the kubelet's 5-minute stop grace against both releases
 # and the simulator, the oracle's 200 random events with three seeds on each release, and the demo's
 # tour against the real device manager.
@@ -111,6 +117,24 @@ real-slow: $(STAMP) kubelet-fixtures
 .PHONY: stress
 stress: $(STAMP)
 	$(PY) -m bench.stress
+
+# Everything that runs aiohttp's server (sidecar/serving.py, sidecar/http.py), against the oldest and
+# the newest aiohttp pyproject.toml allows, each in a venv of its own. serving.py depends on documented
+# aiohttp API only and refuses to start on a version that does not take its limits.
+AIOHTTP_TESTS := tests/test_serving.py tests/test_sidecar_cli.py tests/e2e/test_sidecar.py
+.PHONY: test-aiohttp-range
+test-aiohttp-range:
+	@range=$$($(PYTHON) -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print(next(d for d in deps if d.startswith("aiohttp"))[len("aiohttp"):])') && \
+	oldest=$$(echo "$$range" | sed -n 's/.*>=\([0-9.]*\).*/\1/p') && test -n "$$oldest" && \
+	for which in oldest newest; do \
+	  venv=.venv-aiohttp-$$which; \
+	  if [ $$which = oldest ]; then want="aiohttp==$$oldest"; else want="aiohttp$$range"; fi; \
+	  test -x $$venv/bin/python || $(PYTHON) -m venv $$venv || exit 1; \
+	  $$venv/bin/python -m pip install --quiet --upgrade pip || exit 1; \
+	  $$venv/bin/python -m pip install --quiet --upgrade -e '.[dev]' "$$want" || exit 1; \
+	  echo "== aiohttp $$($$venv/bin/python -c 'import aiohttp; print(aiohttp.__version__)') ($$which allowed: $$want)"; \
+	  $$venv/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(AIOHTTP_TESTS) || exit 1; \
+	done
 
 # Regenerate the protobuf code from sidecar/proto/*.proto (tests/test_proto.py checks it is current).
 proto: $(STAMP)
@@ -136,4 +160,4 @@ lock:
 	rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) .venv-tools build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(REALKUBELET)/bin $(NODE_DIR)/bin
+	rm -rf $(VENV) .venv-tools .venv-aiohttp-oldest .venv-aiohttp-newest build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(REALKUBELET)/bin $(NODE_DIR)/bin

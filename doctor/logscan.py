@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import calendar
 import glob
+import math
 import os
 import re
 import shutil
@@ -22,6 +23,10 @@ from typing import Literal
 
 MAX_BYTES = 10 * 1024 * 1024  # per log: the newest 10 MiB, whatever the file's size
 MAX_LINE = 300  # of a line kept as evidence
+# A line the container runtime split in CRI partial (P) lines (16 KiB each) is joined up to this; the
+# rest of a longer one continues as a line of its own, so no byte goes unscanned and none is held twice.
+MAX_JOINED = 1024 * 1024
+HEAD = 256  # of a line: enough for its time (CRI prefix, then klog's header)
 
 Kind = Literal["error", "attempt", "success"]
 
@@ -59,8 +64,9 @@ class Pattern:
     refine: tuple[tuple[str, str], ...] = ()
 
     def explain(self, line: str) -> str:
+        lower = line.lower()
         for needle, meaning in self.refine:
-            if needle.lower() in line.lower():
+            if needle.lower() in lower:
                 return meaning
         return self.meaning
 
@@ -450,33 +456,59 @@ _RFC3339 = re.compile(rb"^(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})(?:\.\d
 def lines_of(data: bytes) -> list[tuple[float | None, str]]:
     """Each logical line with its time (seconds since the epoch) when it carries one.
 
-    CRI lines lose their prefix and partial (P) lines are joined to the line they continue;
-    klog and journal lines are kept whole.
+    CRI lines lose their prefix and partial (P) lines are joined to the line they continue, up to
+    MAX_JOINED bytes: the rest of a longer one continues as a line of its own. klog and journal lines
+    are kept whole. Bytes that are not UTF-8 are replaced, never an error.
     """
     out: list[tuple[float | None, str]] = []
     pending: list[bytes] = []
+    pending_size = 0
     pending_time: float | None = None
+
+    def flush() -> None:
+        nonlocal pending, pending_size, pending_time
+        joined = b"".join(pending)
+        when = pending_time if pending_time is not None else _klog_time(joined[:HEAD])
+        out.append((when, joined.decode(errors="replace")))
+        pending, pending_size, pending_time = [], 0, None
+
     for raw in data.split(b"\n"):
         if not raw.strip():
             continue
         m = _CRI.match(raw)
-        if m:
-            when = _rfc3339(m.group(1))
-            content = raw[m.end() :]
-            if m.group(2) == b"P":
-                pending.append(content)
-                pending_time = pending_time if pending_time is not None else when
-                continue
-            if pending:
-                content, when = b"".join([*pending, content]), pending_time
-                pending, pending_time = [], None
-            inner = _klog_time(content)
-            out.append((when if when is not None else inner, content.decode(errors="replace")))
+        if not m:
+            out.append((_time_of(raw[:HEAD]), raw.decode(errors="replace")))
             continue
-        out.append((_rfc3339(raw) or _klog_time(raw), raw.decode(errors="replace")))
+        when = _rfc3339(m.group(1))
+        content = raw[m.end() :]
+        if pending and pending_size + len(content) > MAX_JOINED:
+            flush()
+        if m.group(2) == b"P":
+            pending.append(content)
+            pending_size += len(content)
+            pending_time = pending_time if pending_time is not None else when
+            continue
+        if pending:
+            pending.append(content)
+            pending_time = pending_time if pending_time is not None else when
+            flush()
+            continue
+        out.append(
+            (when if when is not None else _klog_time(content[:HEAD]), content.decode(errors="replace"))
+        )
     if pending:
-        out.append((pending_time, b"".join(pending).decode(errors="replace")))
+        flush()
     return out
+
+
+def _time_of(head: bytes) -> float | None:
+    """The time a raw line starts with (its first HEAD bytes are enough): the CRI prefix's, else the
+    klog or RFC 3339 time of the line (of a CRI line's content)."""
+    m = _CRI.match(head)
+    if m:
+        when = _rfc3339(m.group(1))
+        return when if when is not None else _klog_time(head[m.end() :])
+    return _rfc3339(head) or _klog_time(head)
 
 
 def _rfc3339(text: bytes) -> float | None:
@@ -540,21 +572,13 @@ def _compiled(patterns: tuple[Pattern, ...]) -> tuple[re.Pattern[bytes], dict[by
     return _COMPILED[patterns]
 
 
-def resource_of(line: str) -> str | None:
-    """The extended resource a line names: klog's resource="..." / resourceName="...", or a quoted
-    'domain/name' as HAMi and NVIDIA print it; None when it names none."""
-    m = _RESOURCE.search(line.encode(errors="replace"))
-    return (m.group(1) or m.group(2)).decode(errors="replace") if m else None
-
-
 def _time_at(data: bytes, offset: int) -> tuple[int, float | None]:
     """The start of the first line at or after `offset` and its time (None: no time, or no line)."""
     begin = offset if offset == 0 or data[offset - 1 : offset] == b"\n" else data.find(b"\n", offset) + 1
     if begin <= 0 < offset or begin >= len(data):
         return len(data), None
-    end = data.find(b"\n", begin)
-    raw = data[begin : end if end >= 0 else len(data)]
-    return begin, (lines_of(raw)[0][0] if raw.strip() else None)
+    end = data.find(b"\n", begin, begin + HEAD)
+    return begin, _time_of(data[begin : end if end >= 0 else begin + HEAD])
 
 
 def _window_start(data: bytes, cutoff: float | None) -> int:
@@ -574,13 +598,6 @@ def _window_start(data: bytes, cutoff: float | None) -> int:
     while begin < len(data) and when is not None and when < cutoff:
         begin, when = _time_at(data, begin + 1)
     return begin
-
-
-def match(line: str, patterns: tuple[Pattern, ...]) -> Pattern | None:
-    """The pattern whose text the line holds first (the message itself, never a generic fragment)."""
-    regex, spelling = _compiled(patterns)
-    m = regex.search(line.encode(errors="replace"))
-    return spelling[m.group()] if m else None
 
 
 def scan(
@@ -606,25 +623,29 @@ def scan(
         found.lines = data.count(b"\n", start) + (1 if tail else 0)
     regex, spelling = _compiled(patterns)
     seen: list[tuple[Pattern, int, int, str | None]] = []  # pattern, line start and end, resource
-    last = -1
-    for m in regex.finditer(data, start):
-        begin = data.rfind(b"\n", 0, m.start()) + 1
-        if begin == last:
-            continue  # one line, one pattern: the first in it
-        last = begin
+    # One line, one pattern: the first in it. After a match the search goes on at the next line, so
+    # each byte is looked at a bounded number of times however long its line is.
+    pos = start
+    while pos < len(data):
+        m = regex.search(data, pos)
+        if m is None:
+            break
+        begin = max(pos, data.rfind(b"\n", pos, m.start()) + 1)
         end = data.find(b"\n", m.end())
         end = len(data) if end < 0 else end
+        pos = end + 1
         p = spelling[m.group()]
         if cutoff is not None and p.kind == "error":  # an error out of order in time is judged by its own
-            when = lines_of(data[begin:end])[0][0]
+            when = _time_of(data[begin : min(end, begin + HEAD)])
             if when is not None and when < cutoff:
                 continue
         r = _RESOURCE.search(data, begin, end)
-        seen.append((p, begin, end, (r.group(1) or r.group(2)).decode() if r else None))
+        resource = (r.group(1) or r.group(2)).decode(errors="replace") if r else None
+        seen.append((p, begin, end, resource))
 
     def text(i: int) -> str:
         _, begin, end, _ = seen[i]
-        return lines_of(data[begin:end])[0][1].strip()
+        return "".join(line for _, line in lines_of(data[begin:end])).strip()
 
     successes: dict[str | None, int] = {}  # resource (None: any) -> the newest successful registration
     attempt: int | None = None
@@ -659,6 +680,8 @@ def scan_file(
         data = read_tail(path)
     except OSError as e:
         return LogFindings(path, problem=f"cannot read {path}: {e.strerror or e}")
+    except ValueError as e:  # a path no file can have (a NUL byte)
+        return LogFindings(path, problem=f"cannot read {path!r}: {e}")
     return scan(data, patterns, path, since, now if now is not None else time.time())
 
 
@@ -674,8 +697,8 @@ def scan_journal(units: tuple[str, ...], patterns: tuple[Pattern, ...], since: f
     if exe is None:
         return LogFindings(source, problem="journalctl is not installed here")
     argv = [exe, *(a for u in units for a in ("-u", u)), "--no-pager", "-q", "-o", "cat", "-n", "100000"]
-    if since is not None:
-        argv += ["--since", f"-{int(since)}s"]
+    if since is not None and math.isfinite(since):  # an endless window is the whole journal
+        argv += ["--since", f"-{max(0, int(since))}s"]
     try:
         done = subprocess.run(argv, capture_output=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:

@@ -1,3 +1,3 @@
-from initcheck.cli import main
+from initcheck.cli import run
 
-raise SystemExit(main())
+run()

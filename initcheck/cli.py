@@ -22,6 +22,7 @@ from initcheck.checks import (
     run_checks,
 )
 from initcheck.envflags import parse_with_env
+from initcheck.flags import one_line
 
 POLL_SECONDS = 0.1  # --wait polls at this period: a starting kubelet is seen within 100 ms
 # Failures that a starting kubelet clears by itself: --wait waits these out.
@@ -96,7 +97,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     def on_term(signum: int, _frame: FrameType | None) -> None:
         raise Terminated(signal.Signals(signum).name)
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    previous = {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         findings = check_with_wait(options, args.wait)
     except Terminated as e:
@@ -110,7 +111,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         )
         return exitcodes.FAILED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     code = exitcodes.FAILED if any(f.status == "fail" for f in findings) else exitcodes.OK
     if args.output == "json":
         import json
@@ -125,11 +127,6 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     else:
         print_text(findings, options, code, out)
     return code
-
-
-def one_line(text: str) -> str:
-    """Control characters (a newline in a file name) shown escaped: one finding stays one line."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def print_text(findings: list[Finding], options: Options, code: int, out: TextIO) -> None:
@@ -150,4 +147,9 @@ def print_text(findings: list[Finding], options: Options, code: int, out: TextIO
 
 def run() -> None:
     """Console-script entry point."""
-    raise SystemExit(main())
+    try:
+        code = main()
+    except KeyboardInterrupt:  # SIGINT before main's handler: one line, not a traceback
+        print("fail: SIGINT before the checks ran; the plugin was not started")
+        code = exitcodes.FAILED
+    raise SystemExit(code)

@@ -32,14 +32,41 @@ class PluginSpec(NamedTuple):
     socket: str
 
 
+def one_line(text: str) -> str:
+    """Control characters (a newline in an argument or a file name) shown escaped: one line stays one."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+class UsageError(Exception):
+    """A usage error, from a Parser whose `raise_errors` is set: its one-line text, `prog: error: ...`."""
+
+
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line on stderr, `prog: error: ...`, exit 2."""
+    """An ArgumentParser whose usage errors are one line on stderr, `prog: error: ...`, exit 2.
+
+    The arguments argparse echoes (`unrecognized arguments: ...`) are escaped: an argument holding a
+    newline cannot put a line of its own on stderr. With `raise_errors`, a usage error raises
+    UsageError instead of exiting (hami-sidecar serves its configuration error rather than exit).
+    """
+
+    raise_errors = False
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        text = f"{self.prog}: error: {one_line(message)}"
+        if self.raise_errors:
+            raise UsageError(text)
+        self.exit(2, f"{text} (see {self.prog} --help)\n")
 
 
 # -- value types -------------------------------------------------------------------------------
+def _digits(text: str) -> int | None:
+    """A whole number written in ASCII digits, or None. Past 20 digits it is out of every range here
+    (and past 4300, int() itself refuses: a ValueError this must not let out)."""
+    if not text.isascii() or not text.isdigit() or len(text) > 20:
+        return None
+    return int(text)
+
+
 def _finite(value: str, what: str) -> float:
     try:
         number = float(value)
@@ -92,10 +119,9 @@ def integer(low: int, high: int) -> Callable[[str], int]:
     """A whole number from `low` to `high` inclusive (decimal digits only)."""
 
     def parse(value: str) -> int:
-        text = value.strip()
-        if not text.isdigit() or not text.isascii():
+        number = _digits(value.strip())
+        if number is None:
             raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}")
-        number = int(text)
         _in_range(number, low, high, "a whole number", value)
         return number
 
@@ -117,9 +143,9 @@ def number(low: float, high: float) -> Callable[[str], float]:
 
 def numeric_id(value: str) -> int:
     """A uid or gid: digits only (names would need the node's passwd, which the container lacks)."""
-    if not value.isdigit() or not value.isascii():
+    result = _digits(value)
+    if result is None:
         raise argparse.ArgumentTypeError(f"expected a numeric id, got {value!r}")
-    result = int(value)
     if result > MAX_ID:
         raise argparse.ArgumentTypeError(f"expected a numeric id from 0 to {MAX_ID}, got {value!r}")
     return result
@@ -150,18 +176,19 @@ def expect_devices(value: str) -> int:
     """`auto` (AUTO_DEVICES: count the host's --device-glob matches) or a count from 1 to MAX_DEVICES."""
     if value.strip() == "auto":
         return AUTO_DEVICES
-    text = value.strip()
-    if not text.isdigit() or not text.isascii() or not 1 <= int(text) <= MAX_DEVICES:
+    count = _digits(value.strip())
+    if count is None or not 1 <= count <= MAX_DEVICES:
         raise argparse.ArgumentTypeError(f"expected a number from 1 to {MAX_DEVICES} or auto, got {value!r}")
-    return int(text)
+    return count
 
 
 def listen_address(value: str) -> tuple[str, int]:
     """`ADDR:PORT` (`0.0.0.0:9395`, `[::]:9395`); an empty address listens on every IPv4 address."""
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not port.isascii() or not 0 <= int(port) <= 65535:
+    number = _digits(port)
+    if not sep or number is None or not 0 <= number <= 65535:
         raise argparse.ArgumentTypeError(f"expected ADDR:PORT (0.0.0.0:9395), got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    return host.strip("[]") or "0.0.0.0", number
 
 
 # -- flag groups (parent parsers) -------------------------------------------------------------------

@@ -1,3 +1,3 @@
-from sidecar.cli import main
+from sidecar.cli import run
 
-raise SystemExit(main())
+run()

@@ -1,7 +1,7 @@
 """The kubelet's device manager checkpoint, `kubelet_internal_checkpoint` (docs/kubelet.md#checkpoint).
 
-Read defensively: whatever is on the node, the reader returns a `Checkpoint` or
-raises `CheckpointError` with a reason an operator can act on.
+Read defensively: whatever is on the node (and whatever the path), the reader returns a `Checkpoint` or
+raises `CheckpointError` with a reason an operator can act on, and nothing else (fuzz/fuzz_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def read_checkpoint(path: str, max_bytes: int = MAX_CHECKPOINT_BYTES) -> Checkpo
         raise CheckpointError("no checkpoint: the kubelet has not recorded any device plugin") from None
     except OSError as e:
         raise CheckpointError(f"cannot open the checkpoint: {e.strerror}") from None
+    except ValueError as e:  # a path no file can have (a NUL byte)
+        raise CheckpointError(f"cannot open the checkpoint: {e}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -56,6 +58,8 @@ def read_checkpoint(path: str, max_bytes: int = MAX_CHECKPOINT_BYTES) -> Checkpo
 
 
 def parse_registered(raw: bytes) -> dict[str, tuple[str, ...]]:
+    """`RegisteredDevices`: each resource's device IDs (an entry that is not a list of strings, or the
+    part of it that is not, is left out); `CheckpointError` for a file that is not the kubelet's JSON."""
     if not raw.strip():
         raise CheckpointError("the checkpoint is empty")
     try:

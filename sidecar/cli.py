@@ -1,21 +1,49 @@
-"""hami-sidecar's command line: settings, logging, the HTTP server and a clean shutdown."""
+"""hami-sidecar's command line: settings, logging, the HTTP server and a clean shutdown.
+
+Two things here keep the sidecar's own failures from restarting the plugin, whose livenessProbe
+points at the sidecar's port:
+
+- a bad configuration (a flag or variable that does not parse) is served, not exited on: one line on
+  stderr, then `/healthz` 200 (nothing is judged) and `/readyz`, `/sidecarz`, `/status` 503 with the
+  error, on the configured port if that much could be read, else the default one;
+- SIGTERM and SIGINT are caught before the heavy imports (grpc and aiohttp take over a second): one
+  arriving during start-up stops the sidecar with one log line, not a traceback or a silent -15.
+
+Only the standard library is imported at module level, for that reason.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING
 
-from sidecar.app import Sidecar
-from sidecar.config import Settings, parse_settings
-from sidecar.http import build_app
-from sidecar.serving import BoundedServer
+if TYPE_CHECKING:
+    import asyncio
+
+    from sidecar.app import Sidecar
+    from sidecar.config import BadConfig, Settings
 
 logger = logging.getLogger("sidecar")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Stop signals received before the event loop took them over.
+_received: list[int] = []
+
+
+def _record(signum: int, _frame: FrameType | None) -> None:
+    _received.append(signum)
+
+
+def catch_stop_signals() -> None:
+    """From now on a stop signal is recorded (the loop acts on it once it runs), never fatal."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _record)
 
 
 class JsonFormatter(logging.Formatter):
@@ -53,6 +81,10 @@ async def serve(settings: Settings, stop: asyncio.Event, sidecar: Sidecar | None
     HTTP is served within sidecar/serving.py's bounds (connections, descriptors, deadlines) and is
     closed first on the way out, so that no client can hold the exit.
     """
+    from sidecar.app import Sidecar
+    from sidecar.http import build_app
+    from sidecar.serving import BoundedServer
+
     sidecar = sidecar or Sidecar(settings)
     http = BoundedServer(build_app(sidecar), settings.host, settings.port)
     try:
@@ -66,26 +98,98 @@ async def serve(settings: Settings, stop: asyncio.Event, sidecar: Sidecar | None
     return sidecar
 
 
-async def _main(settings: Settings) -> None:
+async def serve_error(problem: BadConfig, stop: asyncio.Event) -> None:
+    """Serve a configuration the sidecar cannot run with until `stop` is set (sidecar/http.py)."""
+    from sidecar.http import build_error_app
+    from sidecar.metrics import Metrics
+    from sidecar.serving import BoundedServer
+
+    http = BoundedServer(build_error_app(problem, Metrics()), problem.host, problem.port)
+    try:
+        await http.start()
+        if problem.listen_note:
+            logger.error("%s", problem.listen_note)
+        logger.error(
+            "%s; judging nothing until it is fixed: /healthz 200, /readyz /sidecarz /status 503 on %s:%d",
+            problem.error,
+            problem.host,
+            problem.port,
+        )
+        await stop.wait()
+    finally:
+        await http.close()
+
+
+async def _run(body: Callable[[asyncio.Event], Awaitable[object]]) -> bool:
+    """Run `body` until a stop signal; False when one came during start-up (nothing was served)."""
+    import asyncio
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
-    await serve(settings, stop)
-    logger.info("stopped")
+    if _received:
+        return False
+    await body(stop)
+    return True
+
+
+def _stopped_early() -> None:
+    logger.info("stopped by %s during start-up", signal.Signals(_received[0]).name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    """0 after a stop signal; 2 after serving a bad configuration; 1 when the address cannot be served."""
+    import asyncio
+
+    from sidecar.config import BadConfig, read_settings
+    from sidecar.watcher import InotifyUnavailable
+
+    settings = read_settings(sys.argv[1:] if argv is None else argv)
+    if isinstance(settings, BadConfig):
+        if settings.log_format == "text":  # JSON logs get it as their first line instead
+            print(f"{settings.error} (see hami-sidecar --help)", file=sys.stderr, flush=True)
+        setup_logging(settings.log_format, settings.log_level)
+        return _serve_error(settings)
     setup_logging(settings.log_format, settings.log_level)
     try:
-        asyncio.run(_main(settings))
+        if not asyncio.run(_run(lambda stop: serve(settings, stop))):
+            _stopped_early()
+            return 0
+    except InotifyUnavailable as e:
+        folder = settings.device_plugin_dir
+        problem = BadConfig(
+            error=f"hami-sidecar: error: --watch-mode inotify: cannot watch {folder}: {e.strerror} "
+            "(--watch-mode auto falls back to polling)",
+            host=settings.host,
+            port=settings.port,
+            listen_note="",
+            log_format=settings.log_format,
+            log_level=settings.log_level,
+        )
+        return _serve_error(problem)
     except OSError as e:
-        logger.error("cannot serve on %s:%d: %s", settings.host, settings.port, e.strerror)
+        logger.error("cannot serve on %s:%d: %s", settings.host, settings.port, e.strerror or e)
         return 1
+    logger.info("stopped")
     return 0
 
 
+def _serve_error(problem: BadConfig) -> int:
+    import asyncio
+
+    try:
+        if not asyncio.run(_run(lambda stop: serve_error(problem, stop))):
+            _stopped_early()
+            return 2
+    except OSError as e:
+        logger.error("cannot serve on %s:%d: %s", problem.host, problem.port, e.strerror or e)
+        return 1
+    logger.info("stopped")
+    return 2
+
+
 def run() -> None:
-    """Console-script entry point."""
+    """Console-script entry point (and `python -m sidecar`): stop signals are caught first."""
+    catch_stop_signals()
     raise SystemExit(main())

@@ -8,19 +8,28 @@ same way.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from initcheck import flags
 from initcheck.checks import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, DEFAULT_SOCKET
-from initcheck.envflags import parse_with_env
+from initcheck.envflags import env_name, parse_with_env
 from initcheck.flags import AUTO_DEVICES, PluginSpec
 
 if TYPE_CHECKING:
     from sidecar.watcher import WatchMode
 
-__all__ = ["AUTO_DEVICES", "PluginSpec", "Settings", "build_parser", "parse_settings"]
+__all__ = [
+    "AUTO_DEVICES",
+    "BadConfig",
+    "PluginSpec",
+    "Settings",
+    "build_parser",
+    "parse_settings",
+    "read_settings",
+]
 
 # HAMi's real names (docs/kubelet.md#hami).
 DEFAULT_PLUGIN = PluginSpec("nvidia.com/gpu", "nvidia-gpu.sock")
@@ -114,7 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings, or a one-line usage error on stderr and exit 2 (SystemExit)."""
+    return _parse(argv, environ, raise_errors=False)
+
+
+def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_errors: bool) -> Settings:
     parser = build_parser()
+    assert isinstance(parser, flags.Parser)
+    parser.raise_errors = raise_errors
     args = parse_with_env(parser, argv, environ)
     if args.probe_timeout >= args.probe_interval:
         timeout, interval = args.probe_timeout, args.probe_interval
@@ -141,4 +157,70 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
         watch_mode=args.watch_mode,
         polling_interval=args.polling_interval,
         kubelet_process_name=args.kubelet_process_name,
+    )
+
+
+@dataclass(frozen=True)
+class BadConfig:
+    """Flags or variables that do not make Settings: what hami-sidecar serves instead of judging.
+
+    The sidecar must not exit on them (the plugin's livenessProbe points at its port: an exit that
+    crash-loops would restart a healthy plugin); it serves the error where it can be seen.
+    """
+
+    error: str  # the usage error, one line: `hami-sidecar: error: ...`
+    host: str
+    port: int
+    listen_note: str  # why host:port are the defaults; "" when --listen (or its variable) was read
+    log_format: str
+    log_level: str
+
+
+def read_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Settings | BadConfig:
+    """Settings, or what could be read of a bad configuration. `--help` prints and exits 0 as ever."""
+    environ = os.environ if environ is None else environ
+    if any(a in ("-h", "--help") for a in _before_separator(argv)):
+        build_parser().parse_args(["--help"])
+    try:
+        return _parse(argv, environ, raise_errors=True)
+    except flags.UsageError as e:
+        return _salvage(str(e), argv, environ)
+
+
+def _before_separator(argv: Sequence[str]) -> list[str]:
+    return list(argv[: argv.index("--")] if "--" in argv else argv)
+
+
+def _given(argv: Sequence[str], flag: str, environ: Mapping[str, str]) -> str | None:
+    """The value a flag was given (its last `--flag VALUE` or `--flag=VALUE`), else its variable's."""
+    value = None
+    args = _before_separator(argv)
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value if value is not None else (environ.get(env_name(flag)) or None)
+
+
+def _salvage(error: str, argv: Sequence[str], environ: Mapping[str, str]) -> BadConfig:
+    """Of a configuration with an error, what serving it needs: the address, the log's format and level."""
+    d = DEFAULTS
+    host, port, note = d.host, d.port, ""
+    listen = _given(argv, "--listen", environ)
+    if listen is not None:
+        try:
+            host, port = flags.listen_address(listen)
+        except (argparse.ArgumentTypeError, ValueError):
+            shown = flags.one_line(repr(listen))
+            note = f"--listen {shown} is not ADDR:PORT: serving on the default {host}:{port}"
+    log_format = _given(argv, "--log-format", environ)
+    log_level = (_given(argv, "--log-level", environ) or "").upper()
+    return BadConfig(
+        error=error,
+        host=host,
+        port=port,
+        listen_note=note,
+        log_format=log_format if log_format in ("text", "json") else d.log_format,
+        log_level=log_level if log_level in ("DEBUG", "INFO", "WARNING", "ERROR") else d.log_level,
     )

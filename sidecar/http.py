@@ -1,7 +1,11 @@
 """HTTP views: they read the health state and never wait on a probe.
 
 `/healthz` (and `/livez`) is the plugin's livenessProbe: it fails only where a plugin restart is
-the remedy. `/readyz` is its readinessProbe: every check must pass.
+the remedy. `/readyz` is its readinessProbe: every check must pass. `/sidecarz` is the sidecar's
+own readiness, `/sidecarz/live` its own liveness (docs/design.md#sidecar-probes).
+
+With a bad configuration the sidecar judges nothing and serves that (build_error_app): `/healthz`
+200 (a plugin restart never mends the sidecar's flags), everything that tells the truth 503.
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ import json
 
 from aiohttp import web
 
+from sidecar import __version__
 from sidecar.app import Sidecar
+from sidecar.config import BadConfig
 from sidecar.health import Check, HealthState, Status
-from sidecar.metrics import CONTENT_TYPE
+from sidecar.metrics import CONTENT_TYPE, Metrics
 
 SIDECAR_KEY = web.AppKey("sidecar", Sidecar)
 
@@ -24,6 +30,7 @@ def build_app(sidecar: Sidecar) -> web.Application:
     app.router.add_get("/livez", healthz)
     app.router.add_get("/healthz/{check:.+}", healthz_one)
     app.router.add_get("/sidecarz", sidecarz)
+    app.router.add_get("/sidecarz/live", sidecarz_live)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/readyz/{check:.+}", healthz_one)
     app.router.add_get("/status", status)
@@ -65,6 +72,12 @@ async def sidecarz(request: web.Request) -> web.Response:
     if request.app[SIDECAR_KEY].ready:
         return web.Response(text="ok")
     return web.Response(status=503, text="the first probe round has not finished\n")
+
+
+async def sidecarz_live(request: web.Request) -> web.Response:
+    """The sidecar's own liveness: 200 whenever its loop answers, whatever its configuration or the
+    plugin's state. What a restart of the sidecar container mends is a loop that does not answer."""
+    return web.Response(text="ok")
 
 
 async def healthz_one(request: web.Request) -> web.Response:
@@ -109,3 +122,64 @@ def _verbose(
     lines = [*(head or []), *(_line(state, c) for c in checks)]
     lines.append(f"{kind} check {'passed' if ok else 'failed'}")
     return web.Response(status=200 if ok else 503, text="\n".join(lines) + "\n")
+
+
+# -- a bad configuration, served -------------------------------------------------------------------
+CONFIG_KEY = web.AppKey("config_error", BadConfig)
+METRICS_KEY = web.AppKey("metrics", Metrics)
+
+
+def build_error_app(problem: BadConfig, metrics: Metrics) -> web.Application:
+    """The sidecar with flags or variables it cannot run with: it says so, and restarts nothing."""
+    app = web.Application()
+    app[CONFIG_KEY] = problem
+    app[METRICS_KEY] = metrics
+    metrics.config_error.set(1)
+    for path in ("/healthz", "/livez", "/healthz/{check:.+}"):
+        app.router.add_get(path, _error_healthz)
+    for path in ("/readyz", "/readyz/{check:.+}"):
+        app.router.add_get(path, _error_readyz)
+    app.router.add_get("/sidecarz", _error_sidecarz)
+    app.router.add_get("/sidecarz/live", sidecarz_live)
+    app.router.add_get("/status", _error_status)
+    app.router.add_get("/metrics", _error_metrics)
+    return app
+
+
+def _config_line(request: web.Request) -> str:
+    return f"the sidecar's configuration is invalid: {request.app[CONFIG_KEY].error}"
+
+
+async def _error_healthz(request: web.Request) -> web.Response:
+    """200: the plugin is not judged, and restarting it would not mend the sidecar's configuration."""
+    if "verbose" not in request.query:
+        return web.Response(text="ok")
+    text = f"[~]config not judged: {_config_line(request)}\nhealthz check passed\n"
+    return web.Response(text=text)
+
+
+async def _error_readyz(request: web.Request) -> web.Response:
+    return web.Response(status=503, text=f"[-]config failed: {_config_line(request)}\nreadyz check failed\n")
+
+
+async def _error_sidecarz(request: web.Request) -> web.Response:
+    return web.Response(status=503, text=_config_line(request) + "\n")
+
+
+async def _error_status(request: web.Request) -> web.Response:
+    problem = request.app[CONFIG_KEY]
+    doc = {
+        "version": __version__,
+        "live": True,
+        "ready": False,
+        "config_error": problem.error,
+        "listen": f"{problem.host}:{problem.port}",
+        **({"listen_note": problem.listen_note} if problem.listen_note else {}),
+        "checks": {},
+    }
+    return web.Response(status=503, text=json.dumps(doc, indent=2) + "\n", content_type="application/json")
+
+
+async def _error_metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS_KEY].exposition()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

@@ -91,6 +91,11 @@ class Metrics:
             registry=r,
         )
         self.kubelet_restarts = Counter("device_plugin_kubelet_restarts", "Kubelet restarts seen", registry=r)
+        self.config_error = Gauge(
+            "device_plugin_sidecar_config_error",
+            "1 while hami-sidecar's flags or variables are invalid: it serves the error and judges nothing",
+            registry=r,
+        )
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

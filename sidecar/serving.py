@@ -26,6 +26,7 @@ import asyncio
 import errno
 import logging
 import os
+import re
 import resource
 import socket
 import time
@@ -36,16 +37,13 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
-from aiohttp.web_protocol import RequestHandler
-from aiohttp.web_request import BaseRequest
-from aiohttp.web_response import StreamResponse
 
 logger = logging.getLogger(__name__)
 
 # The paths the kubelet probes (the plugin's liveness and readiness, the sidecar's own): never rate
 # limited, answered from memory, and served before other work queued in the same turn of the loop.
 # sidecar/http.py routes them; this is the one list of which are probes.
-PROBE_PATHS = frozenset({"/healthz", "/livez", "/readyz", "/sidecarz"})
+PROBE_PATHS = frozenset({"/healthz", "/livez", "/readyz", "/sidecarz", "/sidecarz/live"})
 PROBE_PREFIXES = ("/healthz/", "/readyz/")
 
 # Who connects legitimately: the kubelet (a few probes, a new connection each, every few seconds),
@@ -99,7 +97,9 @@ SHUTDOWN_GRACE = 0.2
 # A warning about closed connections at most this often.
 LOG_EVERY = 10.0
 
-_TERMINATOR = b"\r\n\r\n"
+# The end of a request head: an empty line, with CRLF line ends or bare LF (which aiohttp answers 400,
+# or serves: either way at once, not at the header deadline).
+_TERMINATOR = re.compile(rb"\n\r?\n")
 _RECV = 65536
 _ACCEPT_RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
@@ -138,6 +138,8 @@ class Stats:
     pipelined: int = 0  # closed for pipelining past MAX_PIPELINED
     oversized: int = 0  # closed for a head past MAX_HEAD_BYTES
     busy: int = 0  # non-probe requests answered 503 past WORK_RATE
+    malformed: int = 0  # requests aiohttp could not parse: answered 400 and closed by aiohttp
+    errors: int = 0  # requests a view failed on: answered 500 (a bug; logged with its traceback)
     accept_paused: int = 0  # times accepting waited for descriptors
     peak_connections: int = 0
     fd_limit: int = 0
@@ -175,43 +177,64 @@ class _Front:
         self.deadline = deadline
 
 
-class _Connection(RequestHandler):
-    """aiohttp's request handler, with the counts and the deadline the server enforces."""
+class _Connection(asyncio.Protocol):
+    """A connection handed to aiohttp: the transport's protocol, in front of aiohttp's own.
 
-    def __init__(self, owner: BoundedServer, prefix: bytes, manager: web.Server, **kwargs: Any) -> None:
-        super().__init__(manager, **kwargs)
+    aiohttp's `web.Server` is a protocol factory (its documented role); this wraps what it makes,
+    counting request heads on their way in and answers on their way out (BoundedServer's
+    middleware), with the deadline the server enforces. No aiohttp class is subclassed.
+    """
+
+    def __init__(self, owner: BoundedServer, prefix: bytes, inner: asyncio.Protocol) -> None:
         self.owner = owner
+        self.inner = inner
         self.prefix = prefix  # what the front read: the first head, maybe more
+        self.transport: asyncio.Transport | None = None
         self.deadline = owner.loop.time() + IDLE_TIMEOUT
         self.answered = 0
         self.heads = 0
         self.partial = 0  # bytes received since the last complete head
         self.tail = b""  # the last bytes of the previous chunk: a terminator may be split
         self.closing = False
+        self.made = False  # aiohttp's protocol saw connection_made
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         if self.closing:  # closed before its transport existed
             transport.abort()
             return
-        super().connection_made(transport)
+        self.transport = transport
+        self.owner._by_transport[transport] = self
+        self.made = True
+        self.inner.connection_made(transport)
         transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
         prefix, self.prefix = self.prefix, b""
         self.data_received(prefix)  # before the transport's own reads, which start a turn later
 
-    def connection_lost(self, exc: BaseException | None) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.owner._forget(self)
-        super().connection_lost(exc)
+        if self.made:
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
         chunk = self.tail + data
-        found = chunk.count(_TERMINATOR)
-        self.tail = chunk[-3:]
-        if found:
-            self.heads += found
-            self.partial = len(chunk) - chunk.rfind(_TERMINATOR) - len(_TERMINATOR)
+        # Terminators that end past the carried-over tail: one inside the tail was counted already.
+        ends = [m.end() for m in _TERMINATOR.finditer(chunk) if m.end() > len(self.tail)]
+        self.tail = chunk[-2:]
+        if ends:
+            self.heads += len(ends)
+            self.partial = len(chunk) - ends[-1]
         else:
             self.partial += len(data)
         if self.heads - self.answered > MAX_PIPELINED:
@@ -219,16 +242,26 @@ class _Connection(RequestHandler):
         elif self.partial > MAX_HEAD_BYTES:
             self.owner._close(self, "oversized")
         else:
-            super().data_received(data)
+            self.inner.data_received(data)
 
-    async def finish_response(
-        self, request: BaseRequest, resp: StreamResponse, start_time: float | None
-    ) -> tuple[StreamResponse, bool]:
-        result = await super().finish_response(request, resp, start_time)
+    def answer_sent(self) -> None:
+        """An answer was handed to the transport: the next head has IDLE_TIMEOUT from now."""
         self.answered += 1
         self.deadline = self.owner.loop.time() + IDLE_TIMEOUT
         self.owner._active(self)
-        return result
+
+
+class _RequestLog(logging.Handler):
+    """Where aiohttp's own log lines go (the `logger` argument of its server): a client's malformed
+    request is one DEBUG line and a count in the serving limits' periodic warning, never a traceback."""
+
+    def __init__(self, owner: BoundedServer) -> None:
+        super().__init__(logging.DEBUG)
+        self.owner = owner
+
+    def emit(self, record: logging.LogRecord) -> None:
+        exc = record.exc_info[1] if record.exc_info else None
+        self.owner._request_error(record, exc)
 
 
 class BoundedServer:
@@ -255,13 +288,20 @@ class BoundedServer:
         self.stats = Stats()
         self.bucket = _Bucket(work_rate)
         app.middlewares.append(self._middleware())
+        # aiohttp's log lines (a malformed request is an exception with a traceback there) go to a
+        # logger of this server's own, outside logging's tree: one DEBUG line each, and a count.
+        self.request_log = logging.Logger(f"{__name__}.aiohttp", logging.DEBUG)
+        self.request_log.addHandler(_RequestLog(self))
+        self.request_log.propagate = False
+        # Handler arguments (documented ones of AppRunner): aiohttp's keep-alive timer is a backstop
+        # to the sweep. Checked on a handler at start-up (_check_limits).
+        self._limits: dict[str, Any] = {
+            "keepalive_timeout": 2 * IDLE_TIMEOUT,
+            "max_headers": MAX_HEADERS,
+            "logger": self.request_log,
+        }
         self.runner = web.AppRunner(
-            app,
-            access_log=None,
-            handle_signals=False,
-            shutdown_timeout=SHUTDOWN_GRACE,
-            keepalive_timeout=2 * IDLE_TIMEOUT,  # aiohttp's own timer: a backstop to the sweep
-            max_headers=MAX_HEADERS,
+            app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE, **self._limits
         )
         self._listeners: list[socket.socket] = []
         # Fronts in the order they were accepted (so their deadlines are in order too): the held ones,
@@ -270,6 +310,7 @@ class BoundedServer:
         self._probation: OrderedDict[_Front, None] = OrderedDict()
         # Handlers, least recently active first (their deadlines in order too): what the cap closes.
         self._conns: OrderedDict[_Connection, None] = OrderedDict()
+        self._by_transport: dict[asyncio.BaseTransport, _Connection] = {}
         # Aborted handlers whose descriptor the transport closes a turn later.
         self._dying: set[_Connection] = set()
         self._pending: set[asyncio.Task[Any]] = set()
@@ -282,16 +323,14 @@ class BoundedServer:
         self._closed = False
         self._logged = -LOG_EVERY
         self._unlogged: dict[str, int] = {}
-        self._handler_kwargs: dict[str, Any] = {}
+        self._errors_logged = -LOG_EVERY
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         await self.runner.setup()
         self._started = True
-        server = self.runner.server
-        assert server is not None
-        # The handler arguments of the runner and of the app, as aiohttp's Server.__call__ passes them.
-        self._handler_kwargs = dict(getattr(server, "_kwargs", {}))
+        assert self.runner.server is not None
+        _check_limits(self.runner.server(), self._limits)
         limit = self.nofile or fd_limit()
         self.stats.fd_limit = limit
         self.stats.fd_reserve = fd_reserve(limit)
@@ -346,6 +385,8 @@ class BoundedServer:
     def _forget(self, conn: _Connection) -> None:
         self._conns.pop(conn, None)
         self._dying.discard(conn)
+        if conn.transport is not None:
+            self._by_transport.pop(conn.transport, None)
 
     def _active(self, conn: _Connection) -> None:
         if conn in self._conns:
@@ -376,8 +417,7 @@ class BoundedServer:
         if not self._drop(conn):
             return
         setattr(self.stats, reason, getattr(self.stats, reason) + 1)
-        self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
-        self._log_closed()
+        self._count(reason)
 
     def _log_closed(self, force: bool = False) -> None:
         now = self.loop.time()
@@ -387,7 +427,7 @@ class BoundedServer:
         closed = ", ".join(f"{n} {r.replace('_', ' ')}" for r, n in sorted(self._unlogged.items()))
         self._unlogged.clear()
         logger.warning(
-            "HTTP connections closed by the serving limits: %s; open %d (descriptor budget %d)",
+            "HTTP connections closed (bad requests and serving limits): %s; open %d (descriptor budget %d)",
             closed,
             self.connections,
             self.fd_budget(),
@@ -496,13 +536,13 @@ class BoundedServer:
         if not data:  # the client went away
             self._drop(front)
             return
-        start = max(0, len(front.buf) - 3)
+        start = max(0, len(front.buf) - 2)
         front.buf += data
-        if front.buf.find(_TERMINATOR, start) < 0:
+        if _TERMINATOR.search(front.buf, start) is None:
             if len(front.buf) > MAX_HEAD_BYTES:
                 self._close(front, "oversized")
             return
-        if front.buf.count(_TERMINATOR) > MAX_PIPELINED:
+        if len(_TERMINATOR.findall(front.buf)) > MAX_PIPELINED:
             self._close(front, "pipelined")
             return
         self._upgrade(front)
@@ -516,7 +556,7 @@ class BoundedServer:
             self._close(next(iter(self._conns)), "evicted")
         server = self.runner.server
         assert server is not None
-        conn = _Connection(self, front.buf, server, loop=self.loop, **self._handler_kwargs)
+        conn = _Connection(self, front.buf, server())
         self._conns[conn] = None
         self.stats.upgraded += 1
         task = self.loop.create_task(self._attach(conn, front.sock))
@@ -547,28 +587,108 @@ class BoundedServer:
         if self.connections and not self._closed:
             self._sweeper = self.loop.call_later(SWEEP_INTERVAL, self._sweep)
 
-    # -- the probe paths first ----------------------------------------------------------
+    # -- the probe paths first, and every answer counted ---------------------------------------
     def _middleware(self) -> Middleware:
         bucket, stats = self.bucket, self.stats
 
         @web.middleware
-        async def probes_first(request: web.Request, handler: Handler) -> StreamResponse:
-            if is_probe_path(request.path):
-                return await handler(request)
-            if not bucket.take():
-                stats.busy += 1
-                resp = web.Response(
-                    status=503,
-                    text=f"busy: more than {bucket.rate:g} requests per second besides the probes\n",
-                    headers={"Retry-After": "1"},
-                )
-                resp.force_close()
+        async def bounded(request: web.Request, handler: Handler) -> web.StreamResponse:
+            try:
+                if is_probe_path(request.path):
+                    resp = await handler(request)
+                elif not bucket.take():
+                    stats.busy += 1
+                    resp = web.Response(
+                        status=503,
+                        text=f"busy: more than {bucket.rate:g} requests per second besides the probes\n",
+                        headers={"Retry-After": "1"},
+                    )
+                    resp.force_close()
+                else:
+                    # One turn of the loop: probes parsed in the same turn are answered before this work.
+                    await asyncio.sleep(0)
+                    resp = await handler(request)
+            except web.HTTPException as e:  # 404, 405: aiohttp's own answer, made here
+                resp = web.Response(status=e.status, reason=e.reason, text=e.text, headers=e.headers)
+            except Exception as e:
+                resp = self._view_error(request, e)
+            # The answer handed to the transport here (StreamResponse's documented streaming calls;
+            # aiohttp's own prepare and write_eof after this are no-ops), so that it is counted.
+            try:
+                await resp.prepare(request)
+                await resp.write_eof()
+            except ConnectionError:
                 return resp
-            # One turn of the loop: probes parsed in the same turn are answered before this work.
-            await asyncio.sleep(0)
-            return await handler(request)
+            conn = self._by_transport.get(request.transport) if request.transport else None
+            if conn is not None:
+                conn.answer_sent()
+            return resp
 
-        return probes_first
+        return bounded
+
+    def _view_error(self, request: web.Request, exc: Exception) -> web.Response:
+        """A view raised: a bug of this program, not the client's. Logged with its traceback at most
+        once per LOG_EVERY (counted in between), answered 500, the connection closed."""
+        self.stats.errors += 1
+        now = self.loop.time()
+        if now - self._errors_logged >= LOG_EVERY:
+            self._errors_logged = now
+            logger.error("HTTP %s %s failed", request.method, _printable(request.path), exc_info=exc)
+        else:
+            self._count("errors")
+        resp = web.Response(status=500, text="internal error\n")
+        resp.force_close()
+        return resp
+
+    def _request_error(self, record: logging.LogRecord, exc: BaseException | None) -> None:
+        """A line aiohttp logged: with an exception, a request it could not parse (answered 400 and
+        closed by aiohttp); never a traceback, at most a DEBUG line, and a count."""
+        try:
+            if exc is not None:
+                self.stats.malformed += 1
+                self._count("malformed")
+            if logger.isEnabledFor(logging.DEBUG):
+                what = f"{type(exc).__name__}: {exc}" if exc is not None else record.getMessage()
+                logger.debug("HTTP: %s", _printable(what)[:200])
+        except Exception:  # a log line must never break serving
+            pass
+
+    def _count(self, reason: str) -> None:
+        self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
+        self._log_closed()
+
+
+def _printable(text: str) -> str:
+    """One line: control characters escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _check_limits(handler: asyncio.Protocol, limits: dict[str, Any]) -> None:
+    """Fail at start-up unless aiohttp's request handler holds the arguments it was given.
+
+    aiohttp's Server drops every custom handler argument (with a warning) when one is unknown to its
+    RequestHandler: the limits would silently be aiohttp's defaults, and its tracebacks back in the
+    log. The logger given shows whether that happened (every aiohttp keeps it as `logger`); the
+    others are compared where the handler exposes them (3.11 keeps max_headers to its parser). This
+    refuses to serve instead; tests/test_serving.py runs on the oldest and newest aiohttp the project
+    allows (make test-aiohttp-range).
+    """
+    missing = object()
+    wrong = {}
+    for name, want in limits.items():
+        held = getattr(handler, name, missing)
+        if held is want or (held is missing and name != "logger"):
+            continue
+        if held is missing or held != want:
+            wrong[name] = "(missing)" if held is missing else held
+    if wrong:
+        import aiohttp
+
+        raise RuntimeError(
+            f"aiohttp {aiohttp.__version__} did not take the serving limits "
+            f"({', '.join(f'{k}={v!r}' for k, v in wrong.items())}); "
+            "hami-guard supports the aiohttp range in its pyproject.toml"
+        )
 
 
 def _listen(host: str, port: int) -> list[socket.socket]:

@@ -25,6 +25,10 @@ Kind = Literal["created", "deleted", "written", "folder-gone"]
 WatchMode = Literal["auto", "inotify", "polling"]
 
 
+class InotifyUnavailable(OSError):
+    """`--watch-mode inotify`, and no inotify instance or watch to be had (the per-user limits)."""
+
+
 @dataclass(frozen=True)
 class FsEvent:
     kind: Kind
@@ -79,7 +83,7 @@ class FolderWatcher:
                 if observer is not None:
                     _stop_quietly(observer)
                 if self._mode == "inotify":
-                    raise
+                    raise InotifyUnavailable(e.errno, f"inotify: {e.strerror or e}") from e
                 logger.warning(
                     "inotify unavailable (%s); polling the folder every %gs", e, self._polling_interval
                 )

@@ -15,7 +15,7 @@ from initcheck import flags
 from initcheck.cli import build_parser as initcheck_parser
 from initcheck.envflags import env_name, parse_with_env
 from initcheck.flags import AUTO_DEVICES
-from sidecar.config import PluginSpec, Settings, parse_settings
+from sidecar.config import BadConfig, PluginSpec, Settings, parse_settings, read_settings
 from sidecar.config import build_parser as sidecar_parser
 
 
@@ -207,3 +207,73 @@ def test_vocabulary_builds_ranges_for_new_flags() -> None:
             count(bad)
     with pytest.raises(ValueError, match="0 <= low <= high"):
         flags.seconds(2, 1)
+
+
+# -- a bad configuration: what hami-sidecar can still read of it ----------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "env", "listen", "note"),
+    [
+        (["--probe-interval", "soon", "--listen", "127.0.0.1:9000"], {}, ("127.0.0.1", 9000), ""),
+        (["--probe-interval", "soon", "--listen=[::1]:9001"], {}, ("::1", 9001), ""),
+        (["--probe-interval", "soon"], {"HAMI_GUARD_LISTEN": "127.0.0.2:9002"}, ("127.0.0.2", 9002), ""),
+        # The flag wins over its variable, as when the configuration is good.
+        (["--listen", "127.0.0.1:9003", "--bogus"], {"HAMI_GUARD_LISTEN": ":1"}, ("127.0.0.1", 9003), ""),
+        # The bad flag is the address itself: the default port, and a note saying so.
+        (["--listen", "9395"], {}, ("0.0.0.0", 9395), "--listen '9395' is not ADDR:PORT"),
+        ([], {"HAMI_GUARD_LISTEN": "x\ny"}, ("0.0.0.0", 9395), "--listen 'x\\ny' is not ADDR:PORT"),
+        (["--listen"], {}, ("0.0.0.0", 9395), ""),
+    ],
+)
+def test_a_bad_configuration_still_gives_the_address_to_serve_it_on(
+    argv: list[str], env: dict[str, str], listen: tuple[str, int], note: str
+) -> None:
+    got = read_settings(argv, env)
+    assert isinstance(got, BadConfig)
+    assert got.error.startswith("hami-sidecar: error: ")
+    assert "\n" not in got.error
+    assert (got.host, got.port) == listen
+    assert note in got.listen_note
+    assert bool(note) == bool(got.listen_note)
+
+
+def test_a_bad_configuration_keeps_a_readable_log_format_and_level() -> None:
+    got = read_settings(["--bogus", "--log-format", "json", "--log-level", "debug"], {})
+    assert isinstance(got, BadConfig)
+    assert (got.log_format, got.log_level) == ("json", "DEBUG")
+    got = read_settings(["--log-format", "xml"], {"HAMI_GUARD_LOG_LEVEL": "loud"})
+    assert isinstance(got, BadConfig)
+    assert (got.log_format, got.log_level) == (Settings().log_format, Settings().log_level)
+
+
+def test_a_good_configuration_reads_as_settings() -> None:
+    assert read_settings(["--probe-interval", "7"], {}) == parse_settings(["--probe-interval", "7"], {})
+
+
+@pytest.mark.parametrize("prog", sorted(PARSERS))
+def test_usage_errors_escape_the_arguments_they_echo(prog: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        PARSERS[prog]().parse_args(["x\nfail: FAKE"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"{prog}: error: ")
+    assert "unrecognized arguments: x\\nfail: FAKE" in err
+
+
+@pytest.mark.parametrize(
+    "parse",
+    [flags.listen_address, flags.integer(0, 10), flags.numeric_id, flags.expect_devices, flags.octal],
+)
+def test_a_number_of_thousands_of_digits_is_a_usage_error_not_a_valueerror(
+    parse: Callable[[str], Any],
+) -> None:
+    """int() refuses more than 4300 decimal digits with a ValueError of its own."""
+    digits = "7" * 5000
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse(f":{digits}" if parse is flags.listen_address else digits)
+
+
+def test_a_listen_port_of_thousands_of_digits_serves_on_the_default() -> None:
+    got = read_settings(["--listen", "127.0.0.1:" + "9" * 5000], {})
+    assert isinstance(got, BadConfig)
+    assert (got.host, got.port) == (Settings().host, Settings().port)

@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import io
 import json
+import math
 import os
 import socket
 import subprocess
@@ -55,6 +56,8 @@ from doctor.evidence import (
 from doctor.logscan import (
     DRIVER_FIX,
     KUBELET_PATTERNS,
+    MAX_JOINED,
+    MAX_LINE,
     PLUGIN_PATTERNS,
     RESTART_PLUGIN,
     RUNTIME_FIX,
@@ -63,13 +66,14 @@ from doctor.logscan import (
     read_tail,
     scan,
     scan_file,
+    scan_journal,
 )
 from doctor.render import Report, as_json, as_text, fix_lines, npd_line, shell_lines
 from doctor.repairs import MIN_AGE, STALE, Repair, apply, plan, removal
 from doctor.shell import quote, split_words
 from initcheck.checks import Finding, try_connect
 from initcheck.flags import AUTO_DEVICES, PluginSpec
-from sidecar.checkpoint import Checkpoint, read_checkpoint
+from sidecar.checkpoint import Checkpoint, CheckpointError, read_checkpoint
 from sidecar.probes import Reading, SocketId
 from sidecar.registration import iso
 from sidecar.rpc import unix_target
@@ -82,6 +86,7 @@ from tests.conftest import wait_for
 
 GPU = "nvidia.com/gpu"
 PY = sys.executable
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -1685,3 +1690,110 @@ def test_the_window_starts_at_the_first_line_within_since() -> None:
     assert (found.lines, found.hits) == (3, [])
     assert scan((old * 3).encode(), KUBELET_PATTERNS, "k", 3600, now).lines == 0
     assert scan((old * 3).encode(), KUBELET_PATTERNS, "k", None, now).hits[0].count == 3
+
+
+# -- what a node's log or checkpoint may hold: every reader answers, whatever the bytes --------------------
+def test_a_resource_name_that_is_not_utf8_is_replaced_not_fatal() -> None:
+    """One byte that is not UTF-8 in the kubelet's log never costs the log: it reads as U+FFFD."""
+    ended = CATALOG["ListAndWatch ended unexpectedly for device plugin"][0].replace("gpu", "gp\udcff")
+    request = kl("I", "server.go:146", REQUEST.replace("gpu", "gp\udcff"))
+    found = scan((ended + request).encode(errors="surrogateescape"), KUBELET_PATTERNS, "k", None, time.time())
+    assert found.registered.endswith('resourceName="nvidia.com/gp\ufffd"')
+    assert [(h.text, h.history) for h in found.hits] == [
+        ("ListAndWatch ended unexpectedly for device plugin", True)
+    ]
+    assert log_cause("kubelet-log", [found]).verdict == "ok"
+
+
+def test_cri_partial_lines_are_joined_up_to_a_bound() -> None:
+    """A line the runtime split in 16 KiB P lines is joined up to MAX_JOINED; the rest continues as a line
+    of its own, so a message past the bound is still found."""
+    now = time.time()
+    part = "x" * (16 * 1024 - 1) + " "
+    parts = [part] * 160  # 2.5 MiB
+    parts[100] = "Could not register device plugin: context deadline exceeded " + part[60:]
+    log = "".join(cri(p + "\n", at=now).replace(" F ", " P ", 1) for p in parts) + cri("end\n", at=now)
+    lines = lines_of(log.encode())
+    assert [len(line.encode()) for _, line in lines] == [MAX_JOINED, MAX_JOINED, 512 * 1024 + len("end")]
+    assert {when for when, _ in lines} == {calendar.timegm(time.gmtime(now))}
+    found = scan(log.encode(), PLUGIN_PATTERNS, "p", 3600, now)
+    assert found.lines == 3
+    assert [(h.text, h.count) for h in found.hits] == [("Could not register device plugin:", 1)]
+    assert found.hits[0].meaning.startswith("kubelet.sock did not answer within")
+
+
+def test_a_long_line_is_one_line_however_often_it_matches() -> None:
+    """One line, one pattern (the first in it), however long the line: the scan goes on at the next line."""
+    message = "Could not register device plugin: connection refused "
+    line = pl("E", "server.go:325", message * 40000).rstrip("\n") + "\n"  # 2 MiB
+    found = scan((line + line).encode(), PLUGIN_PATTERNS, "p", 3600, time.time())
+    assert found.lines == 2
+    ((text, count, newest, meaning),) = [(h.text, h.count, h.newest, h.meaning) for h in found.hits]
+    assert (text, count, len(newest)) == ("Could not register device plugin:", 2, MAX_LINE)
+    assert meaning == "the plugin's kubelet.sock is a dead file: nothing listens on it"
+
+
+def test_a_log_path_no_file_can_have_is_a_problem_not_an_error() -> None:
+    assert scan_file("/var/log/x\0y", PLUGIN_PATTERNS, None).problem == (
+        "cannot read '/var/log/x\\x00y': embedded null byte"
+    )
+
+
+def test_every_checkpoint_failure_is_a_checkpoint_error(short_tmp: str) -> None:
+    """Whatever the file (or the path), read_checkpoint answers a Checkpoint or raises CheckpointError,
+    the one failure its callers handle."""
+    path = os.path.join(short_tmp, "kubelet_internal_checkpoint")
+
+    def read(data: bytes) -> dict[str, tuple[str, ...]] | str:
+        with open(path, "wb") as f:
+            f.write(data)
+        try:
+            return dict(read_checkpoint(path, max_bytes=1 << 20).registered)
+        except CheckpointError as e:
+            return str(e)
+
+    real = (REPO / "fuzz" / "corpus" / "checkpoint" / "new-stream-ended").read_bytes()  # the kubelet's own
+    assert read(real) == {"huawei.com/Ascend910B3": ("NPU-0", "NPU-1"), "nvidia.com/gpu": ()}
+    assert read(b' {"Data": {"RegisteredDevices": {"a/b": ["x", 1, null], "c/d": 7, "e/f": null}}}') == {
+        "a/b": ("x",),
+        "e/f": (),
+    }
+    invalid = "the checkpoint is not valid JSON (truncated or corrupt)"
+    assert read(real[:-20]) == invalid
+    assert read(b"\xff\xfe{") == invalid
+    assert read(b"[" * 100000) == invalid  # deeper than the parser recurses
+    assert read(b'{"Data": {"RegisteredDevices": {"a/b": [' + b"9" * 5000 + b"]}}}") == invalid
+    assert read(b" \n") == "the checkpoint is empty"
+    assert read(b'{"Data": []}') == "the checkpoint has no Data object"
+    assert (
+        read(b'{"Data": {"RegisteredDevices": []}}') == "the checkpoint's RegisteredDevices is not an object"
+    )
+    assert (
+        read(b" " * ((1 << 20) + 1))
+        == f"the checkpoint is {(1 << 20) + 1} bytes, over the 1048576-byte bound"
+    )
+    os.unlink(path)
+    for where, reason in (
+        (path, "no checkpoint: the kubelet has not recorded any device plugin"),
+        (short_tmp, "the checkpoint is not a regular file"),
+        (path + "\0", "cannot open the checkpoint: embedded null byte"),
+    ):
+        with pytest.raises(CheckpointError) as e:
+            read_checkpoint(where)
+        assert str(e.value) == reason
+    os.mkfifo(path)
+    with pytest.raises(CheckpointError, match=r"^the checkpoint is not a regular file$"):
+        read_checkpoint(path)  # opened without blocking: a FIFO never hangs the reader
+
+
+@pytest.mark.parametrize(("since", "asked"), [(7200.0, "--since -7200s"), (math.inf, ""), (math.nan, "")])
+def test_the_journal_window_from_any_since(
+    short_tmp: str, monkeypatch: pytest.MonkeyPatch, since: float, asked: str
+) -> None:
+    """An endless (or undefined) window asks the journal for everything, never raises."""
+    line = CATALOG["Failed to connect to new client"][0]
+    monkeypatch.setenv("PATH", fake_journal(short_tmp, {"kubelet": line})["PATH"])
+    found = scan_journal(("kubelet",), KUBELET_PATTERNS, since)
+    assert [h.text for h in found.hits] == ["Failed to connect to new client"]
+    args = Path(short_tmp, "bin", "args").read_text()
+    assert ("--since" in args, asked in args) == (bool(asked), True)

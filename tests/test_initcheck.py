@@ -303,10 +303,12 @@ def catches(pid: int, signum: int) -> bool:
     return False
 
 
-def test_sigterm_during_wait_exits_100_at_once(folder: str) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_during_wait_exits_100_at_once(folder: str, signum: int) -> None:
     proc = subprocess.Popen(
         [PY, "-m", "initcheck", "--device-plugin-dir", folder, "--wait", "3600"],
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
     try:
@@ -314,13 +316,14 @@ def test_sigterm_during_wait_exits_100_at_once(folder: str) -> None:
         while not catches(proc.pid, signal.SIGTERM):  # its handler is in place: it is waiting
             assert proc.poll() is None and time.monotonic() < deadline, "hami-initcheck did not start waiting"
             time.sleep(0.005)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)  # far less than the hour it would wait
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=30)  # far less than the hour it would wait
     finally:
         proc.kill()
         proc.wait()
     assert proc.returncode == 100
-    assert out.startswith("fail: SIGTERM while waiting for")
+    assert out.startswith(f"fail: {signal.Signals(signum).name} while waiting for")
+    assert err == ""  # no traceback
 
 
 @pytest.mark.parametrize(
@@ -334,6 +337,9 @@ def test_sigterm_during_wait_exits_100_at_once(folder: str) -> None:
         (["--plugin-uid", "4294967295"], {}, "argument --plugin-uid: "),
         ([], {"HAMI_GUARD_PLUGIN_UID": "root"}, "HAMI_GUARD_PLUGIN_UID='root'"),
         ([], {"HAMI_GUARD_WAIT": "inf"}, "HAMI_GUARD_WAIT='inf'"),
+        # An argument's newline is escaped: it cannot forge a line of its own.
+        (["x\nfail: FAKE"], {}, "unrecognized arguments: x\\nfail: FAKE"),
+        (["--wait", "1\nfail: FAKE"], {}, "argument --wait: "),
     ],
 )
 def test_exit_code_2_for_usage_errors_in_one_line(args: list[str], env: dict[str, str], named: str) -> None:

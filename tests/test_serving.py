@@ -102,7 +102,15 @@ def close_all(streams: list[Stream]) -> None:
 
 
 def test_probe_paths_are_the_kubelets() -> None:
-    for path in ("/healthz", "/livez", "/readyz", "/sidecarz", "/healthz/kubelet", "/readyz/kubelet"):
+    for path in (
+        "/healthz",
+        "/livez",
+        "/readyz",
+        "/sidecarz",
+        "/sidecarz/live",
+        "/healthz/kubelet",
+        "/readyz/kubelet",
+    ):
         assert is_probe_path(path), path
     for path in ("/metrics", "/status", "/", "/healthzz", "/readyzx"):
         assert not is_probe_path(path), path
@@ -204,10 +212,25 @@ async def test_other_paths_share_a_budget_and_the_probes_never_wait_for_it() -> 
         assert server.stats.busy == 2
 
 
+# Holds N slow-header connections to a port from a process of its own, until its stdin closes.
+_HOLDER = """
+import socket, sys
+port, count, send = int(sys.argv[1]), int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+held = []
+for _ in range(count):
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(send)
+    held.append(s)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
 async def test_http_never_takes_the_descriptor_reserve() -> None:
     """With room for about 30 connections in the descriptor budget, 60 are held within it, and a
-    probe gets in. (The test's own client sockets share this process's fd table: the budget shrinks
-    as they open, as it does when gRPC or anything else takes descriptors.)"""
+    probe gets in. The 60 clients live in a process of their own: in this one, their sockets would
+    count against the server's budget (as anything else that takes descriptors does) and take it
+    all, which is not what this test is about."""
     baseline = open_fds()
     assert baseline is not None
     nofile = baseline
@@ -216,17 +239,67 @@ async def test_http_never_takes_the_descriptor_reserve() -> None:
     async with bounded(nofile=nofile) as server:
         budget = server.fd_budget()
         assert 20 <= budget <= 40
-        streams = []
-        for _ in range(60):
-            streams.append(await connect(server, PARTIAL))
+        holder = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            _HOLDER,
+            str(server.port),
+            "60",
+            PARTIAL.hex(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert holder.stdout is not None
+            assert await asyncio.wait_for(holder.stdout.readline(), 30) == b"ready\n"
+            await wait_for(lambda: server.stats.accepted >= 60, timeout=10, what="60 connections accepted")
             assert server.connections <= budget
+            assert await probe(server) == 200
+            assert server.stats.peak_connections <= budget
+            assert server.stats.evicted >= 60 - budget
+            total = open_fds()
+            assert total is not None
+            assert total <= nofile - server.stats.fd_reserve  # the server's side kept out
+        finally:
+            if holder.returncode is None:
+                holder.kill()
+            await holder.wait()
+
+
+async def test_bare_lf_line_ends_are_answered_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head ended by an empty line with bare LF line ends is answered (aiohttp says 400) at once,
+    not at the header deadline."""
+    monkeypatch.setattr(serving, "HEADER_TIMEOUT", 60.0)
+    async with bounded() as server:
+        for head in (b"GET /healthz HTTP/1.1\nHost: t\n\n", b"GET /healthz HTTP/1.1\r\nHost: t\r\n\n"):
+            reader, writer = await connect(server, head)
+            status, _ = await answer(reader, timeout=20.0)
+            assert status in (200, 400)
+            writer.close()
         assert await probe(server) == 200
-        assert server.stats.peak_connections <= budget
-        assert server.stats.evicted > 0
-        total = open_fds()
-        assert total is not None
-        assert total - len(streams) <= nofile - server.stats.fd_reserve  # the server's side kept out
-        close_all(streams)
+
+
+async def test_a_failing_view_is_a_500_and_one_traceback_per_period(caplog: pytest.LogCaptureFixture) -> None:
+    async def broken(request: web.Request) -> web.Response:
+        raise ValueError("a bug")
+
+    app = tiny_app()
+    app.router.add_get("/readyz", broken)
+    server = BoundedServer(app, "127.0.0.1", free_port())
+    await server.start()
+    try:
+        for _ in range(5):
+            reader, writer = await connect(server, b"GET /readyz HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert (await answer(reader))[0] == 500
+            assert await closed_by_server(reader)
+            writer.close()
+        assert await probe(server) == 200
+    finally:
+        await server.close()
+    assert server.stats.errors == 5
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1
+    assert "GET /readyz failed" in tracebacks[0].getMessage()
 
 
 async def test_close_is_prompt_whatever_the_clients_do() -> None:
@@ -331,6 +404,78 @@ async def connect_port(port: int, send: bytes) -> Stream:
     return reader, writer
 
 
+# Requests aiohttp cannot parse, one kind per line: each is answered 400 and closed.
+MALFORMED = [
+    b"GET / HTTP/1.1\r\nHost: t\r\nContent-Length: x\r\n\r\n",
+    b"GET /\x00 HTTP/1.1\r\n\r\n",
+    b"FOO BAR BAZ\r\n\r\n",
+    b"GET / HTTP/9.9\r\n\r\n",
+    b"GET / HTTP/1.1\r\nBad Header\r\n\r\n",
+    b"GET /healthz HTTP/1.1\nHost: t\n\n",
+    b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked, identity\r\n\r\n",
+]
+
+
+async def _send_malformed(port: int, count: int, workers: int = 32) -> int:
+    """`count` malformed requests, each on a connection of its own; returns how many were answered 400."""
+    answered = 0
+    queue = iter(range(count))
+
+    async def worker() -> None:
+        nonlocal answered
+        for i in queue:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                continue
+            try:
+                writer.write(MALFORMED[i % len(MALFORMED)])
+                head = await asyncio.wait_for(reader.read(64), 10)
+                answered += head.startswith(b"HTTP/1.") and b" 400 " in head
+            except (OSError, TimeoutError):
+                pass
+            finally:
+                writer.close()
+
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    return answered
+
+
+async def test_10000_malformed_requests_grow_the_log_by_less_than_64_kib(dp_dir: str, short_tmp: str) -> None:
+    """Each malformed request was a 12-line ERROR traceback from aiohttp; now at most a DEBUG line,
+    and a count in a warning at most every 10 s."""
+    port = free_port()
+    pod_resources = os.path.join(short_tmp, "pod-resources", "kubelet.sock")
+    log_path = os.path.join(short_tmp, "sidecar.log")
+    async with (
+        FakeKubelet(dp_dir, pod_resources, dial_timeout=0.5),
+        FakeDevicePlugin(dp_dir, register_timeout=5, retry_interval=30),
+    ):
+        with open(log_path, "wb") as log:
+            proc = await asyncio.create_subprocess_exec(*_sidecar_argv(short_tmp, port), stderr=log)
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            while await _http_status(port, "/sidecarz") != 200:
+                assert proc.returncode is None, "the sidecar exited before it served"
+                assert loop.time() < deadline, "the sidecar did not become ready"
+                await asyncio.sleep(0.05)
+            before = os.path.getsize(log_path)
+            answered = await _send_malformed(port, 10_000)
+            assert await _http_status(port) == 200
+            grown = os.path.getsize(log_path) - before
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 10)
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    assert answered >= 9_000, answered  # a few may be reset under load; the rest are answered 400
+    assert grown < 64 * 1024, text[-3000:]
+    assert "Traceback" not in text
+    assert "malformed" in text  # the count, in the periodic warning and the closing summary
+
+
 # -- duration flags ---------------------------------------------------------------------------------
 TINY = "1e-300"
 
@@ -344,20 +489,18 @@ TINY = "1e-300"
         ("--registration-grace", "HAMI_GUARD_REGISTRATION_GRACE"),
     ],
 )
-def test_a_vanishing_duration_is_a_usage_error(flag: str, variable: str, short_tmp: str) -> None:
-    """`--probe-timeout 1e-300` was a permanent 503 and `--polling-interval 1e-300` a spinning core."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_GUARD_")}
-    for argv, environ in (([flag, TINY], env), ([], {**env, variable: TINY})):
-        result = subprocess.run(
-            _sidecar_argv(short_tmp, free_port(), *argv),
-            capture_output=True,
-            text=True,
-            env=environ,
-            timeout=30,
-            check=False,
-        )
-        assert result.returncode == 2, result.stderr
-        (line,) = result.stderr.splitlines()  # one line, no traceback, nothing served
+def test_a_vanishing_duration_is_a_usage_error(
+    flag: str, variable: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--probe-timeout 1e-300` was a permanent 503 and `--polling-interval 1e-300` a spinning core.
+    (The process serves such an error instead of exiting: tests/test_sidecar_cli.py.)"""
+    from sidecar.config import parse_settings
+
+    for argv, environ in (([flag, TINY], {}), ([], {variable: TINY})):
+        with pytest.raises(SystemExit) as e:
+            parse_settings(argv, environ)
+        assert e.value.code == 2
+        (line,) = capsys.readouterr().err.splitlines()  # one line
         assert line.startswith("hami-sidecar: error: ")
         assert (flag if argv else variable) in line
         assert "expected seconds from 0.005" in line
@@ -375,3 +518,14 @@ def test_the_shortest_durations_accepted_are_a_few_milliseconds() -> None:
     with pytest.raises(SystemExit) as e:
         parse_settings(["--polling-interval", "0.004"], {})
     assert e.value.code == 2
+
+
+async def test_an_aiohttp_that_drops_the_limits_stops_start_up() -> None:
+    """aiohttp's Server drops every handler argument (with a warning) when one is unknown to its
+    request handler: the limits would silently be aiohttp's defaults. Start-up refuses instead."""
+    app = web.Application(handler_args={"no_such_argument": 1})  # what a renamed argument looks like
+    app.router.add_get("/healthz", _ok)
+    server = BoundedServer(app, "127.0.0.1", free_port())
+    with pytest.raises(RuntimeError, match="did not take the serving limits"):
+        await server.start()
+    await server.close()

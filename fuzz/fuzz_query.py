@@ -1,0 +1,110 @@
+"""Fuzz the HTTP query handling: request targets (paths, ?exclude=, ?verbose, /healthz/<check>) through
+the real stack, socket to view: sidecar/serving.py's front and limits, aiohttp's parser, the views of
+sidecar/http.py, for a sidecar before and after its first probe round and for a bad configuration.
+
+Fails (an escaping exception) when a view raises (a 500: the serving middleware counts it) or when
+the liveness answer is not the view's (a /healthz that is neither 200 nor 503, a 404 or 400 aside).
+
+Input: the first byte picks the app and the method, the rest is the request target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+from aiohttp import web
+
+from sidecar.app import Sidecar
+from sidecar.config import BadConfig, Settings
+from sidecar.http import build_app, build_error_app
+from sidecar.metrics import Metrics
+from sidecar.serving import BoundedServer
+
+_METHODS = (b"GET", b"HEAD", b"POST", b"OPTIONS")
+
+
+class _Stack:
+    """Three servers on loopback, in a loop on a thread of their own."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.servers: list[BoundedServer] = []
+        self.sidecars: list[Sidecar] = []
+        started = threading.Event()
+        threading.Thread(target=self._run, args=(started,), daemon=True, name="fuzz-http").start()
+        started.wait(30)
+        assert len(self.servers) == 3, "the fuzz servers did not start"
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._start())
+        started.set()
+        self.loop.run_forever()
+
+    async def _start(self) -> None:
+        settings = Settings(host="127.0.0.1", port=0)
+        apps: list[web.Application] = []
+        for ready in (False, True):
+            sidecar = Sidecar(settings)
+            sidecar.rounds = int(ready)
+            self.sidecars.append(sidecar)
+            apps.append(build_app(sidecar))
+        problem = BadConfig(
+            "hami-sidecar: error: unrecognized arguments: x", "127.0.0.1", 0, "", "text", "INFO"
+        )
+        apps.append(build_error_app(problem, Metrics()))
+        for app in apps:
+            server = BoundedServer(app, "127.0.0.1", 0, work_rate=1e9)
+            await server.start()
+            server.port = server.sockets[0].getsockname()[1]
+            self.servers.append(server)
+
+
+_stacks: list[_Stack] = []  # started on the first input, not at import
+
+
+def _parse_first(raw: bytes) -> tuple[int, bytes] | None:
+    """The first answer's status and body, or None when the server closed without one."""
+    head, sep, rest = raw.partition(b"\r\n\r\n")
+    if not sep:
+        return None
+    status = int(head.split(b" ", 2)[1])
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return status, rest[:length]
+
+
+def TestOneInput(data: bytes) -> None:
+    if not _stacks:
+        _stacks.append(_Stack())
+    if not data:
+        return
+    pick, target = data[0], data[1:]
+    server = _stacks[0].servers[pick % 3]
+    method = _METHODS[(pick // 3) % len(_METHODS)]
+    errors = server.stats.errors
+    request = method + b" /" + target + b" HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+        s.sendall(request)
+        chunks = []
+        try:
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+        except ConnectionResetError:
+            pass
+    answer = _parse_first(b"".join(chunks))
+    if server.stats.errors != errors:
+        raise AssertionError(f"a view raised on {request!r}: {answer!r}")
+    if answer is None:
+        return  # closed by the serving limits (an oversized or pipelined head)
+    status, body = answer
+    if status == 500:
+        raise AssertionError(f"500 for {request!r}: {body!r}")
+    path = b"/" + target.split(b"?", 1)[0]
+    if method == b"GET" and path in (b"/healthz", b"/livez") and status not in (200, 503, 400):
+        raise AssertionError(f"{status} for {request!r}: liveness answers 200 or 503")
