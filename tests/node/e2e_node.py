@@ -119,6 +119,17 @@ def healthz(path: str = "/healthz") -> int:
         return 0
 
 
+def status_reason() -> str:
+    """Why the sidecar fails liveness, from its /status (the failed checks' reasons)."""
+    ip = plugin_pod()["status"].get("podIP", "")
+    try:
+        with urllib.request.urlopen(f"http://{ip}:9395/status", timeout=2) as r:
+            checks = json.load(r).get("checks", {})
+    except (OSError, ValueError):
+        return "no /status"
+    return "; ".join(f"{k}: {c.get('reason')}" for k, c in checks.items() if c.get("fails_liveness"))
+
+
 def events(pod: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = get("events", selector="")["items"]
     return [e for e in items if e["involvedObject"].get("name") == pod]
@@ -301,14 +312,28 @@ def restored_after(fault: str, inflict: Callable[[], None], timeout: float = 180
     before = restarts("device-plugin")
     t0 = time.monotonic()
     inflict()
-    wait("/healthz 503", lambda: healthz() == 503, 120, 0.2)
-    t_503 = time.monotonic() - t0
-    wait("allocatable not all devices", lambda: allocatable() != DEVICES, 60, 0.2)
-    t_lost = time.monotonic() - t0
-    wait("the kubelet restarting device-plugin", lambda: restarts("device-plugin") > before, timeout, 0.2)
-    t_restart = time.monotonic() - t0
-    wait(f"allocatable {RESOURCE}={DEVICES}", lambda: allocatable() == DEVICES, timeout, 0.2)
-    t_back = time.monotonic() - t0
+    # Each event's first time, polled together: the sidecar's 503, allocatable lost, the kubelet's restart
+    # of the plugin container, allocatable back after it.
+    seen: dict[str, float] = {}
+    reason = ""
+
+    def progress() -> bool:
+        nonlocal reason
+        now = time.monotonic() - t0
+        if "503" not in seen and healthz() == 503:
+            seen["503"] = now
+            reason = status_reason()
+        alloc = allocatable()
+        if "lost" not in seen and alloc != DEVICES:
+            seen["lost"] = now
+        if "restart" not in seen and restarts("device-plugin") > before:
+            seen["restart"] = now
+        if "restart" in seen and "back" not in seen and alloc == DEVICES:
+            seen["back"] = now
+        return len(seen) == 4
+
+    wait(f"{fault}: 503, allocatable lost, the plugin restarted, allocatable back", progress, timeout, 0.2)
+    assert seen["503"] <= seen["restart"] <= seen["back"], seen
     killing = [
         e["message"]
         for e in events(name)
@@ -318,8 +343,9 @@ def restored_after(fault: str, inflict: Callable[[], None], timeout: float = 180
     assert restarts("device-plugin") == before + 1
     assert restarts("hami-sidecar") == 0
     figure(
-        f"{fault}: /healthz 503 after {t_503:.1f} s, allocatable lost at {t_lost:.1f} s, device-plugin "
-        f"restarted by the kubelet at {t_restart:.1f} s, allocatable restored {t_back:.1f} s after the fault"
+        f"{fault}: /healthz 503 after {seen['503']:.1f} s ({reason}), allocatable lost at "
+        f"{seen['lost']:.1f} s, device-plugin restarted by the kubelet at {seen['restart']:.1f} s "
+        f"({killing[0]}), allocatable restored {seen['back']:.1f} s after the fault"
     )
     healthy_plugin()
 
@@ -378,9 +404,19 @@ def test_init_container_without_kubelet_socket() -> None:
 
         term = wait("hami-initcheck to exit", init_failed, 150, 1)
         assert term["exitCode"] == 100, term
-        new = plugin_pod()
-        waiting = container_status(new, "hami-initcheck").get("state", {})
-        figure(f"init: hami-initcheck exited {term['exitCode']} ({term.get('reason')}); then {waiting}")
+        new = plugin_pod()["metadata"]["name"]
+
+        def shown() -> str | None:
+            out = kubectl("get", "pod", "-n", NS, new, "--no-headers").split()
+            return out[2] if len(out) > 2 and out[2] in ("Init:Error", "Init:CrashLoopBackOff") else None
+
+        status = wait("Init:Error or Init:CrashLoopBackOff", shown, 60)
+        log = kubectl("logs", "-n", NS, new, "-c", "hami-initcheck", "--previous", check=False) or kubectl(
+            "logs", "-n", NS, new, "-c", "hami-initcheck"
+        )
+        failed = [line for line in log.splitlines() if line.startswith("fail:")]
+        assert failed, log
+        figure(f"init: hami-initcheck exited {term['exitCode']}, the pod {status}; {failed[0]}")
     finally:
         node_ctl("kubelet-restart")  # kubelet.sock again
     healthy_plugin(240)
