@@ -56,6 +56,8 @@ kubelet-fixture-old:
 kubelet-fixtures-check:
 	cd $(REALKUBELET) && files="$$(gofmt -l .)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
 	cd $(REALKUBELET) && $(GO) vet ./... && $(GO) vet -modfile=go.old.mod -tags oldkubelet ./...
+	cd tests/node && files="$$(gofmt -l pause)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
+	cd tests/node && $(GO) vet ./pause
 
 demo: $(STAMP)
 	$(PY) -m sidecar.demo

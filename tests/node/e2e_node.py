@@ -379,6 +379,45 @@ def test_sidecar_killed_does_not_restart_the_plugin() -> None:
     healthy_plugin()
 
 
+def roll_sidecar_env(value: str) -> dict[str, Any]:
+    """Rolls the DaemonSet to hami-sidecar with HAMI_GUARD_PROBE_INTERVAL=value; returns the new pod."""
+    old = plugin_pod()["metadata"]["name"]
+    kubectl(
+        "set",
+        "env",
+        "-n",
+        NS,
+        "daemonset/hami-device-plugin",
+        "-c",
+        "hami-sidecar",
+        f"HAMI_GUARD_PROBE_INTERVAL={value}",
+    )
+
+    def replaced() -> dict[str, Any] | None:
+        pod = plugin_pod()
+        running = container_status(pod, "device-plugin").get("state", {}).get("running")
+        return pod if pod["metadata"]["name"] != old and running else None
+
+    return wait("the DaemonSet's new pod running", replaced, 180, 1)
+
+
+def test_sidecar_bad_flag_does_not_restart_the_plugin() -> None:
+    """A setting the sidecar cannot parse is served, not exited on: /healthz 200, so the plugin is never
+    restarted for it; /sidecarz 503 shows the sidecar's own fault."""
+    healthy_plugin()
+    try:
+        roll_sidecar_env("not-a-number")
+        wait(f"allocatable {RESOURCE}={DEVICES}", lambda: allocatable() == DEVICES, 120)
+        time.sleep(35)  # past the plugin's liveness window (initialDelaySeconds 10, 3 x 5 s)
+        assert restarts("device-plugin") == 0
+        assert healthz() == 200
+        assert healthz("/sidecarz") == 503
+        assert not ready(plugin_pod())
+    finally:
+        roll_sidecar_env("10")  # the patch's value
+    healthy_plugin(240)
+
+
 def test_init_container_without_kubelet_socket() -> None:
     """kubelet.sock missing: hami-initcheck exits 100, the pod shows Init:Error (then back-off); once the
     kubelet creates its socket again, --wait lets the pod start."""
