@@ -13,6 +13,7 @@ $NODE_E2E_DIR/figures.txt, which node.sh prints: they are measured, not asserted
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -418,6 +419,17 @@ def test_sidecar_bad_flag_does_not_restart_the_plugin() -> None:
     healthy_plugin(240)
 
 
+def init_log(pod: str) -> str:
+    """hami-initcheck's output, read from the kubelet's log files of the pod (/var/log/pods) as it exits:
+    the kubelet removes an exited attempt's container, and its log with it, once the next one runs."""
+    lines: list[str] = []
+    for path in sorted(Path("/var/log/pods").glob(f"{NS}_{pod}_*/hami-initcheck/*.log")):
+        with contextlib.suppress(OSError):
+            # CRI log lines: <time> <stream> <tag> <text>
+            lines += [line.split(" ", 3)[-1] for line in path.read_text(errors="replace").splitlines()]
+    return "\n".join(lines)
+
+
 def test_init_container_without_kubelet_socket() -> None:
     """kubelet.sock missing: hami-initcheck exits 100, the pod shows Init:Error (then back-off); once the
     kubelet creates its socket again, --wait lets the pod start."""
@@ -445,6 +457,7 @@ def test_init_container_without_kubelet_socket() -> None:
             term = st.get("state", {}).get("terminated") or st.get("lastState", {}).get("terminated")
             if term and "exit" not in seen:
                 seen["exit"], seen["name"] = term["exitCode"], name
+                seen["log"] = init_log(name)
             cols = kubectl("get", "pod", "-n", NS, name, "--no-headers").split()
             if len(cols) > 2 and cols[2] in ("Init:Error", "Init:CrashLoopBackOff"):
                 seen.setdefault("status", cols[2])
@@ -452,12 +465,8 @@ def test_init_container_without_kubelet_socket() -> None:
 
         wait("hami-initcheck's exit and the pod's Init status", progress, 200, 0.3)
         assert seen["exit"] == 100, seen
-        new = seen["name"]
-        log = kubectl("logs", "-n", NS, new, "-c", "hami-initcheck", "--previous", check=False) or kubectl(
-            "logs", "-n", NS, new, "-c", "hami-initcheck"
-        )
-        failed = [line for line in log.splitlines() if line.startswith("fail:")]
-        assert failed, log
+        failed = [line for line in seen["log"].splitlines() if line.startswith("fail:")]
+        assert failed, seen["log"]
         figure(f"init: hami-initcheck exited {seen['exit']}, the pod {seen['status']}; {failed[0]}")
     finally:
         node_ctl("kubelet-restart")  # kubelet.sock again
