@@ -42,6 +42,10 @@ cgroup=node-e2e-${run##*.}
 echo "node-e2e: $run (cgroup root /$cgroup)"
 
 cleanup() {
+  if [ -s "$run/figures.txt" ]; then
+    echo "node-e2e: figures"
+    sed 's/^/  /' "$run/figures.txt"
+  fi
   # The namespace's processes are gone with unshare; only the cgroups remain on the host's cgroupfs.
   for h in /sys/fs/cgroup/*/; do
     [ -d "$h$cgroup" ] || continue
