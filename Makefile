@@ -11,6 +11,13 @@ GO          ?= go
 REALKUBELET := tests/realkubelet
 KUBELET_NEW := v1.37.2
 KUBELET_OLD := v1.36.5
+# The kubelet's real plugin manager and DRA manager with DRA drivers on the plugin helper (tests/realdra).
+REALDRA     := tests/realdra
+
+# Helm, built by `make helm-binaries` for tests/test_manifests.py (the versions the README's lines are tested with).
+HELM_BIN      := tests/helm/bin
+HELM3_VERSION := v3.22.0
+HELM4_VERSION := v4.3.2
 
 .PHONY: test lint typecheck pytest demo proto bench soak clean lock manifests dashboard fuzz
 
@@ -36,8 +43,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-# With Go on PATH, pytest first (re)builds the real-kubelet fixtures; without it their tests skip.
-pytest: $(STAMP) $(TOOLS) $(if $(shell command -v $(GO) 2>/dev/null),kubelet-fixtures)
+# With Go on PATH, pytest first (re)builds the real-kubelet and DRA fixtures and Helm; without it their tests skip.
+pytest: $(STAMP) $(TOOLS) $(if $(shell command -v $(GO) 2>/dev/null),kubelet-fixtures dra-fixtures helm-binaries)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The kubelet's real device manager, PodResources server and plugins (tests/realkubelet,
@@ -51,6 +58,20 @@ kubelet-fixture-new:
 
 kubelet-fixture-old:
 	cd $(REALKUBELET) && $(GO) build -buildvcs=false -modfile=go.old.mod -tags oldkubelet -o bin/realkubelet-$(KUBELET_OLD) .
+
+# The DRA fixture (tests/realdra, docs/real-kubelet.md#dra), at the same two releases.
+.PHONY: dra-fixtures dra-fixture-new dra-fixture-old dra-fixtures-check
+dra-fixtures: dra-fixture-new dra-fixture-old
+
+dra-fixture-new:
+	cd $(REALDRA) && $(GO) build -buildvcs=false -o bin/realdra-$(KUBELET_NEW) .
+
+dra-fixture-old:
+	cd $(REALDRA) && $(GO) build -buildvcs=false -modfile=go.old.mod -tags oldkubelet -o bin/realdra-$(KUBELET_OLD) .
+
+dra-fixtures-check:
+	cd $(REALDRA) && files="$$(gofmt -l .)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
+	cd $(REALDRA) && $(GO) vet ./... && $(GO) vet -modfile=go.old.mod -tags oldkubelet ./...
 
 # gofmt and go vet over the fixture's module, with each go.mod.
 kubelet-fixtures-check:
@@ -87,6 +108,11 @@ $(NODE_DIR)/bin/kube-%: $(NODE_DIR)/go.mod $(NODE_DIR)/go.sum
 node-images:
 	$(NODE_DIR)/images.sh
 
+# A DRA driver's tour against the kubelet's own plugin manager and DRA manager (tests/realdra).
+.PHONY: demo-dra
+demo-dra: $(STAMP) dra-fixture-new
+	DEMO_KUBELET=dra $(PY) -m sidecar.demo
+
 # Figures for BENCHMARKS.md (each script prints medians and ratios from one run).
 bench: $(STAMP)
 	$(PY) bench/initcheck_startup.py
@@ -95,6 +121,7 @@ bench: $(STAMP)
 	$(PY) -m bench.fault_latency
 	$(PY) -m bench.resources
 	$(PY) bench/doctor_log.py
+	$(PY) -m bench.sidecar_listen
 
 soak: $(STAMP)
 	$(PY) -m bench.soak
@@ -105,14 +132,24 @@ FUZZ_SECONDS ?= 60
 fuzz: $(STAMP)
 	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS)
 
-# Slow real-kubelet checks (about 8 minutes): the kubelet's 5-minute stop grace against both releases
-# and the simulator, the oracle's 200 random events with three seeds on each release, and the demo's
+# Slow real-kubelet checks (about 30 minutes): the kubelet's 5-minute stop grace against both releases
+# and the simulator, the oracles' 200 random events with three seeds on each release (device plugins,
+# then DRA drivers, the two releases side by side: about 20 minutes of it), the DRA fixture's
+# scenarios, and the demo's
 # tour against the real device manager.
 .PHONY: real-slow
-real-slow: $(STAMP) kubelet-fixtures
+real-slow: $(STAMP) kubelet-fixtures dra-fixtures
 	$(PY) -m pytest -q -m slow tests/e2e/test_stop_grace.py
 	ORACLE_EVENTS=200 ORACLE_SEEDS=1,2,3 $(PY) -m pytest -q -s tests/e2e/test_oracle.py
+	$(PY) -m pytest -q -m slow tests/test_realdra.py
+	$(MAKE) -j2 dra-oracle-new dra-oracle-old
 	DEMO_KUBELET=real DEMO_TOUR_ONLY=1 $(PY) -m sidecar.demo > /dev/null
+	DEMO_KUBELET=dra DEMO_TOUR_ONLY=1 $(PY) -m sidecar.demo > /dev/null
+
+# The DRA oracle (tests/e2e/test_dra_oracle.py), one release per job: 200 events x 3 seeds, about 18 minutes.
+.PHONY: dra-oracle-new dra-oracle-old
+dra-oracle-new dra-oracle-old: dra-oracle-%: $(STAMP) dra-fixtures
+	ORACLE_EVENTS=200 ORACLE_SEEDS=1,2,3 $(PY) -m pytest -q -s -m slow tests/e2e/test_dra_oracle.py -k '$*'
 
 # The serving-limits floods on loopback (about 75 s): /healthz p99 during each, peak RSS, fds, exit on
 # SIGTERM (BENCHMARKS.md#stress). STRESS_CPU_LIMIT=0.2 adds the manifests' CPU limit where cgroups allow.
@@ -142,10 +179,21 @@ test-aiohttp-range:
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. sidecar/proto/*.proto
 
-# Regenerate the standalone DaemonSet from HAMi's shape and the patch (tests/test_manifests.py compares them).
-manifests:
-	{ cat manifests/standalone/header.yaml.in; kubectl kustomize manifests/example-hami; } \
-		> manifests/standalone/hami-device-plugin.yaml
+# Regenerate manifests/example-hami/hami.yaml: the chart fixture as the README's kustomize route renders
+# HAMi's chart (tests/test_manifests.py checks it is current).
+manifests: helm-binaries
+	$(HELM_BIN)/helm-$(HELM3_VERSION) template hami tests/fixtures/hami-chart --namespace kube-system \
+		--kube-version 1.33.0 > manifests/example-hami/hami.yaml
+
+# Helm 3 and Helm 4, built from their Go modules at pinned versions (tests/test_manifests.py installs
+# with both). Kept in tests/helm/bin like the kubelet fixtures: a second run finds them and does nothing.
+.PHONY: helm-binaries
+helm-binaries: $(HELM_BIN)/helm-$(HELM3_VERSION) $(HELM_BIN)/helm-$(HELM4_VERSION)
+
+$(HELM_BIN)/helm-%:
+	mkdir -p $(HELM_BIN)/.gobin-$*
+	GOBIN=$(CURDIR)/$(HELM_BIN)/.gobin-$* $(GO) install helm.sh/helm/$(firstword $(subst ., ,$*))/cmd/helm@$*
+	mv $(HELM_BIN)/.gobin-$*/helm $@ && rmdir $(HELM_BIN)/.gobin-$*
 
 # Regenerate the Grafana dashboard (manifests/monitoring/dashboard.json) with grafana-foundation-sdk, a dev
 # dependency (tests/test_monitoring.py checks the committed JSON is current).
@@ -163,3 +211,5 @@ lock:
 
 clean:
 	rm -rf $(VENV) .venv-tools .venv-aiohttp-oldest .venv-aiohttp-newest build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(REALKUBELET)/bin $(NODE_DIR)/bin
+
+	rm -rf $(VENV) .venv-tools .venv-aiohttp-oldest .venv-aiohttp-newest build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(REALKUBELET)/bin $(REALDRA)/bin

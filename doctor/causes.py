@@ -5,6 +5,7 @@ Pure functions, no I/O: a test builds the evidence by hand and checks every bran
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -17,15 +18,26 @@ from doctor.evidence import (
     PluginProcesses,
     SocketProbe,
 )
-from doctor.logscan import DRIVER_FIX, RESTART_PLUGIN, RUNTIME_FIX, LogFindings, LogHit
+from doctor.logscan import (
+    ALREADY_CONNECTED,
+    DRIVER_FIX,
+    REFUSED_FIX,
+    RESTART_PLUGIN,
+    RUNTIME_FIX,
+    LogFindings,
+    LogHit,
+)
 from doctor.shell import command
 from initcheck.checks import Finding
 from initcheck.flags import AUTO_DEVICES
 from sidecar.registration import (
     accepted_devices,
     iso,
+    matching_plugins,
     not_held_reason,
     physical_devices,
+    pick_found,
+    socket_found_instead,
     unrecorded_connection,
 )
 
@@ -34,6 +46,7 @@ Verdict = Literal["problem", "ok", "unknown"]
 # Root causes, in the order a cause explains the ones after it: the most likely first.
 CAUSES = (
     ("socket-path", "socket path mismatch"),
+    ("socket-name", "plugin socket under another name"),
     ("socket-permission", "socket permission"),
     ("protocol", "API/protocol mismatch"),
     ("driver-runtime", "GPU driver or runtime"),
@@ -46,8 +59,15 @@ CAUSES = (
     ("plugin-growth", "plugin resource growth"),
     ("kubelet-version", "kubelet version"),
 )
-TITLES = dict(CAUSES)
+# DRA drivers' rows (doctor/dra.py), only when --dra-driver names any: after the device plugins'.
+DRA_CAUSES = (
+    ("dra-not-serving", "DRA driver not serving"),
+    ("dra-not-registered", "DRA driver not registered"),
+    ("dra-log", "kubelet DRA log lines"),
+)
+TITLES = dict(CAUSES + DRA_CAUSES)
 ORDER = {cause: i for i, (cause, _) in enumerate(CAUSES)}
+RANK = {cause: i for i, (cause, _) in enumerate(CAUSES + DRA_CAUSES)}
 # initcheck's checks that are about permission; the others are about the socket's path.
 PERMISSION_CHECKS = frozenset(
     ("PERMISSION_DENIED", "OWNER_MISMATCH", "GROUP_MISMATCH", "MODE_MISMATCH", "MODE_TOO_OPEN")
@@ -124,13 +144,18 @@ def diagnose(e: NodeEvidence) -> list[Cause]:
         log_cause("plugin-log", e.plugin_logs),
         growth_cause(e.plugin_process, e.rss_growth_mib),
         version_cause(e.kubelet),
+        socket_name_cause(e),
     ]
     driver = causes[3]
     if driver.verdict == "problem":  # restarting a plugin that cannot see a GPU mends nothing
         for c in causes[5:8]:
             if c.verdict == "problem":
                 c.fix = [DRIVER_FIRST]
-    causes.sort(key=lambda c: (c.verdict != "problem", ORDER[c.id]))
+    if e.dra is not None:
+        from doctor.dra import dra_causes
+
+        causes += dra_causes(e.dra, e.dra_logs, e.kubelet.version)
+    causes.sort(key=lambda c: (c.verdict != "problem", RANK[c.id]))
     return causes
 
 
@@ -148,6 +173,52 @@ def initcheck_causes(findings: Iterable[Finding]) -> tuple[Cause, Cause]:
         elif f.status == "skip" and f.id == "PATH_MISMATCH":
             path.evidence.append(f"PATH_MISMATCH not checked: {f.found}")
     return path, perm
+
+
+def socket_name_cause(e: NodeEvidence) -> Cause:
+    """A plugin's socket missing while a device plugin serves another in the folder: HAMi installed with
+    another resourceName (`nvidia.com/vgpu` serves nvidia-vgpu.sock) than the sidecar's --plugin says."""
+    cause = Cause("socket-name", "ok")
+    configured = {p.spec.socket for p in e.plugins} | {os.path.basename(e.kubelet_path)}
+    served = [
+        name for s in e.folder_sockets if s.listening and (name := os.path.basename(s.path)) not in configured
+    ]
+    specs = tuple(p.spec for p in e.plugins)
+    for p in e.plugins:
+        if p.probe.state != "absent":
+            cause.evidence.append(f"{p.spec.socket}: exists")
+            continue
+        found = pick_found(p.spec, served)
+        if found is None:
+            cause.evidence.append(f"{p.spec.socket} is missing, and no other socket is served in the folder")
+            continue
+        fixed = matching_plugins(specs, p.spec, found)
+        value = ",".join(f"{s.resource}={s.socket}" for s in fixed)
+        flags = " ".join(f"--plugin {s.resource}={s.socket}" for s in fixed)
+        cause.problem(
+            f"{p.spec.socket} does not exist; {socket_found_instead(specs, p.spec, found)}",
+            [
+                "the plugin serves another socket than hami-guard was told: give the sidecar (and "
+                "hami-doctor) the plugin setting that matches it, or install HAMi with the resourceName "
+                "the setting names:",
+                "$ "
+                + command(
+                    "kubectl",
+                    "-n",
+                    "kube-system",
+                    "set",
+                    "env",
+                    "daemonset/hami-device-plugin",
+                    "-c",
+                    "hami-sidecar",
+                    f"HAMI_GUARD_PLUGIN={value}",
+                ),
+                f"hami-doctor {flags}",
+            ],
+        )
+    if not e.plugins:
+        cause.verdict = "unknown"
+    return cause
 
 
 def protocol_cause(kubelet: SocketProbe) -> Cause:
@@ -273,6 +344,25 @@ def registration(p: PluginEvidence, e: NodeEvidence) -> Registration:
                 "refused state on Kubernetes 1.37)",
                 UNRECORDED_FIX,
             )
+        refused = _refused_at(sock, e)
+        if conns > 0 and refused:
+            return Registration(
+                False,
+                f"the kubelet holds a connection to {sock}, but its log says it refused a later Register "
+                f"there ({refused}): it forgot the client of the stream it holds, whose end goes unnoticed, "
+                "and refuses the path until it restarts (Kubernetes 1.37)",
+                REFUSED_FIX,
+            )
+        if conns > 0 and live is not None and not live.get(r) and accepted:
+            # The kubelet marked the devices unhealthy itself, which it does only when it drops the
+            # plugin: a plugin that reports them unhealthy rewrites the checkpoint too.
+            return Registration(
+                False,
+                f"the kubelet holds a connection to {sock}, but pod-resources lists no device of {r} "
+                f"although its checkpoint, written since the socket was created, records {accepted} "
+                "healthy: it dropped the plugin (a connection is not a stream; kubernetes issue 121994)",
+                REREGISTER_FIX,
+            )
         if conns > 0:  # zero devices, or only unhealthy ones, while held is registered
             return Registration(
                 True, f"the kubelet holds a connection to {sock}{_device_note(r, e, accepted)}"
@@ -312,6 +402,16 @@ def registration(p: PluginEvidence, e: NodeEvidence) -> Registration:
         f"the kubelet drops a plugin) and nothing live tells whether the kubelet holds it now ({unseen}; "
         f"{listing})",
     )
+
+
+def _refused_at(sock: str, e: NodeEvidence) -> str:
+    """The kubelet log's newest current refusal of a Register at `sock`'s path ("device plugin already
+    connected: <path>", Kubernetes 1.37), or "": none, or a registration followed it (history)."""
+    for f in e.kubelet_logs:
+        for h in f.hits:
+            if not h.history and ALREADY_CONNECTED in h.newest and f"/{sock}" in h.newest:
+                return h.newest
+    return ""
 
 
 def _device_note(r: str, e: NodeEvidence, accepted: int | None) -> str:
@@ -412,7 +512,8 @@ def log_cause(cause_id: str, findings: Sequence[LogFindings]) -> Cause:
             if h.history:
                 cause.evidence.append(f"history (registered since): {_hit_line(f.source, h)}")
             else:
-                cause.problem(_hit_line(f.source, h), h.pattern.fix)
+                refused = ALREADY_CONNECTED in h.newest  # a plugin restart is no fix for that one
+                cause.problem(_hit_line(f.source, h), REFUSED_FIX if refused else h.pattern.fix)
         if not any(not h.history for h in mine):
             last = f"; newest registration: {f.registered}" if f.registered else ""
             cause.evidence.insert(cause._problems, f"{f.source}: no current registration error{last}")

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from doctor.logscan import (
     KUBELET_PATTERNS,
@@ -31,11 +31,15 @@ from doctor.logscan import (
     PLUGIN_PATTERNS,
     RKE2_KUBELET_LOG,
     LogFindings,
+    Pattern,
     plugin_log_files,
     scan_file,
     scan_journal,
 )
 from doctor.settings import DoctorSettings
+
+if TYPE_CHECKING:
+    from doctor.dra import DraReading
 from initcheck.checks import Finding, options_for, run_checks, try_connect
 from initcheck.flags import AUTO_DEVICES, PluginSpec
 from initcheck.proc import process_visible
@@ -186,6 +190,9 @@ class NodeEvidence:
     rss_growth_mib: float = 20.0
     driver: DriverNodes = DriverNodes(checked=False)
     errors: tuple[str, ...] = ()  # evidence that could not be gathered, and why
+    # DRA drivers (doctor/dra.py): None when --dra-driver names none.
+    dra: tuple[DraReading, ...] | None = None
+    dra_logs: tuple[LogFindings, ...] = ()
 
 
 T = TypeVar("T")
@@ -298,7 +305,23 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
             DriverNodes(False),
         ),
         errors=tuple(g.errors),
+        **(await _dra_evidence(s, g, names) if s.dra_drivers else {}),
     )
+
+
+async def _dra_evidence(s: DoctorSettings, g: Gathering, names: set[str]) -> dict[str, Any]:
+    """The DRA drivers' readings and the kubelet's DRA log lines (doctor/dra.py)."""
+    from doctor.dra import dra_kubelet_logs, gather_dra
+
+    try:
+        readings = await gather_dra(s.dra_drivers, s.kubelet_path, s.probe_timeout, frozenset(names))
+    except Exception as e:  # a broken reader never costs the whole report
+        g.errors.append(f"DRA drivers: {type(e).__name__}: {e}")
+        readings = []
+    return {
+        "dra": tuple(readings),
+        "dra_logs": tuple(g.take("kubelet DRA log", lambda: dra_kubelet_logs(s.kubelet_log, s.since), [])),
+    }
 
 
 _NO_OWNER = SocketOwner("unknown", "could not be read")
@@ -331,7 +354,8 @@ def _connections_to(seen: Connections | str, spec: PluginSpec, path: str) -> Rea
         return Reading.failed(seen)
     # Where the folder is mounted elsewhere, the plugin bound it at the kubelet's own path.
     bound = os.path.join(os.path.dirname(KUBELET_BOUND_PATH), spec.socket)
-    return Reading(seen.to(path, (bound,)))
+    count = seen.held(path, (bound,))
+    return Reading.failed(count) if isinstance(count, str) else Reading(count)
 
 
 def kubelet_process(name: str) -> KubeletProcess:
@@ -368,14 +392,16 @@ def kubelet_version(pid: int, process: str) -> str | None:
     return ".".join(m.groups()) if m else None
 
 
-def kubelet_logs(where: str, since: float) -> list[LogFindings]:
+def kubelet_logs(
+    where: str, since: float, patterns: tuple[Pattern, ...] = KUBELET_PATTERNS
+) -> list[LogFindings]:
     """auto: the journal units of every distribution, and RKE2's kubelet log file when there is one."""
     if where in ("auto", "journal"):
-        found = [scan_journal(KUBELET_UNITS, KUBELET_PATTERNS, since)]
+        found = [scan_journal(KUBELET_UNITS, patterns, since)]
         if where == "auto" and os.path.exists(RKE2_KUBELET_LOG):
-            found.append(scan_file(RKE2_KUBELET_LOG, KUBELET_PATTERNS, since))
+            found.append(scan_file(RKE2_KUBELET_LOG, patterns, since))
         return found
-    return [scan_file(where, KUBELET_PATTERNS, since)] if where else []
+    return [scan_file(where, patterns, since)] if where else []
 
 
 def plugin_logs(where: str, since: float) -> list[LogFindings]:

@@ -76,6 +76,18 @@ DIAL_BACK = (
     ("no such file or directory", "no plugin socket at the path the kubelet joins to its own folder"),
     ("connection refused", "the plugin's socket is a dead file"),
 )
+# Kubernetes 1.37 (manager.go PluginConnected): an endpoint is still connected at the path.
+ALREADY_CONNECTED = "device plugin already connected"
+REFUSED_MEANING = (
+    "the kubelet already holds an endpoint at that socket path (Kubernetes 1.37) and refused the Register; "
+    "it also forgot the client of the stream it held, so that stream's end goes unnoticed, and it refuses "
+    "every Register at that path until it restarts"
+)
+REFUSED_FIX = (
+    "a plugin restart is refused the same way: restart the kubelet, then the plugin registers again "
+    "(HAMi does when kubelet.sock is created); never run two instances of the plugin on one socket path",
+    "$ systemctl restart kubelet",
+)
 DIAL_BACK_FIX = (
     "the kubelet dials the plugin back inside Register (Kubernetes 1.25 and later): the plugin must "
     "serve its socket, in the kubelet's own device-plugins folder, before it registers; mount that "
@@ -128,7 +140,7 @@ KUBELET_PATTERNS = (
         "the kubelet could not dial the plugin back during Register",
         DIAL_BACK_FIX,
         "server.go Register",
-        refine=DIAL_BACK,
+        refine=((ALREADY_CONNECTED, REFUSED_MEANING), *DIAL_BACK),
     ),
     Pattern(
         "Failed to connect to new client",
@@ -136,7 +148,7 @@ KUBELET_PATTERNS = (
         "the kubelet could not dial the plugin back during Register",
         DIAL_BACK_FIX,
         "handler.go connectClient",
-        refine=DIAL_BACK,
+        refine=((ALREADY_CONNECTED, REFUSED_MEANING), *DIAL_BACK),
     ),
     Pattern(
         "Unable to connect to device plugin client with socket path",

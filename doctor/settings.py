@@ -16,6 +16,8 @@ from initcheck.checks import DEFAULT_KUBELET_PROCESS
 from initcheck.envflags import parse_with_env
 from initcheck.flags import PluginSpec
 from sidecar.config import DEFAULTS as SIDECAR
+from sidecar.config import dra_drivers, dra_flags
+from sidecar.dra import DraSpec
 
 Output = Literal["text", "json"]
 
@@ -44,6 +46,7 @@ class DoctorSettings(flags.DeviceFolder):
     output: Output = "text"
     fix: bool = False
     npd: bool = False
+    dra_drivers: tuple[DraSpec, ...] = ()  # DRA drivers to diagnose (doctor/dra.py)
 
 
 DEFAULTS = DoctorSettings()
@@ -100,15 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", choices=("text", "json"), default=d.output)
     p.add_argument("--fix", action="store_true", help="apply the safe repairs the report lists")
     p.add_argument("--npd", action="store_true", help="one line and node-problem-detector's exit codes")
+    dra_flags(p, None)
     return p
 
 
 def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> DoctorSettings:
-    args = parse_with_env(build_parser(), argv, environ)
+    parser = build_parser()
+    args = parse_with_env(parser, argv, environ)
+    dra = dra_drivers(parser, args)
     return DoctorSettings(
         device_plugin_dir=args.device_plugin_dir,
         kubelet_socket=args.kubelet_socket,
-        plugins=tuple(args.plugin or DEFAULTS.plugins),
+        plugins=tuple(args.plugin or (() if dra else DEFAULTS.plugins)),
         pod_resources_socket=args.pod_resources_socket,
         probe_timeout=args.probe_timeout,
         expect_devices=args.expect_devices,
@@ -128,4 +134,5 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
         output=args.output,
         fix=args.fix,
         npd=args.npd,
+        dra_drivers=dra,
     )

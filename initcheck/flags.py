@@ -173,12 +173,13 @@ def plugin_spec(value: str) -> PluginSpec:
 
 
 def expect_devices(value: str) -> int:
-    """`auto` (AUTO_DEVICES: count the host's --device-glob matches) or a count from 1 to MAX_DEVICES."""
+    """`auto` (AUTO_DEVICES: the host's --device-glob matches HAMi registers) or a count from 0 (no devices
+    check) to MAX_DEVICES."""
     if value.strip() == "auto":
         return AUTO_DEVICES
     count = _digits(value.strip())
-    if count is None or not 1 <= count <= MAX_DEVICES:
-        raise argparse.ArgumentTypeError(f"expected a number from 1 to {MAX_DEVICES} or auto, got {value!r}")
+    if count is None or not 0 <= count <= MAX_DEVICES:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to {MAX_DEVICES} or auto, got {value!r}")
     return count
 
 
@@ -245,7 +246,7 @@ def plugin_flags(
 
     `--plugin` has no default in the parser (an appended list would be added to, not
     replaced): a caller takes `args.plugin or plugins`. `--expect-devices` has none
-    either: absent means no devices check.
+    either: absent means at least one healthy device, 0 no devices check.
     """
     shown = ",".join(f"{p.resource}={p.socket}" for p in plugins)
     p = _group()
@@ -269,7 +270,9 @@ def plugin_flags(
     p.add_argument(
         "--expect-devices",
         type=expect_devices,
-        help="N, or auto: count --device-glob on the host (absent: no devices check)",
+        help="the fewest healthy devices the kubelet must list to be ready: N (0: no devices check), or "
+        "auto: --device-glob on the host less the GPUs HAMi's node configuration filters "
+        "(absent: at least one)",
     )
     p.add_argument(
         "--device-glob", default=device_glob, help=f"the host's device nodes (default {device_glob})"

@@ -1,12 +1,15 @@
-"""Where the kubelet really listens: its Unix sockets, read from the process (needs hostPID)."""
+"""Where the kubelet really listens: its Unix sockets, read from the process (needs hostPID, and to read
+another root process's descriptors CAP_SYS_PTRACE)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import psutil
 
+from initcheck.netunix import LISTEN, ProcTable, read_proc_net_unix, socket_inodes
 from initcheck.proc import distribution, no_kubelet, process_names
 
 
@@ -61,62 +64,45 @@ def find_kubelet(name: str) -> psutil.Process:
 
 
 def listening_paths(name: str) -> KubeletSockets:
+    """Where the kubelet listens: the listeners among its own socket descriptors (`/proc/<pid>/fd`), by
+    the lines of its `/proc/<pid>/net/unix` (its network namespace's, wherever this process runs) that
+    the kernel printed as lines (a name bound to print a made-up line there is not one:
+    `initcheck.netunix`)."""
     proc = find_kubelet(name)
     try:
-        conns = proc.net_connections(kind="unix")
         comm = proc.name()
         try:
             cmdline = proc.cmdline()
         except psutil.AccessDenied:
             cmdline = []
-    except psutil.AccessDenied:
-        raise KubeletLookupError(
-            f"kubelet pid {proc.pid} is visible but its sockets cannot be read (needs root or CAP_SYS_PTRACE)"
-        ) from None
     except psutil.NoSuchProcess:
         raise KubeletLookupError(f"kubelet pid {proc.pid} exited during the check") from None
     except (psutil.Error, OSError) as e:
         raise KubeletLookupError(f"kubelet pid {proc.pid} could not be read: {e}") from None
-    paths: set[str] = set()
-    for conn in conns:
-        laddr: object = conn.laddr  # a Unix socket's address is its path (str)
-        if isinstance(laddr, str) and laddr.startswith("/"):
-            paths.add(laddr)
-    paths |= namespace_unix_paths(proc.pid)
-    return KubeletSockets(proc.pid, tuple(sorted(paths)), comm, distribution(comm, cmdline))
-
-
-def namespace_unix_paths(pid: int, proc: str = "/proc") -> set[str]:
-    """The paths of the Unix sockets `pid` holds, from the table of its own network namespace.
-
-    psutil matches the process's socket inodes against /proc/net/unix, the table of the reader's
-    network namespace; a plugin's pod without hostNetwork (HAMi's) has another one, where the
-    kubelet's sockets are not listed. /proc/<pid>/net/unix is the kubelet's. Total: anything
-    unreadable or malformed adds nothing.
-    """
-    inodes: set[str] = set()
+    held = socket_inodes("/proc", str(proc.pid))
+    if held is None:
+        raise KubeletLookupError(
+            f"kubelet pid {proc.pid} is visible but its sockets cannot be read (needs root or CAP_SYS_PTRACE)"
+        )
     try:
-        fds = os.listdir(f"{proc}/{pid}/fd")
-    except OSError:
-        return set()
-    for fd in fds:
-        try:
-            target = os.readlink(f"{proc}/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:[") and target.endswith("]"):
-            inodes.add(target[8:-1])
-    if not inodes:
-        return set()
-    try:
-        with open(f"{proc}/{pid}/net/unix", encoding="utf-8", errors="replace") as f:
-            lines = f.read(1 << 24).splitlines()
-    except OSError:
-        return set()
-    paths: set[str] = set()
-    for line in lines[1:]:
-        # Num RefCount Protocol Flags Type St Inode Path (the path, when bound, is the rest of the line)
-        parts = line.split(None, 7)
-        if len(parts) == 8 and parts[6] in inodes and parts[7].startswith("/"):
-            paths.add(parts[7])
-    return paths
+        table = read_proc_net_unix(f"/proc/{proc.pid}")
+    except OSError as e:
+        raise KubeletLookupError(f"kubelet pid {proc.pid} could not be read: {e.strerror or e}") from None
+    paths = listeners(table, held)
+    if isinstance(paths, str):
+        raise KubeletLookupError(f"kubelet pid {proc.pid}: {paths}")
+    return KubeletSockets(proc.pid, paths, comm, distribution(comm, cmdline))
+
+
+def listeners(table: ProcTable, held: Collection[int]) -> tuple[str, ...] | str:
+    """The paths of the listeners among `held` (a process's socket inodes), or why they cannot be told:
+    one of them is only on a line that may be a part of another socket's name (a made-up line may copy
+    a real inode, and a short real line may follow such a name)."""
+    certain = {s.ino for s in table.sockets}
+    if any(s.state == LISTEN and s.ino in held and s.ino not in certain for s in table.doubtful):
+        return (
+            "a line of its net/unix that may be a part of another socket's name shows one of its listeners: "
+            "where it listens cannot be told"
+        )
+    paths = {s.path for s in table.sockets if s.state == LISTEN and s.ino in held and s.path.startswith("/")}
+    return tuple(sorted(paths))

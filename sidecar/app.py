@@ -16,16 +16,20 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
-from sidecar import __version__
+from sidecar import __version__, hamiconfig
 from sidecar.checkpoint import CHECKPOINT_NAME
 from sidecar.config import PluginSpec, Settings
-from sidecar.health import Check, Status
+from sidecar.dra import RESTART_BUDGET as DRA_RESTART_BUDGET
+from sidecar.drawatch import DraWatch
+from sidecar.health import Check, CheckKey, Kind, Status
 from sidecar.metrics import Metrics
 from sidecar.probes import (
     ProbeResult,
     Reading,
+    SocketId,
     pod_resources_devices,
     probe_kubelet,
     probe_plugin,
@@ -48,6 +52,7 @@ from sidecar.unixdiag import (
 from sidecar.watcher import FolderWatcher, FsEvent
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FOLDER_RETRY_SECONDS = 0.25
 MIN_ROUND_GAP = 0.01
@@ -144,6 +149,26 @@ class Sidecar:
             self.metrics.listandwatch_latency.labels(s.plugin_label, p.resource)
             self.metrics.restart_requests.labels(s.plugin_label, p.resource)
             self.metrics.budget_spent.labels(s.plugin_label, p.resource).set(0)
+        self._publish = publish
+        # DRA drivers (sidecar.dra): their checks are judged there, with their own grace.
+        self.dra: DraWatch | None = None
+        if s.dra_drivers:
+            names = {*KUBELET_PROCESS_NAMES, s.kubelet_process_name}
+            self.dra = DraWatch(
+                s.dra_drivers,
+                s.kubelet_path,
+                grace=s.dra_grace,
+                timeout=s.probe_timeout,
+                clock=clock,
+                names=names,
+            )
+            for spec in s.dra_drivers:
+                for kind in (Kind.DRA_PLUGIN, Kind.DRA_REGISTERED):
+                    key = CheckKey(kind, spec.name)
+                    self.state.add(key)
+                    self.state.checks[key.name].judged_elsewhere = True
+                self.metrics.restart_requests.labels(s.plugin_label, spec.name)
+                self.metrics.budget_spent.labels(s.plugin_label, spec.name).set(0)
         for check in self.state.checks.values():
             publish.check(check)
         self.started = clock()
@@ -156,6 +181,8 @@ class Sidecar:
         self._folder_id: tuple[int, int] | None = None
         self._reader: ThreadPoolExecutor | None = None
         self._folder_waiting = False
+        self._expectation: hamiconfig.Expectation | None = None
+        self._others: tuple[tuple[str, SocketId], ...] = ()
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -326,17 +353,33 @@ class Sidecar:
         except TimeoutError:
             checkpoint = Reading.failed(f"the checkpoint could not be read within {s.probe_timeout:g}s")
         host_devices = len(glob.glob(s.device_glob)) if s.expect_devices == -1 else None
+        expectation = (
+            await self._off_loop(self._expected, self._expectation) if s.expect_devices == -1 else None
+        )
+        self._expectation = expectation
+        # Other sockets served in the folder, only while a plugin's own is missing (under another name?).
+        others: tuple[tuple[str, SocketId], ...] = ()
+        if any(r.state == "absent" for r in plugins):
+            taken = {s.kubelet_socket, *(p.socket for p in s.plugins)}
+            # A read cut short keeps the last answer: an empty one would make the next look like a restart.
+            read = partial(_served_elsewhere, s.device_plugin_dir, taken)
+            others = self._others = await self._off_loop(read, self._others)
         observed = {}
         for plugin, result in zip(s.plugins, plugins, strict=True):
             self._observe_probe(plugin.socket, result)
             path = s.plugin_path(plugin)
+            ids: frozenset[int] | None = None
             if isinstance(connections, str):
                 held: Reading[int] = Reading.failed(connections)
             else:
                 # Where the folder is mounted elsewhere, the plugin bound it at the kubelet's own path.
-                held = Reading(
-                    connections.to(path, (os.path.join(os.path.dirname(KUBELET_BOUND_PATH), plugin.socket),))
+                found = connections.accepted(
+                    path, (os.path.join(os.path.dirname(KUBELET_BOUND_PATH), plugin.socket),)
                 )
+                if isinstance(found, str):
+                    held = Reading.failed(found)
+                else:
+                    ids, held = found, Reading(len(found))
             # A socket re-created since the table was read is not in it: no verdict on its owner.
             owner = (
                 socket_owner(path, s.kubelet_path, mine, names=names)
@@ -344,16 +387,56 @@ class Sidecar:
                 else SocketOwner("unknown", "")
             )
             observed[plugin.resource] = PluginRound(
-                result, socket_identity(path), held, owner.verdict, owner.reason
+                result, socket_identity(path), held, owner.verdict, owner.reason, ids
             )
         self._connections_source = connections if isinstance(connections, str) else connections.source
-        seen = Round(kubelet, observed, checkpoint, pod_resources, host_devices, generation)
+        seen = Round(
+            kubelet,
+            observed,
+            checkpoint,
+            pod_resources,
+            host_devices,
+            generation,
+            expectation=expectation,
+            others=others,
+        )
         for resource in self.registrar.round(seen):
             self._tasks.spawn(
                 self._observe_vanished(self.registrar.plugin_for(resource)), f"vanish:{resource}"
             )
+        if self.dra is not None:
+            await self._dra_round()
         self.rounds += 1
         self._schedule_refresh()
+
+    async def _dra_round(self) -> None:
+        """The DRA drivers' verdicts (sidecar.dra), into the same checks and metrics."""
+        assert self.dra is not None
+        label = self.settings.plugin_label
+        for name, (ev, j) in (await self.dra.round()).items():
+            for kind, v in ((Kind.DRA_PLUGIN, j.plugin), (Kind.DRA_REGISTERED, j.registered)):
+                key = CheckKey(kind, name).name
+                was = self.state.checks[key].live_failed
+                self.state.assign(key, v.status, v.reason, restarts=v.restarts)
+                if v.live_failed and not was:
+                    self.metrics.restart_requests.labels(label, name).inc()
+            self._publish.connected(name, ev.connections)
+            self._publish.budget(name, j.restarts_in_vain >= DRA_RESTART_BUDGET)
+
+    def _expected(self) -> hamiconfig.Expectation:
+        s = self.settings
+        return hamiconfig.expectation(
+            hamiconfig.Sources(s.device_glob, s.hami_config, s.node_name, s.nvidia_gpus_dir, s.vfio_dir)
+        )
+
+    async def _off_loop(self, read: Callable[[], T], fallback: T) -> T:
+        """`read` (files, connects) on the reader's thread within the probe timeout, never on the loop."""
+        assert self._reader is not None
+        try:
+            async with asyncio.timeout(self.settings.probe_timeout):
+                return await asyncio.get_running_loop().run_in_executor(self._reader, read)
+        except TimeoutError:
+            return fallback
 
     def _observe_probe(self, socket: str, result: ProbeResult) -> None:
         if result.latency:
@@ -385,6 +468,19 @@ class Sidecar:
         """The first probe round has run: before it, nothing is known."""
         return self.rounds > 0
 
+    def _expected_devices(self) -> dict[str, Any]:
+        """What the devices check wants, and why (auto: which devices HAMi registers, which it filters)."""
+        expect = self.settings.expect_devices
+        if expect == 0:
+            return {"check": "off (--expect-devices 0)"}
+        if expect is None:
+            return {"check": "at least one healthy device", "want": 1}
+        if expect != hamiconfig.AUTO:
+            return {"check": "--expect-devices", "want": expect}
+        if self._expectation is None:
+            return {"check": "--expect-devices auto", "want": None, "notes": ["not read yet"]}
+        return {"check": "--expect-devices auto", **self._expectation.as_dict()}
+
     def status_document(self) -> dict[str, Any]:
         s = self.settings
         state = self.state
@@ -403,7 +499,7 @@ class Sidecar:
                     "last_probe_latency_seconds": c.latency,
                     **(
                         {"grace_left_seconds": round(state.grace_left(c), 3)}
-                        if c.status is Status.PENDING
+                        if c.status is Status.PENDING and not c.judged_elsewhere
                         else {}
                     ),
                 }
@@ -415,12 +511,14 @@ class Sidecar:
                 "pod-resources": _socket_info(s.pod_resources_socket),
             },
             "kubelet_connections_from": self._connections_source,
+            **({"dra": self._dra_document()} if self.dra is not None else {}),
             "kubelet_restarts": self.registrar.kubelet_restarts,
             "probe_rounds": self.rounds,
             "runtime": _runtime(),
             "registration": self.registrar.registration(),
             "registration_history": [a.as_dict() for a in self.registrar.history],
             "devices": self.registrar.devices(),
+            "expected_devices": self._expected_devices(),
             "settings": {
                 "device_plugin_dir": s.device_plugin_dir,
                 "probe_interval": s.probe_interval,
@@ -429,6 +527,46 @@ class Sidecar:
                 "plugins": {p.resource: p.socket for p in s.plugins},
             },
         }
+
+    def _dra_document(self) -> dict[str, Any]:
+        assert self.dra is not None
+        drivers: dict[str, Any] = {}
+        for spec in self.dra.specs:
+            ev, j = self.dra.last.get(spec.name, (None, None))
+            drivers[spec.name] = {
+                "registration_socket": _socket_info(spec.registration),
+                "service_socket": ev.service if ev else spec.service,
+                "getinfo": None
+                if ev is None
+                else {"answer": ev.info.kind, "reason": ev.info.reason, "versions": list(ev.info.versions)},
+                "kubelet_connections": None if ev is None else ev.connections,
+                "restarts_in_vain": 0 if j is None else j.restarts_in_vain,
+                "spell_seconds": None if j is None else round(self.clock() - j.spell_started, 3),
+            }
+        return {
+            "grace": self.dra.judge.grace,
+            "kubelet_connections_from": self.dra.connections_source,
+            "drivers": drivers,
+        }
+
+
+MAX_FOLDER_SOCKETS = 32  # other sockets tried in the folder per round
+
+
+def _served_elsewhere(folder: str, mine: set[str]) -> tuple[tuple[str, SocketId], ...]:
+    """Socket files in the folder, not the kubelet's or a configured plugin's, that accept a connection."""
+    out = []
+    try:
+        with os.scandir(folder) as entries:
+            names = sorted(e.name for e in entries if e.name not in mine and e.name.endswith(".sock"))
+    except OSError:
+        return ()
+    for name in names[:MAX_FOLDER_SOCKETS]:
+        path = os.path.join(folder, name)
+        identity = socket_identity(path)
+        if identity is not None and not socket_refuses(path):
+            out.append((name, identity))
+    return tuple(out)
 
 
 def _file_id(path: str) -> tuple[int, int] | None:

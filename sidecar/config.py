@@ -17,6 +17,9 @@ from initcheck import flags
 from initcheck.checks import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, DEFAULT_SOCKET
 from initcheck.envflags import env_name, parse_with_env
 from initcheck.flags import AUTO_DEVICES, PluginSpec
+from sidecar import hamiconfig
+from sidecar.dra import DEFAULT_GRACE as DEFAULT_DRA_GRACE
+from sidecar.dra import DEFAULT_REGISTRY, DraSpec, dra_spec
 
 if TYPE_CHECKING:
     from sidecar.watcher import WatchMode
@@ -48,8 +51,14 @@ class Settings(flags.DeviceFolder):
     probe_interval: float = 10.0
     probe_timeout: float = 2.0
     registration_grace: float = 60.0
-    expect_devices: int | None = None  # None: no devices check; AUTO_DEVICES (-1): count host device nodes
+    # None: at least one healthy device; 0: no devices check; AUTO_DEVICES (-1): the host's less HAMi's filter
+    expect_devices: int | None = None
     device_glob: str = DEFAULT_DEVICE_GLOB
+    # HAMi's node configuration (its device-plugin ConfigMap's config.json) and this node's name in it.
+    hami_config: str = hamiconfig.CONFIG_PATH
+    node_name: str = ""
+    nvidia_gpus_dir: str = hamiconfig.GPUS_DIR  # the driver's GPUs, with their UUIDs
+    vfio_dir: str = hamiconfig.VFIO_DIR
     plugin_label: str = "hami"
     log_format: str = "text"
     log_level: str = "INFO"
@@ -66,6 +75,9 @@ class Settings(flags.DeviceFolder):
     # The kubelet's process, besides kubelet, k3s and kubelite: its network namespace holds its
     # connections to the plugins (read from /proc/<pid>/net/unix under hostPID).
     kubelet_process_name: str = DEFAULT_KUBELET_PROCESS
+    # DRA drivers (sidecar.dra): judged besides, or instead of, the device plugins.
+    dra_drivers: tuple[DraSpec, ...] = ()
+    dra_grace: float = DEFAULT_DRA_GRACE
 
 
 DEFAULTS = Settings()
@@ -107,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.registration_grace,
         help=f"seconds a check may stay pending (default {d.registration_grace:g})",
     )
+    dra_flags(p, d.dra_grace)
     p.add_argument("--plugin-label", default=d.plugin_label, help="the `plugin` label of the metrics")
     p.add_argument("--log-format", choices=("text", "json"), default=d.log_format)
     p.add_argument(
@@ -114,12 +127,67 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--watch-mode", choices=("auto", "inotify", "polling"), default=d.watch_mode)
     p.add_argument(
+        "--hami-config",
+        default=d.hami_config,
+        help="HAMi's node configuration, read for --expect-devices auto: the device plugin's ConfigMap "
+        f"(config.json) mounted as in HAMi's own container (default {d.hami_config})",
+    )
+    p.add_argument(
+        "--node-name",
+        default=d.node_name,
+        help=f"this node's name in HAMi's node configuration (default: ${hamiconfig.NODE_NAME_ENV}, as "
+        "HAMi's pod sets it from spec.nodeName)",
+    )
+    p.add_argument(
         "--polling-interval",
         type=PERIOD,
         default=d.polling_interval,
         help=f"period of the polling fallback (default {d.polling_interval:g})",
     )
     return p
+
+
+def dra_flags(p: argparse.ArgumentParser, grace: float | None) -> None:
+    """The DRA drivers' flags (the sidecar's and hami-doctor's); `grace` None: no --dra-grace."""
+    p.add_argument(
+        "--dra-driver",
+        action="append",
+        help="NAME[=SOCKET], repeatable: a DRA driver and its registration socket (a path, or a file "
+        "in --dra-registry-dir; default NAME-reg.sock). Without --plugin, DRA drivers only",
+    )
+    p.add_argument(
+        "--dra-service",
+        action="append",
+        help="NAME=PATH, repeatable: a DRA driver's service socket, when not the one its GetInfo names",
+    )
+    p.add_argument("--dra-registry-dir", default=DEFAULT_REGISTRY, help=f"default {DEFAULT_REGISTRY}")
+    if grace is not None:
+        p.add_argument(
+            "--dra-grace",
+            type=PERIOD,
+            default=grace,
+            help=f"seconds a DRA driver may stay unregistered (default {grace:g}: the kubelet retries "
+            "a refused registration up to 2 min 2 s apart)",
+        )
+
+
+def dra_drivers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[DraSpec, ...]:
+    """The --dra-driver and --dra-service flags' drivers (a usage error on a bad one)."""
+    specs: dict[str, DraSpec] = {}
+    for value in args.dra_driver or ():
+        try:
+            spec = dra_spec(value, args.dra_registry_dir)
+        except ValueError as e:
+            parser.error(f"--dra-driver: {e}")
+        if spec.name in specs:
+            parser.error(f"--dra-driver: {spec.name} is named twice")
+        specs[spec.name] = spec
+    for value in args.dra_service or ():
+        name, _, path = value.strip().partition("=")
+        if name not in specs or not path.startswith("/"):
+            parser.error(f"--dra-service: expected NAME=/absolute/path of a --dra-driver, got {value!r}")
+        specs[name] = DraSpec(name, specs[name].registration, path)
+    return tuple(specs.values())
 
 
 def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Settings:
@@ -135,7 +203,8 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
     if args.probe_timeout >= args.probe_interval:
         timeout, interval = args.probe_timeout, args.probe_interval
         parser.error(f"--probe-timeout ({timeout:g}s) must be below --probe-interval ({interval:g}s)")
-    plugins = tuple(args.plugin or DEFAULTS.plugins)
+    dra = dra_drivers(parser, args)
+    plugins = tuple(args.plugin or (() if dra else DEFAULTS.plugins))
     resources = [p.resource for p in plugins]
     if len(set(resources)) != len(resources):
         parser.error(f"--plugin: a resource is named twice: {', '.join(resources)}")
@@ -151,12 +220,17 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
         registration_grace=args.registration_grace,
         expect_devices=args.expect_devices,
         device_glob=args.device_glob,
+        hami_config=args.hami_config,
+        node_name=args.node_name
+        or (os.environ if environ is None else environ).get(hamiconfig.NODE_NAME_ENV, ""),
         plugin_label=args.plugin_label,
         log_format=args.log_format,
         log_level=args.log_level,
         watch_mode=args.watch_mode,
         polling_interval=args.polling_interval,
         kubelet_process_name=args.kubelet_process_name,
+        dra_drivers=dra,
+        dra_grace=args.dra_grace,
     )
 
 

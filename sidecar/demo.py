@@ -2,7 +2,8 @@
 
 DEMO_TOUR_ONLY=1 exits after the tour (CI); otherwise it keeps serving until Ctrl-C.
 DEMO_KUBELET=real runs the tour against the kubelet's own device manager (the Go fixture of
-tests/realkubelet, built by `make kubelet-fixtures`) instead of the simulator.
+tests/realkubelet, built by `make kubelet-fixtures`) instead of the simulator; DEMO_KUBELET=dra
+runs a DRA driver's tour against the kubelet's own DRA manager (sidecar/drademo.py).
 """
 
 from __future__ import annotations
@@ -238,6 +239,14 @@ def run_demo() -> int:
     logging.getLogger("sidecar.testing").setLevel(logging.WARNING)
     tour_only = os.environ.get("DEMO_TOUR_ONLY", "") not in ("", "0")
     real = os.environ.get("DEMO_KUBELET", "simulator") == "real"
+    if os.environ.get("DEMO_KUBELET") == "dra":  # a DRA driver's tour (sidecar/drademo.py)
+        from sidecar import drademo
+        from sidecar.testing.realdra import missing_reason as dra_missing
+
+        if (why := dra_missing("new")) is not None:
+            print(f"error: DEMO_KUBELET=dra: {why}", file=sys.stderr)
+            return 2
+        return drademo.run(tour_only)
     if real and (why := missing_reason("new")) is not None:
         print(f"error: DEMO_KUBELET=real: {why}", file=sys.stderr)
         return 2

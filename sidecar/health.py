@@ -24,6 +24,8 @@ class Kind(enum.Enum):
     PLUGIN = "plugin"
     REGISTERED = "registered"
     DEVICES = "devices"
+    DRA_PLUGIN = "dra-plugin"  # a DRA driver answers GetInfo (sidecar.dra)
+    DRA_REGISTERED = "dra-registered"  # the kubelet holds the DRA driver's service connection
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,13 @@ class Check:
     passed_since_reset: bool = False
     reset_at: float = 0.0  # monotonic
     restarts: bool = True  # a failure of this check fails liveness (restarting the plugin helps)
+    judged_elsewhere: bool = False  # its status comes whole from `assign` (its own graces)
+    quiet: str = ""  # why a failure of this check restarts nothing, when the default is not the truth
+
+    @property
+    def no_restart(self) -> str:
+        """Why this failure does not fail liveness, as `[!]` lines say it."""
+        return self.quiet or NO_RESTART
 
     @property
     def name(self) -> str:
@@ -80,6 +89,7 @@ class Check:
 
 
 Transition = Callable[[Check, Status], None]
+NO_RESTART = "a plugin restart would not mend it"
 
 
 class HealthState:
@@ -116,14 +126,17 @@ class HealthState:
         *,
         definitive: bool = False,
         restarts: bool = True,
+        quiet: str = "",
     ) -> None:
         """A probe's outcome. `definitive`: a failure no waiting can mend (another service on the
         socket, a file where a socket should be) fails at once, grace or not. `restarts`: whether
-        this failure fails liveness."""
+        this failure fails liveness; `quiet`: why not, where "a plugin restart would not mend it"
+        is not the truth (another check already asks for the restart, the restart budget is spent)."""
         check = self.checks[name]
         check.last_ok = ok
         check.definitive = definitive and not ok
         check.restarts = restarts
+        check.quiet = "" if restarts else quiet
         if latency is not None:
             check.latency = latency
         if ok:
@@ -136,6 +149,8 @@ class HealthState:
         now = self.clock()
         for name in names:
             check = self.checks[name]
+            if check.judged_elsewhere:
+                continue
             check.passed_since_reset = False
             check.reset_at = now
             if check.last_ok:
@@ -145,10 +160,26 @@ class HealthState:
             else:
                 self._settle(check, check.reason)
 
+    def assign(
+        self, name: str, status: Status, reason: str, *, restarts: bool = True, latency: float | None = None
+    ) -> None:
+        """A verdict judged elsewhere, with its own graces (sidecar.dra): taken as it is, never
+        failed by this state's grace."""
+        check = self.checks[name]
+        check.judged_elsewhere = True
+        check.last_ok = status is Status.OK
+        check.passed_since_reset = check.passed_since_reset or check.last_ok
+        check.restarts = restarts
+        if latency is not None:
+            check.latency = latency
+        self._set(check, status, reason)
+
     def refresh(self) -> float | None:
         """Fail the pending checks whose grace ran out; the next moment one will, if any (monotonic)."""
         deadlines = []
         for check in self.checks.values():
+            if check.judged_elsewhere:
+                continue
             if check.status is Status.PENDING:
                 self._settle(check, check.reason)
             if check.status is Status.PENDING:
@@ -192,6 +223,9 @@ class HealthState:
             status, reason = Status.FAILED, "no probe answered within the registration grace"
         else:
             status = Status.FAILED
+        self._set(check, status, reason)
+
+    def _set(self, check: Check, status: Status, reason: str) -> None:
         old, was_live = check.status, check.name in self._failed
         check.reason = reason
         check.status = status

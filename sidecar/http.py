@@ -107,9 +107,9 @@ def _line(state: HealthState, check: Check) -> str:
     if check.status is Status.OK:
         return f"[+]{check.name} ok"
     if check.status is Status.FAILED and not check.restarts:
-        return f"[!]{check.name} failed (no restart: a plugin restart would not mend it): {check.reason}"
+        return f"[!]{check.name} failed (no restart: {check.no_restart}): {check.reason}"
     line = f"[{check.mark}]{check.name} {check.status.value}: {check.reason}"
-    if check.status is Status.PENDING:
+    if check.status is Status.PENDING and not check.judged_elsewhere:  # a DRA reason says its own grace
         line += f" (grace: {state.grace_left(check):.0f}s left)"
     return line
 

@@ -19,14 +19,19 @@ from typing import Any, Protocol
 
 from initcheck.flags import PluginSpec
 from sidecar.checkpoint import Checkpoint
+from sidecar.hamiconfig import Expectation
 from sidecar.health import Check, CheckKey, HealthState, Kind, Status
 from sidecar.probes import ProbeResult, Reading, SocketId
 from sidecar.unixdiag import Owner
 
 logger = logging.getLogger(__name__)
 
-# Liveness failure episodes for "not registered" whose plugin restarts did not help, before giving up.
+# Liveness failure episodes whose plugin restarts did not help, before giving up: "not registered", and a
+# plugin socket that never came back (a plugin serving under another name).
 RESTART_BUDGET = 3
+# HAMi's socket for resource `nvidia.com/<name>` is `nvidia-<name>.sock` (getPluginSocketPath,
+# pkg/device-plugin/nvidiadevice/nvinternal/plugin/server.go in Project-HAMi/HAMi).
+_HAMI_SOCKET = re.compile(r"^nvidia-([A-Za-z0-9][A-Za-z0-9._-]{0,62})\.sock$")
 # HAMi advertises each GPU as `<GPU-UUID>-<n>`; NVIDIA's time-slicing as `<id>::<n>`.
 _HAMI_SPLIT = re.compile(r"^(GPU-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12})-\d+$")
 _REPLICA = re.compile(r"^(.+)::\d+$")
@@ -67,6 +72,48 @@ def unrecorded_connection(connections: int, checkpoint: Checkpoint | None, accep
     return connections > 0 and checkpoint is not None and accepted is None
 
 
+def hami_resource(socket: str) -> str | None:
+    """The resource HAMi registers when it serves `socket` (`nvidia-vgpu.sock`: nvidia.com/vgpu)."""
+    m = _HAMI_SOCKET.match(socket)
+    return f"nvidia.com/{m.group(1)}" if m else None
+
+
+def matching_plugins(plugins: Iterable[PluginSpec], plugin: PluginSpec, found: str) -> tuple[PluginSpec, ...]:
+    """The plugins setting with `plugin` replaced by the one serving `found` (a socket in the folder)."""
+    resource = hami_resource(found) if plugin.resource.startswith("nvidia.com/") else None
+    new = PluginSpec(resource or plugin.resource, found)
+    return tuple(new if p == plugin else p for p in plugins)
+
+
+def socket_found_instead(plugins: Iterable[PluginSpec], plugin: PluginSpec, found: str) -> str:
+    """What to say of a plugin whose socket is missing while `found` is served in the folder."""
+    specs = matching_plugins(plugins, plugin, found)
+    new = next(p for p in specs if p.socket == found)
+    flags = " ".join(f"--plugin {p.resource}={p.socket}" for p in specs)
+    env = ",".join(f"{p.resource}={p.socket}" for p in specs)
+    hami = (
+        f" (HAMi serves nvidia-<name>.sock for resourceName nvidia.com/<name>: {new.resource})"
+        if new.resource != plugin.resource
+        else ""
+    )
+    return (
+        f"a device plugin serves {found} in the folder instead{hami}: the settings that match it are "
+        f"{flags}, or HAMI_GUARD_PLUGIN={env}"
+    )
+
+
+def seen_others(p: _PluginState) -> list[tuple[str, SocketId]]:
+    return sorted((p.others or {}).items())
+
+
+def pick_found(plugin: PluginSpec, others: Iterable[str]) -> str | None:
+    """Of the other sockets served in the folder, the one most likely this plugin's under another name."""
+    names = sorted(others)
+    domain = plugin.resource.partition("/")[0]
+    same = [n for n in names if (hami_resource(n) or "").startswith(domain + "/")]
+    return (same or names)[0] if names else None
+
+
 def not_held_reason(
     checkpoint: Reading[Checkpoint], resource: str, plugin: SocketId | None, connected_since: float | None
 ) -> str:
@@ -94,7 +141,8 @@ class Rules:
     plugins: tuple[PluginSpec, ...]
     grace: float
     kubelet_socket: str = "kubelet.sock"
-    expect_devices: int | None = None  # None: no devices check; -1: count host device nodes
+    # None: at least one healthy device; 0: no devices check; -1 (auto): the host's devices HAMi registers
+    expect_devices: int | None = None
     device_glob: str = ""
     drop_confirm: float = 0.2  # a lost connection must stay lost this long to be a drop
 
@@ -109,6 +157,8 @@ class PluginRound:
     # Whose listener serves the file: "elsewhere" is another device plugin (not this pod's).
     owner: Owner = "unknown"
     owner_reason: str = ""
+    # Which connections those are (the kubelet's sockets' inodes), where the reader tells them apart.
+    connection_ids: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +169,10 @@ class Round:
     pod_resources: Reading[dict[str, frozenset[str]]]  # healthy device IDs by resource
     host_devices: int | None = None
     generation: int | None = None  # Registrar.generation when the round began (None: current)
+    # auto's expectation (the host's devices less HAMi's filtered ones); None: `host_devices` stands
+    expectation: Expectation | None = None
+    # Other sockets served in the folder (name, identity), read while a plugin's own socket is missing.
+    others: tuple[tuple[str, SocketId], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -163,6 +217,16 @@ class Attempt:
 
 
 @dataclass
+class _Conn:
+    """One of the kubelet's connections to a held plugin's listener, as the rounds saw it come."""
+
+    first_seen: float  # monotonic
+    checkpoint_before: int | None  # the checkpoint's mtime_ns last read before it came (None: unknown)
+    recorded: bool  # the kubelet wrote a device list after it came: a Register it accepted
+    refused: bool = False  # stayed unrecorded past its confirmation: a later write is another stream's
+
+
+@dataclass
 class _PluginState:
     """What the verdicts remember of one plugin."""
 
@@ -173,6 +237,12 @@ class _PluginState:
     vanished: tuple[str, bool] | None = None  # a vanished socket's verdict; whether the plugin is gone
     connected_pair: tuple[SocketId | None, SocketId | None] | None = None  # (plugin, kubelet) seen held
     connected_since: float | None = None  # wall
+    # The connections of the held pair by inode, and which one carries the kubelet's registration.
+    conns: dict[int, _Conn] = field(default_factory=dict)
+    conns_pair: tuple[SocketId | None, SocketId | None] | None = None
+    registered_conn: int | None = None
+    refused: bool = False  # the kubelet refused a later Register of the held pair (1.37): until a new pair
+    contradicted_at: float | None = None  # monotonic: newer evidence first said the held pair is gone
     lost_at: float | None = None  # monotonic: the connection was first seen lost
     failed_at: float | None = None  # monotonic: a probe of the answering plugin first failed
     attempt: Attempt | None = None
@@ -180,6 +250,9 @@ class _PluginState:
     restarts_in_vain: int = 0
     budget_announced: bool = False  # logged and published once the spent budget took effect
     devices: dict[str, int] = field(default_factory=dict)
+    served: bool = False  # its own socket answered since start: a missing one is then a crash
+    others: dict[str, SocketId] | None = None  # other sockets served in the folder, last round
+    found: str | None = None  # the socket it seems to serve instead of its own
 
     @property
     def budget_spent(self) -> bool:
@@ -220,6 +293,7 @@ class Registrar:
         self._kubelet_down = False  # a kubelet restart is under way
         self._kubelet_id: SocketId | None = None  # kubelet.sock as last seen answering
         self._kubelet_recreated = False
+        self._checkpoint_mtime: int | None = None  # the checkpoint's mtime_ns as the last round read it
 
     # -- what the views read ------------------------------------------------------------
     def plugin(self, socket: str) -> PluginSpec | None:
@@ -240,6 +314,7 @@ class Registrar:
                 "kubelet_connected_since": iso(p.connected_since) if p.connected_since else None,
                 "restarts_without_registration": p.restarts_in_vain,
                 "restart_budget_spent": p.budget_announced,
+                "socket_found_instead": p.found,
                 "open_attempt": p.attempt.as_dict() if p.attempt else None,
             }
         return out
@@ -247,11 +322,16 @@ class Registrar:
     def wake_at(self) -> float | None:
         """When a round must run to confirm a lost connection or a failed probe (monotonic), if one must."""
         firsts = [t for p in self._plugins.values() for t in (p.lost_at, p.failed_at) if t is not None]
+        now = self.clock()
+        for p in self._plugins.values():
+            # A contradiction or an unrecorded new connection, until its confirmation is due.
+            pending = [p.contradicted_at] + [c.first_seen for c in p.conns.values() if not c.recorded]
+            firsts += [t for t in pending if t is not None and now - t < self.rules.drop_confirm]
         return min(firsts) + self.rules.drop_confirm if firsts else None
 
     def _keys(self, resource: str) -> list[CheckKey]:
         kinds = [Kind.PLUGIN, Kind.REGISTERED]
-        if self.rules.expect_devices is not None:
+        if self.rules.expect_devices != 0:  # an explicit 0 opts out
             kinds.append(Kind.DEVICES)
         return [CheckKey(k, resource) for k in kinds]
 
@@ -413,10 +493,13 @@ class Registrar:
         vanished = []
         for plugin in self.rules.plugins:
             obs = seen.plugins[plugin.resource]
+            self._watch_others(plugin, seen)
             if self._judge_plugin(plugin, obs):
                 vanished.append(plugin.resource)
             self._judge_registration(plugin, obs, seen)
             self._count_devices(plugin, seen)
+        cp = seen.checkpoint.value
+        self._checkpoint_mtime = cp.mtime_ns if cp is not None else None
         return vanished
 
     def _judge_kubelet(self, k: ProbeResult) -> None:
@@ -474,7 +557,15 @@ class Registrar:
             # Another device plugin re-bound the socket (up to 1.36 the kubelet keeps whichever
             # registered last; 1.37 refuses the second on one path): a restart would only fight it.
             why = f"{obs.owner_reason}; run one device plugin per resource (remove the other DaemonSet)"
-            self.state.report(name, False, why, result.latency, definitive=True, restarts=False)
+            self.state.report(
+                name,
+                False,
+                why,
+                result.latency,
+                definitive=True,
+                restarts=False,
+                quiet="another device plugin owns the socket: a restart of this one would only fight it",
+            )
             return False
         if result.ok or result.definitive:
             p.failed_at = None
@@ -488,10 +579,57 @@ class Registrar:
                 return False
         # While the kubelet is away its cleanup explains a missing socket: a restart would not help.
         restarts = not (self._kubelet_down and result.state == "absent")
+        reason, quiet = result.reason, ""
+        if result.ok:
+            p.served, p.found = True, None
+        elif not restarts:
+            quiet = "the kubelet is restarting: its cleanup removed the socket, and HAMi serves a new one"
+        elif result.state == "absent" and not p.served:
+            # Never served since start: a plugin serving under another name, if the folder shows one;
+            # restarts that do not bring the socket back are counted against the budget.
+            found = pick_found(plugin, (n for n, _ in seen_others(p)))
+            p.found = found
+            if found is not None:
+                reason = f"{reason}; {socket_found_instead(self.rules.plugins, plugin, found)}"
+            if p.budget_spent:
+                restarts = False
+                quiet = (
+                    f"restart budget spent: {p.restarts_in_vain} plugin restarts did not bring "
+                    f"{plugin.socket} back"
+                )
         self.state.report(
-            name, result.ok, result.reason, result.latency, definitive=result.definitive, restarts=restarts
+            name,
+            result.ok,
+            reason,
+            result.latency,
+            definitive=result.definitive,
+            restarts=restarts,
+            quiet=quiet,
         )
         return False
+
+    def _watch_others(self, plugin: PluginSpec, seen: Round) -> None:
+        """A restart in vain: the plugin failed liveness for a socket it never served, and a socket came
+        back in the folder under another name (a new file where the last round saw none, or another)."""
+        r = plugin.resource
+        p = self._plugins[r]
+        now = dict(seen.others)
+        check = self.state.checks[CheckKey(Kind.PLUGIN, r).name]
+        if p.others is not None and check.live_failed and not p.served:
+            back = sorted(n for n, ident in now.items() if p.others.get(n) != ident)
+            if back and not p.budget_spent:
+                p.restarts_in_vain += 1
+                if not p.budget_spent:
+                    self.listener.restart_requested(r)  # still failing: the next restart is asked for
+                logger.info(
+                    "%s: the plugin restarted and serves %s, not %s (%d of %d restarts in vain)",
+                    r,
+                    ", ".join(back),
+                    plugin.socket,
+                    p.restarts_in_vain,
+                    RESTART_BUDGET,
+                )
+        p.others = now
 
     def _judge_registration(self, plugin: PluginSpec, obs: PluginRound, seen: Round) -> None:
         r = plugin.resource
@@ -500,11 +638,13 @@ class Registrar:
             p.lost_at = None
             self.listener.connected(r, None)
             why = "the kubelet is restarting; the plugin must register again"
-            self.state.report(name, False, why, restarts=False)
+            self.state.report(
+                name, False, why, restarts=False, quiet="a kubelet restart: HAMi registers again by itself"
+            )
             return
-        held, why, definitive = self._held(plugin, p, obs, seen)
+        held, why, definitive, mends = self._held(plugin, p, obs, seen)
         if held is None:
-            return  # a lost connection waits for its confirmation
+            return  # a lost connection, or newer evidence against a held one, waits for its confirmation
         if held:
             p.episode = False
             if p.restarts_in_vain:
@@ -516,16 +656,42 @@ class Registrar:
                 self._close_attempt(r, registered=True)
         # Restarting the plugin registers it again, unless the kubelet cannot take it or the plugin is
         # not serving (its own check says so) or restarts have already failed to help.
-        restarts = seen.kubelet.verified and obs.probe.ok and obs.owner != "elsewhere" and not p.budget_spent
+        restarts = (
+            mends
+            and seen.kubelet.verified
+            and obs.probe.ok
+            and obs.owner != "elsewhere"
+            and not p.budget_spent
+        )
         if not held and p.budget_spent:
             why = f"{why}; restart budget spent: {RESTART_BUDGET} plugin restarts did not register it"
+        self.state.report(
+            name, held, why, definitive=definitive, restarts=restarts, quiet=self._quiet(plugin, obs, seen)
+        )
 
-        self.state.report(name, held, why, definitive=definitive, restarts=restarts)
+    def _quiet(self, plugin: PluginSpec, obs: PluginRound, seen: Round) -> str:
+        """Why `registered:` restarts nothing, true for the state at hand."""
+        p = self._plugins[plugin.resource]
+        sock = self.state.checks[CheckKey(Kind.PLUGIN, plugin.resource).name]
+        if not seen.kubelet.verified:
+            return "the kubelet's socket is not the real registration service: a plugin restart won't mend it"
+        if obs.owner == "elsewhere":
+            return "another device plugin owns the socket: a restart of this one would only fight it"
+        if not obs.probe.ok and not (p.budget_spent and not sock.live_failed):
+            # Said alike while that check is pending and once it fails: the text outlives the round.
+            return (
+                f"the plugin does not answer: {sock.name} judges that, and the plugin restart it asks for "
+                "mends this too"
+            )
+        if p.budget_spent:
+            return f"restart budget spent: {p.restarts_in_vain} plugin restarts did not register it"
+        return ""
 
     def _held(
         self, plugin: PluginSpec, p: _PluginState, obs: PluginRound, seen: Round
-    ) -> tuple[bool | None, str, bool]:
-        """Does the kubelet hold the plugin now? (held, why, whether waiting cannot mend it)."""
+    ) -> tuple[bool | None, str, bool, bool]:
+        """Does the kubelet hold the plugin now? (held, why, whether waiting cannot mend it, whether a
+        plugin restart can). The precedence is docs/design.md#registration's."""
         r, sock = plugin.resource, plugin.socket
         conns = obs.connections.value
         self.listener.connected(r, conns)
@@ -544,12 +710,27 @@ class Registrar:
                     f"the kubelet is connected to {sock} but has recorded no device list from it since "
                     "the socket was created (a Register under way, or refused)",
                     False,
+                    True,
                 )
+            if conns > 0 and p.connected_pair == pair:
+                against = self._newer_evidence(plugin, p, obs, seen, pair)
+                if against is not None:
+                    why, mends = against
+                    if not why:
+                        return None, "", False, True  # to be confirmed
+                    p.lost_at = None
+                    return False, why, True, mends
             if conns > 0:
                 if p.connected_pair != pair:
                     p.connected_pair, p.connected_since = pair, self.wall()
+                    self._track(p, pair, obs.connection_ids, seen.checkpoint.value, r)
                 p.lost_at = None
-                return True, f"the kubelet holds a connection to {sock}{self._device_note(r, seen)}", False
+                return (
+                    True,
+                    f"the kubelet holds a connection to {sock}{self._device_note(r, seen)}",
+                    False,
+                    True,
+                )
             if p.connected_pair == pair and obs.probe.ok:
                 # It held this plugin and let go while both sockets stayed: a drop, which no waiting
                 # mends (kubernetes issues 121994, 131013). Confirmed once, so that a kubelet on its
@@ -558,34 +739,184 @@ class Registrar:
                 if p.lost_at is None:
                     p.lost_at = now
                 if now - p.lost_at < self.rules.drop_confirm:
-                    return None, "", False
+                    return None, "", False, True
                 since = iso(p.connected_since) if p.connected_since else "?"
+                if p.refused and p.conns_pair == pair:
+                    # The connections a refusal left open closed (grpc-go's idle timeout): the path is
+                    # still refused, so a plugin restart would still not mend it.
+                    return (
+                        False,
+                        f"the kubelet is no longer connected to {sock} (held it from {since}) and refused "
+                        "its later Register: the path is refused until the kubelet restarts",
+                        True,
+                        False,
+                    )
                 return (
                     False,
                     f"the kubelet is no longer connected to {sock} (held it from {since}): it dropped the "
                     "plugin, which keeps serving; a plugin restart registers it again",
                     True,
+                    True,
                 )
             p.lost_at = None
-            return False, f"the kubelet holds no connection to {sock}: {self._not_held(r, seen, obs)}", False
+            return (
+                False,
+                f"the kubelet holds no connection to {sock}: {self._not_held(r, seen, obs)}",
+                False,
+                True,
+            )
         # No view of the kubelet's connections: pod-resources is live, the checkpoint is history.
         p.lost_at = None
         live = seen.pod_resources.value
         if live is not None and live.get(r):
-            return True, f"pod-resources lists {len(live[r])} device(s) of {r}", False
+            return True, f"pod-resources lists {len(live[r])} device(s) of {r}", False, True
         accepted = self._accepted(r, seen, obs)
         if accepted is None:
-            return False, f"{self._not_held(r, seen, obs)} ({obs.connections.error})", False
+            return False, f"{self._not_held(r, seen, obs)} ({obs.connections.error})", False, True
         if live is not None and accepted:
             return (
                 False,
                 f"pod-resources lists no device of {r} although the kubelet recorded {accepted} healthy: "
                 "it dropped the plugin",
                 False,
+                True,
             )
         # `[]` in a fresh checkpoint: registered with no healthy device, or dropped; a restart would not
         # make a registered plugin more registered, so this passes, saying what cannot be told.
-        return True, f"the kubelet accepted the plugin ({accepted} healthy device(s) recorded)", False
+        return True, f"the kubelet accepted the plugin ({accepted} healthy device(s) recorded)", False, True
+
+    def _track(
+        self,
+        p: _PluginState,
+        pair: tuple[SocketId | None, SocketId | None],
+        ids: frozenset[int] | None,
+        cp: Checkpoint | None,
+        r: str,
+    ) -> None:
+        """Follow the held pair's connections one by one: which came when, which the kubelet recorded.
+
+        The connections there when the pair is first held are its registration (the unrecorded rule
+        has vouched for them); one alone is the registered one. A later one is a second Register:
+        recorded once the checkpoint is rewritten listing the resource after it came (the kubelet
+        writes it on the first ListAndWatch answer of an accepted Register), and then the registered
+        one, since the kubelet keeps the newest.
+        """
+        if ids is None:
+            p.conns, p.conns_pair, p.registered_conn = {}, None, None
+            return
+        now = self.clock()
+        if p.conns_pair != pair:
+            p.conns = {i: _Conn(now, None, True) for i in ids}
+            p.conns_pair = pair
+            p.registered_conn = next(iter(ids)) if len(ids) == 1 else None
+            p.contradicted_at, p.refused = None, False
+            return
+        for i in ids - p.conns.keys():
+            p.conns[i] = _Conn(now, self._checkpoint_mtime, False)
+        for i in p.conns.keys() - ids:
+            del p.conns[i]
+        fresh = [
+            (c.first_seen, i)
+            for i, c in p.conns.items()
+            if not c.recorded
+            and not c.refused
+            and cp is not None
+            and c.checkpoint_before is not None
+            and cp.mtime_ns > c.checkpoint_before
+            and cp.devices(r) is not None
+        ]
+        for _, i in fresh:
+            p.conns[i].recorded = True
+        if fresh:
+            p.registered_conn = max(fresh)[1]
+        for c in p.conns.values():
+            if not c.recorded and c.checkpoint_before is None:
+                # No checkpoint was read before it came: whether it was recorded cannot be told.
+                c.recorded = True
+                p.registered_conn = None
+
+    def _newer_evidence(
+        self,
+        plugin: PluginSpec,
+        p: _PluginState,
+        obs: PluginRound,
+        seen: Round,
+        pair: tuple[SocketId | None, SocketId | None],
+    ) -> tuple[str, bool] | None:
+        """What, newer than the connection that made this pair held, says the kubelet no longer holds
+        the plugin: (why, whether a plugin restart mends it); ("", True) while it awaits its
+        confirmation; None when nothing does.
+
+        In order: a later connection the kubelet recorded no device list from (it refused a second
+        Register: 1.37 keeps the first stream but forgets its client, and refuses the path until it
+        restarts, so no plugin restart helps); the connection that carried the registration closed
+        while older ones stay (up to 1.36, the end of an older stream disconnects the newest client:
+        the older connections carry no stream); pod-resources listing none of the resource that a
+        checkpoint written since the plugin's socket was created records healthy (the kubelet
+        marked the devices unhealthy itself, which it does only when it drops the plugin); a
+        checkpoint rewritten since without the resource. Those last three are confirmed once,
+        `drop_confirm` later, as a lost connection is: the kubelet changes its live view a moment
+        before it rewrites the checkpoint, and a stopping kubelet closes its clients before its
+        socket goes.
+        """
+        r, sock = plugin.resource, plugin.socket
+        cp = seen.checkpoint.value
+        now = self.clock()
+        self._track(p, pair, obs.connection_ids, cp, r)
+        unrecorded = [c for c in p.conns.values() if not c.recorded]
+        if unrecorded:
+            first = min(c.first_seen for c in unrecorded)
+            if now - first < self.rules.drop_confirm:
+                return "", True
+            # An accepted Register records its list within milliseconds; one still unrecorded stays
+            # refused while it stays open: the stream the kubelet kept rewrites the checkpoint too, and
+            # would pass for it. (A connection that closes, a probe's that lingered, ends the verdict.)
+            for c in unrecorded:
+                c.refused = True
+            p.refused = True
+            return (
+                f"the kubelet opened {len(unrecorded)} more connection(s) to {sock} (a second Register) "
+                "and recorded no device list since: it refused that Register (Kubernetes 1.37: device "
+                "plugin already connected), which also forgets the stream it holds; that stream's end "
+                "goes unnoticed and the path is refused until the kubelet restarts, so a plugin restart "
+                "would not mend it",
+                False,
+            )
+        why = ""
+        ids = obs.connection_ids
+        if p.registered_conn is not None and ids is not None and p.registered_conn not in ids:
+            why = (
+                f"the kubelet closed the connection to {sock} that carried its registration and keeps "
+                f"{len(ids)} older one(s) with no stream (an earlier stream's end disconnected the newest "
+                "Register): it dropped the plugin, which keeps serving; a plugin restart registers it again"
+            )
+        live = seen.pod_resources.value
+        accepted = self._accepted(r, seen, obs)
+        if not why and live is not None and not live.get(r) and accepted:
+            why = (
+                f"pod-resources lists no device of {r} although the kubelet's checkpoint, written since "
+                f"{sock} was created, records {accepted} healthy: the kubelet dropped the plugin (its "
+                "connection carries no stream); a plugin restart registers it again"
+            )
+        if (
+            not why
+            and cp is not None
+            and cp.devices(r) is None
+            and pair[0] is not None
+            and cp.mtime_ns >= max(pair[0].mtime_ns, pair[1].mtime_ns if pair[1] else 0)
+        ):
+            why = (
+                f"the kubelet's checkpoint, rewritten since {sock} was created, no longer lists {r}: it "
+                "dropped the plugin; a plugin restart registers it again"
+            )
+        if not why:
+            p.contradicted_at = None
+            return None
+        if p.contradicted_at is None:
+            p.contradicted_at = now
+        if now - p.contradicted_at < self.rules.drop_confirm:
+            return "", True
+        return why, True
 
     def _recorded(self, r: str, seen: Round, obs: PluginRound) -> bool:
         """The kubelet has the plugin's first ListAndWatch answer: the end of the latency SLI."""
@@ -629,25 +960,48 @@ class Registrar:
         self.listener.devices(r, counts)
         p.devices = counts
         expect = self.rules.expect_devices
-        if expect is None:
-            return
+        if expect == 0:
+            return  # opted out: a node where no healthy device is normal
         name = CheckKey(Kind.DEVICES, r).name
-        want = seen.host_devices if expect == -1 else expect
+        want, why_want = self._wanted(expect, seen)
         source = "pod-resources" if "pod_resources" in counts else "checkpoint"
         have = counts.get("pod_resources", counts.get("checkpoint"))
+        # Devices are a readiness question: a plugin restart does not make a GPU healthy.
+        quiet = "readiness only: a plugin restart does not bring devices back"
         if have is None:
             why = "the kubelet is restarting" if self._kubelet_down else "no current count"
-            self.state.report(name, False, f"{why}: the checkpoint predates kubelet.sock", restarts=False)
-        elif want is None or have >= want:
-            self.state.report(name, True, f"the kubelet lists {have} (want {want})", restarts=False)
+            self.state.report(
+                name, False, f"{why}: the checkpoint predates kubelet.sock", restarts=False, quiet=quiet
+            )
+        elif have >= want:
+            self.state.report(
+                name, True, f"the kubelet lists {have} (want {want}: {why_want})", restarts=False
+            )
         else:
-            where = f" ({self.rules.device_glob} on the host)" if expect == -1 else ""
             self.state.report(
                 name,
                 False,
-                f"the kubelet lists {have} healthy device(s) by {source}, {want} expected{where}",
+                f"the kubelet lists {have} healthy device(s) by {source}, {want} expected ({why_want})",
                 restarts=False,
+                quiet=quiet,
             )
+
+    def _wanted(self, expect: int | None, seen: Round) -> tuple[int, str]:
+        """The minimum of healthy devices, and where it comes from."""
+        if expect is None:
+            return (
+                1,
+                "a registered plugin with no healthy device is not ready; --expect-devices 0 opts out",
+            )
+        if expect != -1:
+            return expect, "--expect-devices"
+        if seen.expectation is not None:
+            e = seen.expectation
+            # Every GPU filtered: HAMi registers none, and none is right; no device node: at least one.
+            return (e.want if e.host else 1), f"--expect-devices auto: {e.summary()}"
+        if seen.host_devices:
+            return seen.host_devices, f"--expect-devices auto: {self.rules.device_glob} on the host"
+        return 1, f"--expect-devices auto: no {self.rules.device_glob} on the host; at least one"
 
     # -- transitions -------------------------------------------------------------------------------
     def refresh(self) -> float | None:
@@ -655,6 +1009,7 @@ class Registrar:
         return self.state.refresh()
 
     def _on_transition(self, check: Check, old: Status) -> None:
+        r = check.key.resource
         if check.status is Status.FAILED and check.key.kind is Kind.REGISTERED:
             r = check.key.resource
             p = self._plugins[r]
@@ -672,6 +1027,21 @@ class Registrar:
             if check.live_failed and not p.episode:
                 p.episode = True
                 self.listener.restart_requested(check.key.resource)
+        elif check.status is Status.FAILED and check.key.kind is Kind.PLUGIN and not self._plugins[r].served:
+            p = self._plugins[r]
+            if check.live_failed:
+                self.listener.restart_requested(r)  # for a socket it never served
+            elif p.budget_spent and not p.budget_announced:
+                p.budget_announced = True
+                logger.warning(
+                    "restart budget spent for %s: %d plugin restarts did not bring %s back%s; liveness no "
+                    "longer fails for it until it registers (this node needs a person)",
+                    r,
+                    p.restarts_in_vain,
+                    self.plugin_for(r).socket,
+                    f" (it serves {p.found})" if p.found else "",
+                )
+                self.listener.budget(r, True)
         self.listener.transition(check, old)
 
 

@@ -15,11 +15,25 @@ import os
 import socket
 import stat
 import struct
-from collections.abc import Collection, Iterator, Sequence
+import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from initcheck.checks import try_connect
+from initcheck.netunix import (
+    ESTABLISHED,
+    LISTEN,
+    UnixSocket,
+    normalise,
+    proc_net_unix,
+    read_proc_net_unix,
+    socket_inodes,
+)
+
+# The /proc reader lives in initcheck.netunix (the init container reads where the kubelet listens with
+# it); these of its names are this module's too.
+__all__ = ["ESTABLISHED", "LISTEN", "UnixSocket", "normalise", "proc_net_unix"]
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -27,7 +41,6 @@ NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 UDIAG_SHOW_NAME, UDIAG_SHOW_VFS, UDIAG_SHOW_PEER = 0x1, 0x2, 0x4
 UNIX_DIAG_NAME, UNIX_DIAG_VFS, UNIX_DIAG_PEER, UNIX_DIAG_SHUTDOWN = 0, 1, 2, 6
-ESTABLISHED, LISTEN = 1, 10  # the kernel's TCP_* states, which Unix stream sockets reuse
 PROC_CONNECTED, PROC_UNCONNECTED = "03", "01"  # /proc/net/unix's SS_* states
 
 _NLMSG = struct.Struct("=IHHII")
@@ -41,76 +54,123 @@ class DiagUnavailable(Exception):
     """The kernel does not answer sock_diag for Unix sockets here."""
 
 
-@dataclass(frozen=True)
-class UnixSocket:
-    ino: int  # the socket's own inode
-    state: int  # ESTABLISHED or LISTEN
-    path: str  # as bound ("" for unnamed), normalised
-    vfs: tuple[int, int] | None  # (st_dev, st_ino) of the bound file; accepted sockets share it
-    peer: int  # the peer socket's inode, 0 when none
-    shutdown: int  # 3 when the peer has closed: a connection that is over
-
-
-def normalise(path: str) -> str:
-    """grpcio binds `unix:///abs/path` as `///abs/path`; Go binds `/abs/path`."""
-    return "/" + path.lstrip("/") if path.startswith("/") else path
-
-
 def _kdev_to_st_dev(kdev: int) -> int:
     """sock_diag reports the kernel's dev_t (major << 20 | minor), not stat's encoding."""
     return os.makedev(kdev >> 20, kdev & 0xFFFFF)
 
 
+# -- sock_diag -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Reply:
+    """One datagram of a sock_diag dump, decoded. Whatever the bytes, decoding gives one of these."""
+
+    sockets: tuple[UnixSocket, ...] = ()
+    done: bool = False  # NLMSG_DONE: the dump is complete
+    error: str = ""  # NLMSG_ERROR, or a datagram that cannot be a reply: the dump is unusable
+    skipped: int = 0  # messages that do not decode (too short, another family, a broken attribute)
+
+
+DIAG_DEADLINE = 2.0  # seconds for a whole dump (the kernel answers a host's thousands in milliseconds)
+
+
 def diag_dump(files: Collection[tuple[int, int]] | None = None) -> list[UnixSocket]:
     """Every listening and connected Unix socket of this network namespace; with `files`, only those
-    bound to one of these (st_dev, st_ino) (a host's namespace holds thousands: keep what matters)."""
-    states = (1 << ESTABLISHED) | (1 << LISTEN)
-    show = UDIAG_SHOW_NAME | UDIAG_SHOW_VFS | UDIAG_SHOW_PEER
-    body = _REQ.pack(socket.AF_UNIX, 0, 0, states, 0, show, 0xFFFFFFFF, 0xFFFFFFFF)
-    header = _NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
+    bound to one of these (st_dev, st_ino) (a host's namespace holds thousands: keep what matters),
+    and the peers of those (the other end of each connection, unbound)."""
     try:
         s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
     except OSError as e:
         raise DiagUnavailable(f"netlink sock_diag: {e.strerror}") from None
+    out: list[UnixSocket] = []
+    unbound: dict[int, UnixSocket] = {}  # ends without a file, kept until their peers are known
+    deadline = time.monotonic() + DIAG_DEADLINE
     with s:
-        s.settimeout(1.0)
         try:
-            s.send(header + body)
-            out: list[UnixSocket] = []
+            s.send(diag_request())
             while True:
-                data = s.recv(1 << 16)
-                for kind, payload in _messages(data):
-                    if kind == NLMSG_DONE:
-                        return out
-                    if kind == NLMSG_ERROR:
-                        code = -struct.unpack_from("=i", payload)[0]
-                        raise DiagUnavailable(f"sock_diag: {os.strerror(code or errno.EIO)}")
-                    if kind == SOCK_DIAG_BY_FAMILY:
-                        sock = _parse(payload)
-                        if files is None or sock.vfs in files:
-                            out.append(sock)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DiagUnavailable(f"sock_diag: no complete answer within {DIAG_DEADLINE:g}s")
+                s.settimeout(left)
+                reply = decode_reply(s.recv(1 << 16))
+                for sock in reply.sockets:
+                    if files is None or sock.vfs in files:
+                        out.append(sock)
+                    elif sock.vfs is None and sock.state == ESTABLISHED and sock.peer:
+                        unbound[sock.ino] = sock
+                if reply.error:
+                    raise DiagUnavailable(f"sock_diag: {reply.error}")
+                if reply.done:
+                    break
         except OSError as e:
             raise DiagUnavailable(f"sock_diag: {e.strerror or e}") from None
+    if files is not None:
+        out += [unbound[p] for p in {s.peer for s in out} if p in unbound]
+    return out
 
 
-def _messages(data: bytes) -> Iterator[tuple[int, bytes]]:
+def diag_request() -> bytes:
+    """The dump request: listening and connected Unix sockets, with name, bound file and peer."""
+    states = (1 << ESTABLISHED) | (1 << LISTEN)
+    show = UDIAG_SHOW_NAME | UDIAG_SHOW_VFS | UDIAG_SHOW_PEER
+    body = _REQ.pack(socket.AF_UNIX, 0, 0, states, 0, show, 0xFFFFFFFF, 0xFFFFFFFF)
+    header = _NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
+    return header + body
+
+
+def decode_reply(data: bytes) -> Reply:
+    """Decode one datagram of a dump. Total: a message that does not decode is skipped and counted."""
+    sockets: list[UnixSocket] = []
+    skipped = 0
     off = 0
     while off + _NLMSG.size <= len(data):
         length, kind, _flags, _seq, _pid = _NLMSG.unpack_from(data, off)
-        if length < _NLMSG.size:
-            return
-        yield kind, data[off + _NLMSG.size : off + length]
+        if length < _NLMSG.size or off + length > len(data):
+            return Reply(tuple(sockets), error=f"a netlink message of {length} bytes in {len(data) - off}")
+        payload = data[off + _NLMSG.size : off + length]
         off += (length + 3) & ~3
+        if kind == NLMSG_DONE:
+            return Reply(tuple(sockets), done=True, skipped=skipped)
+        if kind == NLMSG_ERROR:
+            return Reply(tuple(sockets), error=_error_text(payload), skipped=skipped)
+        sock = _parse(payload) if kind == SOCK_DIAG_BY_FAMILY else None
+        if sock is None:
+            skipped += 1
+        else:
+            sockets.append(sock)
+    if off < len(data):
+        skipped += 1  # a tail shorter than a message header
+    return Reply(tuple(sockets), skipped=skipped)
 
 
-def _parse(payload: bytes) -> UnixSocket:
-    _family, _type, state, _pad, ino, _c0, _c1 = _MSG.unpack_from(payload)
+def _error_text(payload: bytes) -> str:
+    """An NLMSG_ERROR's errno (negated in the message), as text."""
+    if len(payload) < 4:
+        return f"an error message of {len(payload)} bytes"
+    code = -struct.unpack_from("=i", payload)[0]
+    if code == 0:
+        code = errno.EIO  # an acknowledgement, where a dump was asked for
+    if 0 < code < 4096:  # the kernel's errno range (MAX_ERRNO)
+        try:
+            return os.strerror(code)
+        except (ValueError, OverflowError):
+            pass
+    return f"error {code}"
+
+
+def _parse(payload: bytes) -> UnixSocket | None:
+    """One `unix_diag_msg` with its attributes, or None when it is not one (man 7 sock_diag)."""
+    if len(payload) < _MSG.size:
+        return None
+    family, _type, state, _pad, ino, _c0, _c1 = _MSG.unpack_from(payload)
+    if family != socket.AF_UNIX:
+        return None
     path, vfs, peer, shutdown = "", None, 0, 0
     off = _MSG.size
     while off + _RTA.size <= len(payload):
         length, kind = _RTA.unpack_from(payload, off)
-        if length < _RTA.size:
-            break
+        if length < _RTA.size or off + length > len(payload):
+            return None
         value = payload[off + _RTA.size : off + length]
         if kind == UNIX_DIAG_NAME:
             path = "" if value[:1] == b"\0" else normalise(value.rstrip(b"\0").decode(errors="replace"))
@@ -125,35 +185,6 @@ def _parse(payload: bytes) -> UnixSocket:
     return UnixSocket(ino, state, path, vfs, peer, shutdown)
 
 
-def proc_net_unix(proc: str = "/proc/self", paths: Collection[str] | None = None) -> list[UnixSocket]:
-    """The Unix sockets of `proc`'s network namespace, from `<proc>/net/unix` (paths, no inodes);
-    with `paths`, only those bound to one of them."""
-    out: list[UnixSocket] = []
-    with open(os.path.join(proc, "net", "unix"), encoding="utf-8", errors="replace") as f:
-        next(f, None)  # the header
-        for line in f:
-            fields = line.split(None, 7)
-            if len(fields) < 7:
-                continue
-            state = {PROC_CONNECTED: ESTABLISHED, PROC_UNCONNECTED: LISTEN}.get(fields[5])
-            flags = int(fields[3], 16) if _hex(fields[3]) else 0
-            if state is None or (state == LISTEN and not flags & 0x10000):  # __SO_ACCEPTCON
-                continue
-            path = normalise(fields[7].rstrip("\n")) if len(fields) > 7 else ""
-            if paths is None or path in paths:
-                out.append(UnixSocket(int(fields[6]), state, path, None, 0, 0))
-    return out
-
-
-def _hex(s: str) -> bool:
-    try:
-        int(s, 16)
-    except ValueError:
-        return False
-    return True
-
-
-# The kubelet binds this path whatever its --root-dir (pkg/kubelet/apis/deviceplugin/v1beta1/constants.go).
 KUBELET_BOUND_PATH = "/var/lib/kubelet/device-plugins/kubelet.sock"
 KUBELET_PROCESS_NAMES = frozenset({"kubelet", "k3s-server", "k3s-agent", "k3s", "kubelite"})
 
@@ -165,18 +196,66 @@ class Connections:
     source: str
     sockets: tuple[UnixSocket, ...]
     exact: bool  # by the bound file's inode (sock_diag), else by path
+    doubtful: tuple[UnixSocket, ...] = ()  # /proc lines that may be a part of another socket's name
+    owned: frozenset[int] | None = None  # the kubelet's own sockets (its descriptors), where readable
 
     def to(self, path: str, bound_as: tuple[str, ...] = ()) -> int:
-        """Open connections accepted on the listener that owns the socket file at `path` now."""
+        """Open connections accepted on the listener that owns the socket file at `path` now (0 where
+        that cannot be told: see `held`)."""
+        held = self.held(path, bound_as)
+        return held if isinstance(held, int) else 0
+
+    def held(self, path: str, bound_as: tuple[str, ...] = ()) -> int | str:
+        """Open connections accepted on the listener that owns the socket file at `path` now, or why
+        they cannot be told (see `accepted`)."""
+        ids = self.accepted(path, bound_as)
+        return ids if isinstance(ids, str) else len(ids)
+
+    def accepted(self, path: str, bound_as: tuple[str, ...] = ()) -> frozenset[int] | str:
+        """The accepted ends (by inode: which one came or went between two reads) of the open
+        connections on the listener that owns the socket file at `path` now, or why they cannot be
+        told.
+
+        sock_diag: an accepted end bound to that very file (device and inode: no name can forge it),
+        not shut down, whose peer is in this namespace and names it back; where the kubelet's
+        descriptors can be read, that peer must be one of them. /proc: lines the kernel printed as
+        lines whose path is `path` (or `bound_as`); none, while a line that may be a part of another
+        socket's name claims one, or while a listener is bound at that path in the kubelet's own
+        namespace (not this pod's plugin: whose connection is whose cannot be told by path), is no
+        count at all.
+        """
         if self.exact:
             try:
                 st = os.stat(path)
             except OSError:
-                return 0
+                return frozenset()
             vfs = (st.st_dev, st.st_ino)
-            return sum(1 for s in self.sockets if s.state == ESTABLISHED and s.vfs == vfs and not s.shutdown)
+            ends = {s.ino: s for s in self.sockets}
+            ids: set[int] = set()
+            for s in self.sockets:
+                if s.state != ESTABLISHED or s.vfs != vfs or s.shutdown:
+                    continue
+                peer = ends.get(s.peer)
+                if peer is None or peer.peer != s.ino or peer.state != ESTABLISHED:
+                    continue
+                if self.owned is not None and peer.ino not in self.owned:
+                    continue
+                ids.add(s.ino)
+            return frozenset(ids)
         names = {normalise(path), *bound_as}
-        return sum(1 for s in self.sockets if s.state == ESTABLISHED and s.path in names)
+        name = os.path.basename(path)
+        if any(s.state == LISTEN and s.path in names for s in self.sockets):
+            return (
+                f"a listener is bound at {name}'s path in the kubelet's network namespace, not this pod's: "
+                "whose connections are whose cannot be told by path"
+            )
+        found = frozenset(s.ino for s in self.sockets if s.state == ESTABLISHED and s.path in names)
+        if not found and any(s.state == ESTABLISHED and s.path in names for s in self.doubtful):
+            return (
+                f"a line of the kubelet's net/unix that may be a part of another socket's name shows a "
+                f"connection to {name}: it is not counted, and none other is seen"
+            )
+        return found
 
 
 def kubelet_connections(
@@ -190,10 +269,10 @@ def kubelet_connections(
 
     This process's namespace when the kubelet's listener on `kubelet_path` is in it (a pod
     with the host network, or a test); else the namespace of a visible kubelet process
-    (`hostPID`; its process named one of `names`), read from its `/proc/<pid>/net/unix`; else
-    none can be seen. `mine` is this namespace's `diag_dump()` (or why it failed) when the
-    caller has one; `paths`, the plugin sockets' paths as bound, keeps only their entries of a
-    kubelet's `/proc/<pid>/net/unix`.
+    (`hostPID`; its process named one of `names`, run by root and not in a pod's cgroup), read
+    from its `/proc/<pid>/net/unix`; else none can be seen. `mine` is this namespace's
+    `diag_dump()` (or why it failed) when the caller has one; `paths`, the plugin sockets' paths
+    as bound, keeps only their entries of a kubelet's `/proc/<pid>/net/unix`.
     """
     try:
         st = os.stat(kubelet_path)
@@ -206,29 +285,48 @@ def kubelet_connections(
             mine = str(e)
     why, own = (mine, ()) if isinstance(mine, str) else ("", mine)
     vfs = (st.st_dev, st.st_ino)
-    if any(s.state == LISTEN and s.vfs == vfs for s in own):
-        return Connections("this network namespace (sock_diag)", tuple(own), exact=True)
-    # Every namespace where a kubelet-named process listens on the kubelet's path counts: on a node
-    # that is one, but the path is the same in every mount namespace, so a path cannot pick one out
-    # (several kubelets run side by side in tests), and connections to this plugin's socket are only
-    # in the namespace of the kubelet that holds it. A namespace is taken once, by its listener.
+    listener = next((s.ino for s in own if s.state == LISTEN and s.vfs == vfs), None)
+    if listener is not None:
+        owned = next(
+            (
+                fds
+                for pid in _kubelet_pids(proc, names)
+                if (fds := socket_inodes(proc, pid)) and listener in fds
+            ),
+            None,
+        )
+        return Connections("this network namespace (sock_diag)", tuple(own), exact=True, owned=owned)
+    # Every namespace where a kubelet process listens on the kubelet's path counts: on a node that is
+    # one, but the path is the same in every mount namespace, so a path cannot pick one out (several
+    # kubelets run side by side in tests), and connections to this plugin's socket are only in the
+    # namespace of the kubelet that holds it. A namespace is taken once, by its listener; where the
+    # process's descriptors can be read, only when that listener is one of them.
     bound = {KUBELET_BOUND_PATH, normalise(kubelet_path)}
     listeners: set[int] = set()
     found: list[UnixSocket] = []
+    doubtful: list[UnixSocket] = []
     pids: list[str] = []
-    for pid in _kubelet_pids(proc, names) or ["1"]:
+    kubelets = _kubelet_pids(proc, names)
+    for pid in kubelets or ["1"]:
         try:
-            theirs = proc_net_unix(os.path.join(proc, pid), None if paths is None else {*paths, *bound})
+            table = read_proc_net_unix(os.path.join(proc, pid), None if paths is None else {*paths, *bound})
         except OSError:
             continue
-        listener = next((s.ino for s in theirs if s.state == LISTEN and s.path in bound), None)
-        if listener is not None and listener not in listeners:
-            listeners.add(listener)
-            found += theirs
-            pids.append(pid)
+        theirs = next((s.ino for s in table.sockets if s.state == LISTEN and s.path in bound), None)
+        if theirs is None or theirs in listeners:
+            continue
+        fds = socket_inodes(proc, pid) if kubelets else None
+        if fds is not None and theirs not in fds:
+            continue
+        listeners.add(theirs)
+        found += table.sockets
+        doubtful += table.doubtful
+        pids.append(pid)
     if pids:
         where = ", ".join(f"{proc}/{pid}/net/unix" for pid in pids)
-        return Connections(f"the kubelet's network namespace ({where})", tuple(found), exact=False)
+        return Connections(
+            f"the kubelet's network namespace ({where})", tuple(found), exact=False, doubtful=tuple(doubtful)
+        )
     return why or (
         "the kubelet's network namespace is not visible from this pod (neither hostNetwork nor a "
         "kubelet process under hostPID)"
@@ -241,21 +339,36 @@ _PID_CACHE: dict[tuple[str, frozenset[str]], list[str]] = {}
 def _kubelet_pids(proc: str, names: Collection[str] = KUBELET_PROCESS_NAMES) -> list[str]:
     """The pids of visible kubelet processes (`comm` is cut to 15 characters, so are the names).
 
-    The last answer is kept while each of its processes still bears its name: a scan of /proc is
-    done when a kubelet restarts, not every probe round.
+    A process counts when it bears one of the names, runs as root, and is not in a pod's cgroup:
+    anyone may name a process "kubelet", and root in a container may bind any path in a network
+    namespace of its own. The last answer is kept while each of its processes still qualifies: a
+    scan of /proc is done when a kubelet restarts, not every probe round.
     """
     wanted = frozenset(n[:15] for n in names)
     key = (proc, wanted)
     cached = _PID_CACHE.get(key)
-    if cached and all(_comm(proc, pid) in wanted for pid in cached):
+    if cached and all(_comm(proc, pid) in wanted and _trusted(proc, pid) for pid in cached):
         return cached
     try:
         entries = os.listdir(proc)
     except OSError:
         return []
-    pids = [pid for pid in entries if pid.isdigit() and _comm(proc, pid) in wanted]
+    pids = [pid for pid in entries if pid.isdigit() and _comm(proc, pid) in wanted and _trusted(proc, pid)]
     _PID_CACHE[key] = pids
     return pids
+
+
+def _trusted(proc: str, pid: str) -> bool:
+    """Run by root (real and effective uid 0, as this reader's user namespace sees it) and not in a
+    pod's cgroup (every pod's cgroup path holds "kubepods", with the cgroupfs and systemd drivers)."""
+    try:
+        with open(os.path.join(proc, pid, "status"), encoding="utf-8", errors="replace") as f:
+            uids = next((line.split()[1:3] for line in f if line.startswith("Uid:")), [])
+        with open(os.path.join(proc, pid, "cgroup"), encoding="utf-8", errors="replace") as f:
+            cgroups = f.read(1 << 16)
+    except OSError:
+        return False
+    return uids == ["0", "0"] and "kubepods" not in cgroups
 
 
 def _comm(proc: str, pid: str) -> str:

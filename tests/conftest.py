@@ -101,3 +101,22 @@ def kubelet_elsewhere(short_tmp: str) -> Iterator[tuple[subprocess.Popen[bytes],
     finally:
         proc.kill()
         proc.wait()
+
+
+def require_dra_fixture(release: str) -> None:
+    """Skip where the DRA fixture (tests/realdra) of a release is not built; fail under CI=true."""
+    from sidecar.testing.realdra import missing_reason
+
+    reason = missing_reason(release)
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason} (CI builds it: .ci/run runs `make dra-fixtures`)")
+        pytest.skip(reason)
+
+
+@pytest.fixture(params=["new", "old"])
+def dra_release(request: pytest.FixtureRequest) -> str:
+    """A release of the DRA fixture, at each of the two releases."""
+    rel: str = request.param
+    require_dra_fixture(rel)
+    return rel

@@ -57,7 +57,7 @@ def test_every_flag_has_an_environment_twin_and_a_flag_wins() -> None:
         (["--plugin", "gpu"], {}, "expected RESOURCE=SOCKET"),
         (["--plugin", "a.com/x=x.sock", "--plugin", "a.com/x=y.sock"], {}, "named twice"),
         (["--listen", "9395"], {}, "expected ADDR:PORT"),
-        (["--expect-devices", "many"], {}, "expected a number from 1 to 65536 or auto"),
+        (["--expect-devices", "many"], {}, "expected a number from 0 to 65536 or auto"),
         ([], {"HAMI_GUARD_PROBE_INTERVAL": "soon"}, "HAMI_GUARD_PROBE_INTERVAL='soon'"),
         ([], {"HAMI_GUARD_LOG_FORMAT": "xml"}, "expected one of text, json"),
     ],
@@ -148,11 +148,12 @@ def test_expect_devices_means_the_same_everywhere(prog: str, capsys: pytest.Capt
     def expect(argv: list[str]) -> object:
         return parse_with_env(PARSERS[prog](), argv, {}).expect_devices
 
-    assert expect([]) is None  # absent: no devices check
+    assert expect([]) is None  # absent: at least one healthy device
     assert expect(["--expect-devices", "auto"]) == AUTO_DEVICES == -1
     assert expect(["--expect-devices", "4"]) == 4
-    assert "expected a number from 1 to 65536 or auto" in usage_error(
-        PARSERS[prog](), ["--expect-devices", "0"], {}, capsys
+    assert expect(["--expect-devices", "0"]) == 0  # no devices check
+    assert "expected a number from 0 to 65536 or auto" in usage_error(
+        PARSERS[prog](), ["--expect-devices", "-1"], {}, capsys
     )
 
 

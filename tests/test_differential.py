@@ -575,3 +575,55 @@ async def test_gap_allocation_without_a_preference(new_sides: tuple[Side, Side])
         assert p.calls["GetPreferredAllocation"] == 0
     assert picks["simulator"] == devices[:6]
     assert picks["real"] != devices[:6]  # by chance: 1 in 5.8 million were Go's order uniform
+
+
+async def test_a_second_register_then_the_first_streams_end_on_both(sides: tuple[Side, Side]) -> None:
+    """A plugin registers twice on its own socket, then ends its first ListAndWatch stream while its
+    server keeps serving. v1.36.5 (reregister_race): the second Register replaces the client, and the
+    first stream's end disconnects the second (runClient looks the client up by resource name); the
+    first's connection stays with no stream, allocatable 0, pod-resources empty, no write. v1.37.2: the
+    second Register is refused and both clients are forgotten (deregisterClient by path); the first
+    stream's end disconnects nothing: the devices stay allocatable, two connections stay open."""
+    sim, real = sides
+    accepted: dict[str, bool] = {}
+
+    async def register_twice(side: Side) -> None:
+        p = side.plugin(GPU, "nvidia-gpu.sock", ["GPU-0", "GPU-1"], retry_interval=3600)
+        await written_after(side, p.start, "the first answer's write")
+        mark = side.writes()
+        accepted[side.label] = await p.register()
+        if accepted[side.label]:
+            await wait_for(lambda: side.writes() > mark, TIMEOUT, f"{side.label}: the second answer's write")
+
+    await both(sim, real, register_twice, "a second Register on the plugin's own socket")
+    assert accepted["simulator"] == accepted["real"]
+    streams = {s.label: s.plugins["nvidia-gpu.sock"].streams_open for s in (sim, real)}
+    assert streams["simulator"] == streams["real"] == (2 if accepted["real"] else 1)
+
+    async def first_stream_ends(side: Side) -> None:
+        mark = side.log_mark()
+        p = side.plugins["nvidia-gpu.sock"]
+        p.end_stream("oldest")
+        if isinstance(side.kubelet, RealKubelet):
+            await wait_for(lambda: stream_ends(side, mark) >= 1, TIMEOUT, "the stream's end")
+            if accepted["real"]:
+                await side.kubelet.wait_log("Device plugin disconnected", after=mark, timeout=TIMEOUT)
+            await side.kubelet.capacity()  # a round trip: runClient has finished with the end by now
+        else:
+            kubelet = side.kubelet
+            await wait_for(lambda: kubelet.streams(GPU) == 0, TIMEOUT, "the streams' end")
+        await wait_for(lambda: p.streams_open == 0, TIMEOUT, f"{side.label}: no stream on the plugin")
+
+    seen = await both(sim, real, first_stream_ends, "the first stream's end")
+    connections = {
+        s.label: _accepted_connections(s.plugins["nvidia-gpu.sock"].socket_path) for s in (sim, real)
+    }
+    assert connections["simulator"] == connections["real"]
+    if accepted["real"]:  # v1.36.5: the second disconnected, the first's connection left with no stream
+        assert seen["capacity"][1] == {GPU: 0}
+        assert seen["allocatable"] == frozenset()
+        assert connections["real"] == 1
+    else:  # v1.37.2: nothing disconnects; the refused dial and the first's connection stay open
+        assert seen["capacity"][1] == {GPU: 2}
+        assert connections["real"] == 2
+    assert seen["checkpoint"]["RegisteredDevices"] == {GPU: frozenset({"GPU-0", "GPU-1"})}  # no write

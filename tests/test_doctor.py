@@ -514,7 +514,7 @@ async def test_json_shape(doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlu
     assert doc["errors"] == []
     causes = doc["causes"]
     assert isinstance(causes, list)
-    assert len(causes) == 12
+    assert len(causes) == 13
     for c in causes:
         assert set(c) == {"id", "title", "verdict", "evidence", "fix"}
         assert c["verdict"] in {"problem", "ok", "unknown"}
@@ -732,6 +732,23 @@ BEFORE_THE_SOCKET = replace(CHECKPOINT, mtime_ns=PLUGIN_ID.mtime_ns - 1)  # writ
             f"{GPU}: the kubelet is connected to nvidia-gpu.sock but has recorded no device list",
             list(UNRECORDED_FIX),
             id="connected, never recorded",
+        ),
+        pytest.param(
+            {"pod_resources": Reading({})},
+            "problem",
+            f"{GPU}: the kubelet holds a connection to nvidia-gpu.sock, but pod-resources lists no device of "
+            f"{GPU} although its checkpoint, written since the socket was created, records 2 healthy: it "
+            "dropped the plugin (a connection is not a stream; kubernetes issue 121994)",
+            list(REREGISTER_FIX),
+            id="connected, pod-resources empty against a fresh checkpoint",
+        ),
+        pytest.param(
+            {"pod_resources": Reading({}), "checkpoint": Reading(replace(CHECKPOINT, registered={GPU: ()}))},
+            "ok",
+            f"{GPU}: the kubelet holds a connection to nvidia-gpu.sock; pod-resources lists no healthy "
+            "device",
+            [],
+            id="connected, every device reported unhealthy",
         ),
         pytest.param(
             {"connections": Reading(0), "pod_resources": Reading({})},

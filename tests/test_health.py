@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar.health import Check, HealthState, Status
+from sidecar.health import NO_RESTART, Check, HealthState, Status
 
 
 class FakeClock:
@@ -76,3 +76,14 @@ def test_never_probed_check_fails_after_the_grace_with_a_reason() -> None:
     state.refresh()
     assert status(state) is Status.FAILED
     assert "no probe answered" in state.checks["registered:x"].reason
+
+
+def test_a_failure_that_restarts_nothing_says_why_and_only_while_it_restarts_nothing() -> None:
+    state, _, _ = make()
+    check = state.checks["registered:x"]
+    state.report("registered:x", False, "gone", definitive=True, restarts=False)
+    assert (check.mark, check.no_restart) == ("!", NO_RESTART)
+    state.report("registered:x", False, "gone", definitive=True, restarts=False, quiet="plugin:x asks for it")
+    assert check.no_restart == "plugin:x asks for it"
+    state.report("registered:x", False, "gone", definitive=True, quiet="ignored: this one restarts")
+    assert (check.mark, check.quiet, state.healthy()) == ("-", "", False)

@@ -194,3 +194,32 @@ def test_the_init_wheel_is_the_projects_initcheck() -> None:
     assert init["requires-python"] == project["requires-python"]
     assert init["dependencies"] == project["optional-dependencies"]["init"]
     assert init["scripts"] == {"hami-initcheck": project["scripts"]["hami-initcheck"]}
+
+
+def test_npd_runs_hami_doctor_through_the_configs_command_line(
+    image: Callable[[str], Image], short_tmp: str
+) -> None:
+    """The rule of manifests/npd/hami-guard-monitor.json, as NPD's custom plugin runs it: its path and
+    arguments from the sidecar image's /opt/hami-guard (Dockerfile.npd copies that folder, and the Python
+    it links to, into NPD's image), nothing else on PATH, with an empty device-plugins folder for the
+    kubelet's. NPD reads exit 0 as OK, 1 as NonOK, anything else as Unknown, and keeps
+    max_output_length characters of stdout: a missing kubelet is one NonOK line that fits."""
+    config = json.loads((ROOT / "manifests" / "npd" / "hami-guard-monitor.json").read_text())
+    (rule,) = config["rules"]
+    img = image("Dockerfile.sidecar")
+    assert rule["path"] == f"{PREFIX}/bin/hami-doctor"
+    empty = os.path.join(short_tmp, "device-plugins")
+    os.mkdir(empty)
+    argv = img.here([rule["path"], *rule["args"], "--device-plugin-dir", empty])
+    timeout = float(rule["timeout"].rstrip("s"))
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=timeout, env={"PATH": "/nonexistent"}, cwd=short_tmp
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    (line,) = done.stdout.splitlines()
+    assert "SOCKET_MISSING" in line  # the finding, not a usage or start-up error
+    assert len(line) <= config["pluginConfig"]["max_output_length"]
+    # The rule's --device-glob is where manifests/npd/daemonset mounts the host's /dev.
+    patch = (ROOT / "manifests" / "npd" / "daemonset" / "patch.yaml").read_text()
+    glob = rule["args"][rule["args"].index("--device-glob") + 1]
+    assert f"mountPath: {glob.split('/nvidia', 1)[0]}" in patch

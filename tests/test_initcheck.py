@@ -15,7 +15,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -528,27 +527,3 @@ def test_the_kubelet_inside_k3s_and_microk8s_is_found(
     assert (code_, failure_ids(out)) == (100, ["PATH_MISMATCH"])
     assert f"kubelet (inside {process}) pid {proc.pid} listens on: {where}" in out
     assert f"mount the host folder {os.path.dirname(where)} (where this {distribution} kubelet" in out
-
-
-def test_namespace_unix_paths_reads_the_process_own_table(tmp_path: Path) -> None:
-    """The kubelet's listening paths come from its own network namespace's table (/proc/<pid>/net/unix):
-    a plugin pod without hostNetwork does not list the kubelet's sockets in its /proc/net/unix."""
-    from initcheck.kubelet import namespace_unix_paths
-
-    path = str(tmp_path / "k.sock")
-    with socket.socket(socket.AF_UNIX) as s:
-        s.bind(path)
-        s.listen()
-        assert path in namespace_unix_paths(os.getpid())
-    # A hostile or malformed table adds nothing, and nothing escapes.
-    fake = tmp_path / "proc"
-    (fake / "7" / "fd").mkdir(parents=True)
-    (fake / "7" / "net").mkdir()
-    os.symlink("socket:[42]", fake / "7" / "fd" / "3")
-    os.symlink("socket:[", fake / "7" / "fd" / "4")
-    (fake / "7" / "net" / "unix").write_bytes(
-        b"Num RefCount\n\xff\xfe garbage\n0: 2 0 10000 1 1 42\n0: 2 0 10000 1 1 42 @abstract\n"
-        b"0: 2 0 10000 1 1 43 /not/ours\n0: 2 0 10000 1 1 42 /var/lib/kubelet/device-plugins/kubelet.sock\n"
-    )
-    assert namespace_unix_paths(7, str(fake)) == {"/var/lib/kubelet/device-plugins/kubelet.sock"}
-    assert namespace_unix_paths(8, str(fake)) == set()

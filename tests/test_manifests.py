@@ -1,13 +1,25 @@
-"""manifests/ and the Dockerfiles, checked by the tools operators use: kubectl kustomize,
-kubernetes-validate, promtool and checkov (installed by `make test` and `.ci/run`)."""
+"""manifests/ and the Dockerfiles, installed as operators do: real Helm 3 and Helm 4 (built by `make
+helm-binaries` from their Go modules) render the chart-shaped fixture of HAMi's device plugin
+(tests/fixtures/hami-chart, docs/deploy.md) with the post-renderer; kubectl kustomize builds the
+component route; kubernetes-validate, promtool and checkov check what comes out."""
 
 from __future__ import annotations
 
 import copy
+import functools
+import http.client
+import json
 import os
+import re
+import shlex
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +30,60 @@ from tests.conftest import require_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "manifests"
+PATCH = MANIFESTS / "hami-patch"
+CHART = ROOT / "tests" / "fixtures" / "hami-chart"
 TOOLS = ROOT / ".venv-tools" / "bin"
-KUBERNETES_VERSIONS = ("1.29.0", "1.33.0")  # the oldest and a recent supported release
+KUBERNETES_VERSIONS = ("1.30.0", "1.33.0", "1.37.0")  # native sidecars on from 1.29; the newest
 CRD_KINDS = {"PodMonitor", "PrometheusRule"}  # not in the Kubernetes schemas; promtool checks the rules
 RUNBOOK = "https://github.com/hami-guard/hami-guard/blob/main/README.md"  # every alert's runbook_url
+REGISTRY = "registry.example.org/platform"  # as manifests/example-hami has it (example.org is reserved)
+GUARD = ("hami-initcheck", "hami-sidecar")
+Obj = dict[str, Any]
+
+
+def makefile_var(name: str) -> str:
+    found = re.search(rf"^{name}\s*:?=\s*(\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert found, name
+    return found.group(1)
+
+
+HELM = {"helm3": makefile_var("HELM3_VERSION"), "helm4": makefile_var("HELM4_VERSION")}
 
 
 def tool(name: str) -> str:
     local = TOOLS / name
     return str(local) if local.exists() else require_tool(name)
+
+
+def helm_binary(which: str) -> str:
+    """tests/helm/bin/helm-<version> (`make helm-binaries`): a skip where missing, a failure in CI."""
+    path = ROOT / "tests" / "helm" / "bin" / f"helm-{HELM[which]}"
+    if not path.exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{path.name} is required in CI (make helm-binaries)")
+        pytest.skip(f"{path.name} not built (make helm-binaries)")
+    return str(path)
+
+
+def run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    kw.setdefault("timeout", 120)
+    return subprocess.run(argv, capture_output=True, text=True, check=False, **kw)
+
+
+def docs(text: str) -> list[Obj]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def kustomize(folder: Path) -> list[Obj]:
+    return docs(kustomized(folder))
+
+
+@functools.cache
+def kustomized(folder: Path) -> str:
+    """`kubectl kustomize` of a folder, once per session (the tests only read it)."""
+    result = run([require_tool("kubectl"), "kustomize", str(folder)])
+    assert result.returncode == 0, result.stderr
+    return result.stdout
 
 
 def kustomizations() -> list[Path]:
@@ -37,145 +94,590 @@ def kustomizations() -> list[Path]:
     return found
 
 
-def build(folder: Path) -> list[dict[str, Any]]:
-    result = subprocess.run(
-        [require_tool("kubectl"), "kustomize", str(folder)], capture_output=True, text=True, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    return [d for d in yaml.safe_load_all(result.stdout) if d]
+def by_name(items: list[Obj] | None) -> dict[str, Obj]:
+    return {i["name"]: i for i in items or []}
 
 
-def test_every_kustomization_is_found() -> None:
-    names = {p.name for p in kustomizations()}
-    assert names == {"example-hami", "standalone", "monitoring", "npd"}
+def key(o: Obj) -> tuple[str, str, str]:
+    return (o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"])
 
 
-@pytest.mark.parametrize("folder", kustomizations(), ids=lambda p: p.name)
-def test_kustomization_builds_and_validates_strictly(folder: Path, tmp_path: Path) -> None:
-    objects = build(folder)
-    assert objects
+def validate(objects: list[Obj], where: Path) -> None:
+    """kubernetes-validate --strict against every version: each object passes."""
     core = [o for o in objects if o["kind"] not in CRD_KINDS]
-    if not core:
-        return
-    path = tmp_path / "objects.yaml"
+    path = where / "objects.yaml"
     path.write_text(yaml.safe_dump_all(core))
     for version in KUBERNETES_VERSIONS:
-        result = subprocess.run(
-            [tool("kubernetes-validate"), "--strict", "--no-warn", "-k", version, str(path)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        result = run([tool("kubernetes-validate"), "--strict", "--no-warn", "-k", version, str(path)])
         assert result.returncode == 0, result.stdout + result.stderr
         assert result.stdout.count("passed for resource") == len(core)
 
 
+# --- Helm: the fixture chart rendered as operators render HAMi's ------------------------------------
+
+
+class Helm:
+    """One Helm binary with its own (temporary) home: hermetic, the plugin installed for Helm 4."""
+
+    def __init__(self, which: str, home: Path) -> None:
+        self.which, self.binary = which, helm_binary(which)
+        self.renders: dict[tuple[str, str, tuple[str, ...], bool], str] = {}
+        home.mkdir(parents=True, exist_ok=True)
+        self.env = {
+            **os.environ,
+            **{f"HELM_{d}_HOME": str(home / d.lower()) for d in ("CACHE", "CONFIG", "DATA")},
+        }
+        # Plugins in $HELM_DATA_HOME/plugins, Helm's default (Helm 4.3.2's `plugin install` writes
+        # there even when HELM_PLUGINS names another folder, which `plugin list` then reads).
+        self.env.pop("HELM_PLUGINS", None)
+        self.env.pop("KUBECONFIG", None)
+        for name in list(self.env):
+            if name.startswith("HAMI_GUARD_"):
+                del self.env[name]
+        if which == "helm4":
+            # The README's line: installs the plugin from the repository (a link to the folder).
+            done = self("plugin", "install", str(PATCH))
+            assert done.returncode == 0, done.stdout + done.stderr
+
+    def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return run([self.binary, *args], env=self.env, cwd=ROOT)
+
+    @property
+    def post_renderer(self) -> list[str]:
+        target = "hami-guard" if self.which == "helm4" else str(PATCH / "post-renderer.sh")
+        return ["--post-renderer", target, "--post-renderer-args", f"registry={REGISTRY}"]
+
+    def template(self, release: str, namespace: str, *values: str, patched: bool = True) -> list[Obj]:
+        """`helm template` of the fixture (each render once per session: the tests only read it)."""
+        key = (release, namespace, values, patched)
+        if key not in self.renders:
+            args = ["template", release, str(CHART), "--namespace", namespace, *values]
+            result = self(*args, *(self.post_renderer if patched else []))
+            assert result.returncode == 0, result.stderr
+            self.renders[key] = result.stdout
+        return docs(self.renders[key])
+
+
+@functools.cache
+def helm_home(which: str) -> Helm:
+    """One Helm home a binary for the session, removed when the tests end."""
+    import atexit
+    import tempfile
+
+    home = Path(tempfile.mkdtemp(prefix=f"hami-guard-{which}-"))
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    return Helm(which, home)
+
+
+@pytest.fixture(params=["helm3", "helm4"])
+def helm(request: pytest.FixtureRequest) -> Helm:
+    return helm_home(request.param)
+
+
+# release, namespace, values; the DaemonSet's name; the resource and socket the sidecar must watch
+CASES: dict[str, tuple[str, str, tuple[str, ...], str, str]] = {
+    "hami": ("hami", "kube-system", (), "hami-device-plugin", "nvidia.com/gpu=nvidia-gpu.sock"),
+    "gpu": ("gpu", "kube-system", (), "gpu-hami-device-plugin", "nvidia.com/gpu=nvidia-gpu.sock"),
+    "my-hami": ("my-hami", "kube-system", (), "my-hami-device-plugin", "nvidia.com/gpu=nvidia-gpu.sock"),
+    "fullnameOverride": (
+        "gpu",
+        "kube-system",
+        ("--set", "fullnameOverride=vgpu"),
+        "vgpu-device-plugin",
+        "nvidia.com/gpu=nvidia-gpu.sock",
+    ),
+    "namespace": ("hami", "gpu-operator", (), "hami-device-plugin", "nvidia.com/gpu=nvidia-gpu.sock"),
+    "imageRegistry": (
+        "hami",
+        "kube-system",
+        ("--set", "global.imageRegistry=mirror.example.org"),
+        "hami-device-plugin",
+        "nvidia.com/gpu=nvidia-gpu.sock",
+    ),
+    "resourceName": (
+        "hami",
+        "kube-system",
+        ("--set", "resourceName=nvidia.com/vgpu"),
+        "hami-device-plugin",
+        "nvidia.com/vgpu=nvidia-vgpu.sock",
+    ),
+    "hostNetwork": (
+        "hami",
+        "kube-system",
+        ("--set", "devicePlugin.hostNetwork=true"),
+        "hami-device-plugin",
+        "nvidia.com/gpu=nvidia-gpu.sock",
+    ),
+    "pluginPath": (
+        "hami",
+        "kube-system",
+        ("--set", "devicePlugin.pluginPath=/var/lib/k0s/kubelet/device-plugins"),
+        "hami-device-plugin",
+        "nvidia.com/gpu=nvidia-gpu.sock",
+    ),
+}
+
+
+def without_guard(ds: Obj) -> Obj:
+    """The DaemonSet less what hami-guard adds: its containers and volumes, the plugin's probes."""
+    ds = copy.deepcopy(ds)
+    pod = ds["spec"]["template"]["spec"]
+    for field in ("initContainers", "containers"):
+        kept = [c for c in pod.get(field, []) if c["name"] not in GUARD]
+        if kept:
+            pod[field] = kept
+        else:
+            pod.pop(field, None)
+    pod["volumes"] = [v for v in pod["volumes"] if not v["name"].startswith("hami-guard-")]
+    for c in pod["containers"]:
+        if c["name"] == "device-plugin":
+            c.pop("livenessProbe")
+            c.pop("readinessProbe")
+    return ds
+
+
+def check_patched(ds: Obj, plugin: str, registry: str = REGISTRY) -> None:
+    """The sidecar, the init container and the probes are there and agree with the chart."""
+    pod = ds["spec"]["template"]["spec"]
+    init = by_name(pod["initContainers"])
+    sidecar = init["hami-sidecar"]
+    assert list(init)[-2:] == ["hami-initcheck", "hami-sidecar"]
+    assert sidecar["restartPolicy"] == "Always"  # a native sidecar: started, and probed, first
+    assert sidecar["startupProbe"]["tcpSocket"]["port"] == 9395  # listening: the plugin may start
+    assert init["hami-initcheck"]["image"] == f"{registry}/hami-initcheck:0.1.0"
+    assert sidecar["image"] == f"{registry}/hami-sidecar:0.1.0"
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env["HAMI_GUARD_PLUGIN"] == plugin
+    assert env["HAMI_GUARD_EXPECT_DEVICES"] == "auto"
+    assert env["HAMI_GUARD_HAMI_CONFIG"] == "/config/config.json"
+    plugin_container = by_name(pod["containers"])["device-plugin"]
+    assert plugin_container["livenessProbe"]["exec"]["command"][:2] == ["bash", "-c"]
+    resource = plugin.split("=", 1)[0]
+    assert plugin_container["readinessProbe"]["httpGet"]["path"] == (
+        f"/readyz?exclude=kubelet&exclude=checkpoint&exclude=devices:{resource}"
+    )
+    # Every mount of hami-guard's containers names a volume of the pod (the validator does not check).
+    volumes = by_name(pod["volumes"])
+    for c in init.values():
+        for m in c.get("volumeMounts", []):
+            assert m["name"] in volumes, (c["name"], m["name"])
+            if c["name"] in GUARD:
+                assert m["readOnly"] is True
+    # The kubelet's folders follow HAMi's devicePlugin.pluginPath.
+    plugin_dir = volumes["device-plugin"]["hostPath"]["path"].rstrip("/")
+    pod_resources = volumes["hami-guard-pod-resources"]["hostPath"]["path"]
+    assert pod_resources == plugin_dir.rsplit("/", 1)[0] + "/pod-resources"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_helm_render_carries_the_sidecar_and_leaves_hamis_objects_untouched(helm: Helm, case: str) -> None:
+    release, namespace, values, name, plugin = CASES[case]
+    before = {key(o): o for o in helm.template(release, namespace, *values, patched=False)}
+    after = {key(o): o for o in helm.template(release, namespace, *values)}
+    assert set(after) == set(before)
+    (ds_key,) = [k for k in after if k[0] == "DaemonSet"]
+    assert ds_key == ("DaemonSet", namespace, name)
+    for k, o in before.items():
+        assert (without_guard(after[k]) if k == ds_key else after[k]) == o, k
+    check_patched(after[ds_key], plugin)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_helm3_and_helm4_render_the_same(case: str) -> None:
+    release, namespace, values, _, _ = CASES[case]
+    three = helm_home("helm3").template(release, namespace, *values)
+    four = helm_home("helm4").template(release, namespace, *values)
+    assert {key(o): o for o in three} == {key(o): o for o in four}  # the same objects (Helm 4 orders them)
+    assert len(three) == len(four)
+
+
+def test_every_render_validates_strictly(tmp_path: Path) -> None:
+    """Every case's patched render, and the kustomize route, against each schema (one run per version)."""
+    paths, count = [], 0
+    for case, (release, namespace, values, _, _) in CASES.items():
+        objects = helm_home("helm3").template(release, namespace, *values)
+        paths.append(tmp_path / f"{case}.yaml")
+        paths[-1].write_text(yaml.safe_dump_all(objects))
+        count += len(objects)
+    # The other forms: the sidecar as a container (before 1.29), the httpGet liveness.
+    rendered = (MANIFESTS / "example-hami" / "hami.yaml").read_text()
+    other = ["sidecar=container", "liveness=http", f"registry={REGISTRY}"]
+    result = run([str(PATCH / "post-renderer.sh"), *other], input=rendered, env=clean_env())
+    assert result.returncode == 0, result.stderr
+    paths.append(tmp_path / "other-forms.yaml")
+    paths[-1].write_text(result.stdout)
+    count += len(docs(result.stdout))
+    for version in KUBERNETES_VERSIONS:
+        result = run([tool("kubernetes-validate"), "--strict", "--no-warn", "-k", version, *map(str, paths)])
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.count("passed for resource") == count
+
+
+def test_a_render_the_patch_does_not_match_fails_with_one_line(helm: Helm) -> None:
+    args = ["template", "hami", str(CHART), "-n", "kube-system", "--set", "devicePlugin.enabled=false"]
+    result = helm(*args, *helm.post_renderer)
+    assert result.returncode != 0
+    if helm.which == "helm3":
+        assert "no DaemonSet labelled app.kubernetes.io/component=hami-device-plugin" in result.stderr
+    else:  # Helm 4.3 drops a post-renderer plugin's stderr (docs/deploy.md): only that it failed
+        assert 'plugin "hami-guard" exited with error' in result.stderr
+    # The post-renderer alone: exit 1, one line.
+    unpatched = helm(*args)
+    assert unpatched.returncode == 0
+    alone = run([str(PATCH / "post-renderer.sh"), f"registry={REGISTRY}"], input=unpatched.stdout)
+    assert alone.returncode == 1
+    assert alone.stdout == ""
+    assert len(alone.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "set the registry"),
+        (["registry=Bad Registry"], "registry='Bad Registry' is not valid"),
+        ([f"registry={REGISTRY}", "expect-devices=many"], "expect-devices='many' is not valid"),
+        ([f"registry={REGISTRY}", "colour=blue"], "unknown setting 'colour=blue'"),
+    ],
+)
+def test_a_bad_setting_fails_with_one_line(args: list[str], message: str) -> None:
+    rendered = (MANIFESTS / "example-hami" / "hami.yaml").read_text()
+    result = run([str(PATCH / "post-renderer.sh"), *args], input=rendered, env=clean_env())
+    assert result.returncode == 2
+    assert result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert message in line
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_GUARD_")}
+    return {**env, **extra}
+
+
+def test_every_setting_reaches_the_sidecar_and_the_probes() -> None:
+    rendered = (MANIFESTS / "example-hami" / "hami.yaml").read_text()
+    args = [
+        "plugin=example.com/gpu=example-gpu.sock",
+        "expect-devices=4",
+        "device-glob=/host/dev/accel[0-9]*",
+        "registration-grace=60",
+        "probe-interval=5",
+        "probe-timeout=1",
+        "liveness-period=10",
+        "liveness-failures=4",
+        "tag=0.1.1",
+    ]
+    # An argument wins over the environment; the environment sets what the arguments do not.
+    env = clean_env(HAMI_GUARD_REGISTRY=REGISTRY, HAMI_GUARD_EXPECT_DEVICES="2")
+    result = run([str(PATCH / "post-renderer.sh"), *args], input=rendered, env=env)
+    assert result.returncode == 0, result.stderr
+    (ds,) = [o for o in docs(result.stdout) if o["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    sidecar = by_name(pod["initContainers"])["hami-sidecar"]
+    env_of = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env_of["HAMI_GUARD_PLUGIN"] == "example.com/gpu=example-gpu.sock"
+    assert env_of["HAMI_GUARD_EXPECT_DEVICES"] == "4"
+    assert env_of["HAMI_GUARD_DEVICE_GLOB"] == "/host/dev/accel[0-9]*"
+    assert env_of["HAMI_GUARD_REGISTRATION_GRACE"] == "60"
+    assert env_of["HAMI_GUARD_PROBE_INTERVAL"] == "5"
+    assert env_of["HAMI_GUARD_PROBE_TIMEOUT"] == "1"
+    assert sidecar["image"] == f"{REGISTRY}/hami-sidecar:0.1.1"
+    live = by_name(pod["containers"])["device-plugin"]["livenessProbe"]
+    assert (live["periodSeconds"], live["failureThreshold"]) == (10, 4)
+    assert (
+        "devices:example.com/gpu"
+        in by_name(pod["containers"])["device-plugin"]["readinessProbe"]["httpGet"]["path"]
+    )
+
+    # sidecar=container (before Kubernetes 1.29), liveness=http, expect-devices=none.
+    more = ["sidecar=container", "liveness=http", "expect-devices=none", f"registry={REGISTRY}"]
+    result = run([str(PATCH / "post-renderer.sh"), *more], input=rendered, env=clean_env())
+    assert result.returncode == 0, result.stderr
+    (ds,) = [o for o in docs(result.stdout) if o["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    assert "hami-sidecar" not in by_name(pod["initContainers"])
+    sidecar = by_name(pod["containers"])["hami-sidecar"]
+    assert "restartPolicy" not in sidecar
+    assert {e["name"]: e.get("value") for e in sidecar["env"]}["HAMI_GUARD_EXPECT_DEVICES"] == "0"
+    live = by_name(pod["containers"])["device-plugin"]["livenessProbe"]
+    assert live["httpGet"] == {"path": "/healthz", "port": 9395}
+    assert "exec" not in live
+
+
+def test_an_upgrade_render_carries_the_patch_only_with_the_post_renderer(helm: Helm) -> None:
+    """Helm keeps no post-renderer with a release: `helm upgrade` without it drops hami-guard. The
+    README's upgrade line passes it again; a render of the upgraded chart (new values) keeps it."""
+    upgraded = ("--set", "global.imageTag=v2.10.1", "--set", "devicePlugin.deviceSplitCount=5")
+    with_it = helm.template("hami", "kube-system", *upgraded)
+    (ds,) = [o for o in with_it if o["kind"] == "DaemonSet"]
+    check_patched(ds, "nvidia.com/gpu=nvidia-gpu.sock")
+    images = {c["image"] for c in ds["spec"]["template"]["spec"]["containers"]}
+    assert "docker.io/projecthami/hami:v2.10.1" in images
+    without = helm.template("hami", "kube-system", *upgraded, patched=False)
+    assert "hami-sidecar" not in yaml.safe_dump_all(without)
+
+
+# --- The kustomize route, the examples, the README ---------------------------------------------------
+
+
+def test_every_kustomization_is_found() -> None:
+    names = {p.name for p in kustomizations()}
+    assert names == {"example-hami", "network-policy", "monitoring", "npd"}
+
+
+@pytest.mark.parametrize("folder", kustomizations(), ids=lambda p: p.name)
+def test_kustomization_builds_and_validates_strictly(folder: Path, tmp_path: Path) -> None:
+    objects = kustomize(folder)
+    assert objects
+    if [o for o in objects if o["kind"] not in CRD_KINDS]:
+        validate(objects, tmp_path)
+    # No namespace is written into hami-guard's own objects: they go where HAMi runs.
+    if folder.name != "example-hami":
+        assert all("namespace" not in o["metadata"] for o in objects), folder.name
+
+
 def test_strict_validation_rejects_an_unknown_field(tmp_path: Path) -> None:
     """The validator really is strict: the same DaemonSet with one unknown field fails."""
-    (ds,) = [o for o in build(MANIFESTS / "example-hami") if o["kind"] == "DaemonSet"]
+    (ds,) = [o for o in kustomize(MANIFESTS / "example-hami") if o["kind"] == "DaemonSet"]
     ds["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["periodSecond"] = 5
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(ds))
-    result = subprocess.run(
-        [tool("kubernetes-validate"), "--strict", "-k", KUBERNETES_VERSIONS[-1], str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = run([tool("kubernetes-validate"), "--strict", "-k", KUBERNETES_VERSIONS[-1], str(path)])
     assert result.returncode != 0
     assert "periodSecond" in result.stdout + result.stderr
 
 
-def by_name(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {i["name"]: i for i in items}
+def test_the_example_is_the_fixture_rendered() -> None:
+    """example-hami/hami.yaml is `make manifests`' render of the fixture chart (release hami)."""
+    rendered = helm_home("helm3").template("hami", "kube-system", "--kube-version", "1.33.0", patched=False)
+    assert docs((MANIFESTS / "example-hami" / "hami.yaml").read_text()) == rendered
 
 
-def test_patch_adds_exactly_hami_guard_and_keeps_everything_else() -> None:
-    (original,) = yaml.safe_load_all((MANIFESTS / "example-hami" / "hami-device-plugin.yaml").read_text())
-    (patched,) = [o for o in build(MANIFESTS / "example-hami") if o["kind"] == "DaemonSet"]
-    spec, pod = patched["spec"]["template"]["spec"], original["spec"]["template"]["spec"]
-
-    init = by_name(spec["initContainers"])
-    assert list(init) == ["hami-initcheck"]
-    assert init["hami-initcheck"]["args"] == ["--wait", "60"]
-
-    containers = by_name(spec["containers"])
-    assert set(containers) == {"device-plugin", "vgpu-monitor", "hami-sidecar"}
-    plugin = copy.deepcopy(containers["device-plugin"])
-    probe = plugin.pop("livenessProbe")
-    readiness = plugin.pop("readinessProbe")
-    assert plugin == by_name(pod["containers"])["device-plugin"]  # nothing else of HAMi's changed
-    assert containers["vgpu-monitor"] == by_name(pod["containers"])["vgpu-monitor"]
-    assert probe["httpGet"] == {"path": "/healthz", "port": 9395}
-    # Readiness is the whole truth: not ready for a kubelet fault, a lost GPU, a pending registration.
-    assert readiness["httpGet"] == {"path": "/readyz", "port": 9395}
-    # The sidecar's own probes depend on the sidecar alone.
-    for kind in ("livenessProbe", "readinessProbe"):
-        assert containers["hami-sidecar"][kind]["httpGet"]["path"] == "/sidecarz"
-    # Restarted about a minute after losing its registration: grace + period x threshold.
-    sidecar = containers["hami-sidecar"]
-    env = {e["name"]: e["value"] for e in sidecar["env"]}
-    grace = float(env["HAMI_GUARD_REGISTRATION_GRACE"])
-    assert grace > 30  # HAMi retries a failed Register after 30 s: a healthy plugin is never restarted
-    assert 45 <= grace + probe["periodSeconds"] * probe["failureThreshold"] <= 75
-    assert probe["timeoutSeconds"] >= 1
-    assert probe["successThreshold"] == 1
-
-    mounts = by_name(sidecar["volumeMounts"])
-    assert mounts["hami-guard-device-plugins"]["readOnly"] is True
-    assert mounts["hami-guard-device-plugins"]["mountPath"] == "/var/lib/kubelet/device-plugins"
-    assert mounts["hami-guard-pod-resources"]["readOnly"] is True
-    for c in (sidecar, init["hami-initcheck"]):
-        sc = c["securityContext"]
-        assert sc["readOnlyRootFilesystem"] is True
-        assert sc["allowPrivilegeEscalation"] is False
-        assert sc["capabilities"]["drop"] == ["ALL"]
-        assert set(c["resources"]) == {"requests", "limits"}
-    assert "add" not in sidecar["securityContext"]["capabilities"]
-    # Only what reading the kubelet's sockets from /proc/<pid>/fd needs.
-    assert init["hami-initcheck"]["securityContext"]["capabilities"]["add"] == ["SYS_PTRACE"]
-    assert sidecar["ports"][0]["containerPort"] == 9395
-
-    volumes = by_name(spec["volumes"])
-    added = set(volumes) - set(by_name(pod["volumes"]))
-    assert added == {"hami-guard-device-plugins", "hami-guard-pod-resources", "hami-guard-host-dev"}
-    for name, volume in by_name(pod["volumes"]).items():
-        assert volumes[name] == volume
-
-    # Everything outside the pod's containers and volumes is HAMi's, unchanged.
-    def rest(ds: dict[str, Any]) -> dict[str, Any]:
-        ds = copy.deepcopy(ds)
-        for key in ("initContainers", "containers", "volumes"):
-            ds["spec"]["template"]["spec"].pop(key, None)
-        return ds
-
-    assert rest(patched) == rest(original)
-
-
-def test_post_renderer_applies_the_patch_to_chart_output() -> None:
-    require_tool("kubectl")
-    rendered = (MANIFESTS / "example-hami" / "hami-device-plugin.yaml").read_text()
-    other = "---\napiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: hami-scheduler-config\ndata: {}\n"
-    result = subprocess.run(
-        [str(MANIFESTS / "hami-patch" / "post-renderer.sh")],
-        input=rendered + other,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+def test_kustomize_route_equals_the_post_renderer() -> None:
+    """The README's kustomize route (the component and an images entry) gives what the post-renderer gives
+    with the same registry and the chart's defaults."""
+    component = {key(o): o for o in kustomize(MANIFESTS / "example-hami")}
+    rendered = (MANIFESTS / "example-hami" / "hami.yaml").read_text()
+    result = run([str(PATCH / "post-renderer.sh"), f"registry={REGISTRY}"], input=rendered, env=clean_env())
     assert result.returncode == 0, result.stderr
-    objects = {o["kind"]: o for o in yaml.safe_load_all(result.stdout) if o}
-    assert set(objects) == {"DaemonSet", "ConfigMap"}
-    (ds,) = [o for o in build(MANIFESTS / "example-hami") if o["kind"] == "DaemonSet"]
-    assert objects["DaemonSet"] == ds
+    post = {key(o): o for o in docs(result.stdout)}
+    assert component == post
+    (ds,) = [o for o in post.values() if o["kind"] == "DaemonSet"]
+    check_patched(ds, "nvidia.com/gpu=nvidia-gpu.sock")
 
 
-def test_standalone_example_is_the_patched_daemonset() -> None:
-    """The standalone file is HAMi's DaemonSet with the patch applied, plus what it needs around it."""
-    (patched,) = [o for o in build(MANIFESTS / "example-hami") if o["kind"] == "DaemonSet"]
-    standalone = {o["kind"]: o for o in build(MANIFESTS / "standalone")}
-    assert standalone["DaemonSet"] == patched
-    assert set(standalone) == {"DaemonSet", "ServiceAccount", "NetworkPolicy"}
+def readme_deploying() -> str:
+    text = (ROOT / "README.md").read_text()
+    return text.split("\n## Deploying\n", 1)[1].split("\n## ", 1)[0]
+
+
+def readme_commands() -> list[str]:
+    """The shell lines of the Deploying section's code blocks (continuations joined)."""
+    lines: list[str] = []
+    for block in re.findall(r"```sh\n(.*?)```", readme_deploying(), re.DOTALL):
+        for raw in block.replace("\\\n", " ").splitlines():
+            line = raw.strip()
+            if line and not line.startswith("#"):
+                lines.append(re.sub(r"\s+", " ", line))
+    return lines
+
+
+def test_readme_install_lines_are_the_tested_ones(tmp_path: Path) -> None:
+    """Each `helm upgrade --install` line of the README, run as `helm template` on the fixture with the
+    registry filled in, gives the render the tests check; `helm plugin install` is the line Helm uses."""
+    commands = readme_commands()
+    installs = [c for c in commands if c.startswith("helm upgrade --install")]
+    assert len(installs) == 2, installs  # Helm 3 (the script) and Helm 4 (the plugin)
+    assert "helm plugin install ./manifests/hami-patch" in commands
+    assert any(c.startswith("helm repo add hami-charts ") for c in commands)
+    for line in installs:
+        argv = shlex.split(line.replace("$REGISTRY", REGISTRY))
+        which = "helm4" if "hami-guard" in argv[argv.index("--post-renderer") + 1] else "helm3"
+        h = helm_home(which)
+        argv = [a.replace("./manifests/", str(MANIFESTS) + "/") for a in argv[3:]]
+        argv = [str(CHART) if a == "hami-charts/hami" else a for a in argv]
+        result = h("template", *argv)
+        assert result.returncode == 0, result.stderr
+        (ds,) = [o for o in docs(result.stdout) if o["kind"] == "DaemonSet"]
+        check_patched(ds, "nvidia.com/gpu=nvidia-gpu.sock")
+        # The README's check: `grep -c 'name: hami-sidecar'` on the release's manifest says 1.
+        assert sum("name: hami-sidecar" in line for line in result.stdout.splitlines()) == 1
+    # The kustomize route's template line renders what example-hami holds.
+    (line,) = [c for c in commands if c.startswith("helm template hami hami-charts/hami")]
+    argv = shlex.split(line.split(">", 1)[0])
+    argv = [str(CHART) if a == "hami-charts/hami" else a for a in argv[2:]]
+    result = helm_home("helm3")("template", *argv)
+    assert result.returncode == 0, result.stderr
+    assert docs(result.stdout) == docs((MANIFESTS / "example-hami" / "hami.yaml").read_text())
+
+
+# --- The plugin's probes against a real sidecar, or none -------------------------------------------
+
+
+def plugin_probes() -> tuple[str, str]:
+    (ds,) = [o for o in kustomize(MANIFESTS / "example-hami") if o["kind"] == "DaemonSet"]
+    plugin = by_name(ds["spec"]["template"]["spec"]["containers"])["device-plugin"]
+    return plugin["livenessProbe"]["exec"]["command"][2], plugin["readinessProbe"]["httpGet"]["path"]
+
+
+def liveness(port: int) -> tuple[int, str, float]:
+    """The plugin's livenessProbe command, run as the kubelet's exec prober runs it, against a port."""
+    command = plugin_probes()[0]
+    assert "127.0.0.1/9395" in command
+    start = time.monotonic()
+    result = run(["bash", "-c", command.replace("127.0.0.1/9395", f"127.0.0.1/{port}")])
+    return result.returncode, result.stdout, time.monotonic() - start
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def answering() -> Iterator[tuple[int, list[int]]]:
+    """An HTTP server on loopback answering /healthz with the status at the head of the list."""
+    statuses = [200]
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(statuses[0])
+            self.end_headers()
+            self.wfile.write(b"[-]plugin:nvidia.com/gpu failed\n")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1], statuses
+    server.shutdown()
+    server.server_close()
+
+
+def test_liveness_fails_on_the_sidecars_503_only(answering: tuple[int, list[int]]) -> None:
+    """The kubelet's exec prober: exit 0 is success, anything else failure (pkg/probe/exec). A 503
+    fails, a 200 passes; a 500 (not the sidecar's verdict) passes."""
+    port, statuses = answering
+    assert liveness(port)[:2] == (0, "")
+    statuses[0] = 503
+    code, out, _ = liveness(port)
+    assert code == 1
+    assert "503" in out
+    statuses[0] = 500
+    assert liveness(port)[0] == 0
+
+
+def test_a_sidecar_not_serving_never_fails_the_plugins_liveness() -> None:
+    """Nothing listening (a crashed, OOM-killed or not yet pulled sidecar; a bad flag that exits): every
+    probe of a whole failure window passes. A listener that never answers: passes, within the probe's
+    timeout (the kubelet counts an exec probe past timeoutSeconds as a failure)."""
+    (ds,) = [o for o in kustomize(MANIFESTS / "example-hami") if o["kind"] == "DaemonSet"]
+    live = by_name(ds["spec"]["template"]["spec"]["containers"])["device-plugin"]["livenessProbe"]
+    port = free_port()
+    for _ in range(live["failureThreshold"]):
+        assert liveness(port)[0] == 0
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        code, _, took = liveness(silent.getsockname()[1])
+    assert code == 0
+    assert took < live["timeoutSeconds"]
+
+
+def test_a_sidecar_with_a_bad_flag_never_fails_the_plugins_liveness() -> None:
+    """The real sidecar started with a bad flag: whatever it does with it (exit, or serve /healthz 200
+    with the reason in /readyz), the plugin's liveness command passes all through a failure window."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "--listen", f"127.0.0.1:{port}", "--probe-interval", "nonsense"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    try:
+        end = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < end:  # serving the refusal, or gone
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        (ds,) = [o for o in kustomize(MANIFESTS / "example-hami") if o["kind"] == "DaemonSet"]
+        live = by_name(ds["spec"]["template"]["spec"]["containers"])["device-plugin"]["livenessProbe"]
+        for _ in range(live["failureThreshold"] * 2):
+            assert liveness(port)[0] == 0
+            time.sleep(0.2)
+        # The sidecar's own probes: NotReady with the reason, never a liveness failure that would
+        # restart it into CrashLoopBackOff for a setting a restart cannot mend.
+        guard = by_name(ds["spec"]["template"]["spec"]["initContainers"])["hami-sidecar"]
+        assert http_status(port, guard["livenessProbe"]["httpGet"]["path"]) == 200
+        assert http_status(port, guard["readinessProbe"]["httpGet"]["path"]) == 503
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def http_status(port: int, path: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+GATE_SCRIPT = """
+import asyncio, json, os, socket, sys, tempfile, aiohttp
+from sidecar.config import Settings
+from sidecar.cli import serve
+from sidecar.testing import FakeKubelet, FakeDevicePlugin
+READY = sys.argv[1]
+async def get(port, path):
+    async with aiohttp.ClientSession() as c, c.get(f'http://127.0.0.1:{port}{path}') as r:
+        return r.status
+async def phase(register):
+    d = tempfile.mkdtemp(prefix='hg-'); dp = d + '/dp'; os.mkdir(dp)
+    s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()
+    st = Settings(device_plugin_dir=dp, pod_resources_socket=d + '/pr.sock', host='127.0.0.1', port=port,
+                  expect_devices=8, device_glob=d + '/nvidia[0-9]*', probe_interval=1, probe_timeout=0.5,
+                  registration_grace=30)
+    stop = asyncio.Event()
+    async with FakeKubelet(dp, d + '/pr.sock', dial_timeout=1) as k, FakeDevicePlugin(dp) as p:
+        p.register_enabled = register
+        t = asyncio.ensure_future(serve(st, stop))
+        await asyncio.sleep(0.5); await k.restart()
+        loop = asyncio.get_running_loop(); end = loop.time() + 30
+        while loop.time() < end:  # registered (or, unregistering, the sidecar's rounds have run)
+            await asyncio.sleep(0.2)
+            try:
+                if await get(port, READY if register else '/sidecarz') == 200:
+                    break
+            except aiohttp.ClientError:
+                pass
+        await asyncio.sleep(1.5)  # a few more probe rounds: the answers below are settled
+        out = {'readyz': await get(port, '/readyz'), 'gate': await get(port, READY),
+               'healthz': await get(port, '/healthz')}
+        stop.set(); await t
+        return out
+async def main():
+    print(json.dumps({'registered': await phase(True), 'unregistered': await phase(False)}))
+asyncio.run(main())
+"""
+
+
+def test_the_rollout_gate_waits_for_registration_not_for_gpus_or_the_kubelet() -> None:
+    """The plugin's readinessProbe path on a real sidecar: with the plugin registered but fewer GPUs than
+    expected, /readyz fails and the gate passes (a dead GPU must not stall every later rollout); with a
+    plugin that has not registered, the gate fails (what a rollback would mend)."""
+    gate = plugin_probes()[1]
+    result = run([sys.executable, "-c", GATE_SCRIPT, gate], cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout)
+    assert seen["registered"] == {"readyz": 503, "gate": 200, "healthz": 200}, seen
+    assert seen["unregistered"]["gate"] == 503, seen
+    assert seen["unregistered"]["healthz"] == 200, seen  # within the grace: nothing restarts
 
 
 def rule_groups(tmp_path: Path) -> Path:
@@ -271,43 +773,56 @@ def test_promtool_unit_tests_fire_and_stay_silent(tmp_path: Path) -> None:
             assert any(rule["record"] in expr for expr in recorded), f"{rule['record']}: no value test"
 
 
-def test_checkov_passes_on_manifests_and_dockerfiles(tmp_path: Path) -> None:
-    built = []
+def test_checkov_passes_on_hami_guards_objects_and_adds_nothing_to_the_charts(tmp_path: Path) -> None:
+    """One checkov run: hami-guard's own objects (in a namespace, as `kubectl apply -n` puts them) and its
+    Dockerfiles fail nothing; the patched render of the chart fails exactly what the chart alone fails."""
+    files = []
     for folder in kustomizations():
-        path = tmp_path / f"{folder.name}.yaml"
-        path.write_text(yaml.safe_dump_all(build(folder)))
-        built += ["-f", str(path)]
-    result = subprocess.run(
+        if folder.name == "example-hami":
+            continue
+        objects = kustomize(folder)
+        for o in objects:
+            o["metadata"].setdefault("namespace", "hami-system")
+        files.append(tmp_path / f"{folder.name}.yaml")
+        files[-1].write_text(yaml.safe_dump_all(objects))
+    h = helm_home("helm3")
+    (tmp_path / "chart.yaml").write_text(yaml.safe_dump_all(h.template("hami", "kube-system", patched=False)))
+    (tmp_path / "patched.yaml").write_text(yaml.safe_dump_all(h.template("hami", "kube-system")))
+    dockerfiles = [ROOT / f"Dockerfile.{n}" for n in ("init", "sidecar", "npd")]
+    paths = [*files, tmp_path / "chart.yaml", tmp_path / "patched.yaml", *dockerfiles]
+    result = run(
         [
             tool("checkov"),
-            "--quiet",
-            "--compact",
             "--skip-download",
             "--framework",
             "kubernetes",
             "dockerfile",
-            *built,
-            "-f",
-            str(ROOT / "Dockerfile.init"),
-            "-f",
-            str(ROOT / "Dockerfile.sidecar"),
+            "-o",
+            "json",
+            *[a for p in paths for a in ("-f", str(p))],
         ],
-        capture_output=True,
-        text=True,
-        check=False,
         env={**os.environ, "BC_SKIP_MAPPING": "TRUE", "CHECKOV_RUN_SCA_PACKAGE_SCAN_V2": "false"},
         timeout=300,
     )
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert "Failed checks: 0" in result.stdout
-    assert "Passed checks:" in result.stdout
+    report = json.loads(result.stdout)
+    reports = report if isinstance(report, list) else [report]
+    failed: dict[str, set[tuple[str, str]]] = {}
+    passed = 0
+    for r in reports:
+        passed += len(r["results"]["passed_checks"])
+        for c in r["results"]["failed_checks"]:
+            failed.setdefault(Path(c["file_path"]).name, set()).add((c["check_id"], c["resource"]))
+    assert passed
+    assert failed.get("chart.yaml")  # HAMi's privileged plugin fails checks: the comparison means something
+    assert failed.pop("patched.yaml", set()) == failed.pop("chart.yaml")
+    assert failed == {}
 
 
 def test_every_checkov_skip_is_justified() -> None:
     for path in [
-        MANIFESTS / "example-hami" / "hami-device-plugin.yaml",
         ROOT / "Dockerfile.init",
         ROOT / "Dockerfile.sidecar",
+        ROOT / "Dockerfile.npd",
     ]:
         for line in path.read_text().splitlines():
             if "checkov" in line and "skip" in line and "CKV" in line:
@@ -357,30 +872,63 @@ def test_metrics_the_rules_use_exist_and_pass_promtool(tmp_path: Path) -> None:
     assert 'source="host"' in metrics
 
 
-def test_network_policy_admits_the_prometheus_namespace_only() -> None:
-    """Ingress to the plugin's pods: Prometheus' namespace on the metrics ports; the kubelet's probes
-    come from the node, which NetworkPolicy does not filter (README.md, "Who reaches the port")."""
-    objects = build(MANIFESTS / "standalone")
-    (policy,) = [o for o in objects if o["kind"] == "NetworkPolicy"]
-    (ds,) = [o for o in objects if o["kind"] == "DaemonSet"]
-    spec = policy["spec"]
-    labels = ds["spec"]["template"]["metadata"]["labels"]
-    assert spec["podSelector"]["matchLabels"].items() <= labels.items()
-    assert spec["policyTypes"] == ["Ingress"]
-    (rule,) = spec["ingress"]
-    assert rule["from"] == [
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
-    ]
-    assert sorted(p["port"] for p in rule["ports"]) == [9394, 9395]
-    # Helm users apply it alone by this label; nothing else in the file carries it.
-    assert [
-        o["kind"] for o in objects if o["metadata"].get("labels", {}).get("app.kubernetes.io/part-of")
-    ] == ["NetworkPolicy"]
-
-
 def test_the_stress_goal_is_the_sidecars_memory_limit() -> None:
     from bench.stress import MEMORY_LIMIT_MIB
 
-    (ds,) = [o for o in build(MANIFESTS / "example-hami") if o["kind"] == "DaemonSet"]
-    sidecar = by_name(ds["spec"]["template"]["spec"]["containers"])["hami-sidecar"]
+    (ds,) = [o for o in kustomize(MANIFESTS / "example-hami") if o["kind"] == "DaemonSet"]
+    sidecar = by_name(ds["spec"]["template"]["spec"]["initContainers"])["hami-sidecar"]
     assert sidecar["resources"]["limits"]["memory"] == f"{MEMORY_LIMIT_MIB}Mi"
+
+
+@pytest.mark.parametrize(
+    "rendered",
+    [
+        "[1, 2",
+        "kind: DaemonSet\nmetadata: {name: x, labels: {app.kubernetes.io/component: hami-device-plugin}}\n",
+        "kind: DaemonSet\nmetadata: {name: x, labels: {app.kubernetes.io/component: hami-device-plugin}}\n"
+        "spec: {template: {spec: {volumes: [{name: device-plugin, emptyDir: {}}], containers: []}}}\n",
+        "kind: DaemonSet\nmetadata: {name: x, labels: {app.kubernetes.io/component: hami-device-plugin}}\n"
+        "spec: {template: {spec: {volumes: [{name: device-plugin, hostPath: {path: /x}}], containers: 7}}}\n",
+    ],
+)
+def test_a_rendered_input_not_shaped_as_hamis_is_one_line(rendered: str) -> None:
+    result = run([str(PATCH / "post-renderer.sh"), f"registry={REGISTRY}"], input=rendered, env=clean_env())
+    assert result.returncode == 1
+    assert result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("hami-guard post-renderer: ")
+
+
+def test_network_policy_admits_prometheus_on_the_sidecar_and_keeps_hamis_nodeport_open() -> None:
+    """9395 from Prometheus' namespace only; 9394 from anywhere, as HAMi's monitor Service (NodePort 31992
+    to 9394) intends; it selects the device-plugin pods of any release."""
+    (policy,) = kustomize(MANIFESTS / "network-policy")
+    spec = policy["spec"]
+    assert "namespace" not in policy["metadata"]
+    for case in ("hami", "gpu", "fullnameOverride"):
+        release, namespace, values, _, _ = CASES[case]
+        (ds,) = [
+            o for o in helm_home("helm3").template(release, namespace, *values) if o["kind"] == "DaemonSet"
+        ]
+        labels = ds["spec"]["template"]["metadata"]["labels"]
+        assert spec["podSelector"]["matchLabels"].items() <= labels.items()
+    assert spec["policyTypes"] == ["Ingress"]
+    rules = {tuple(p["port"] for p in r["ports"]): r for r in spec["ingress"]}
+    assert set(rules) == {(9395,), (9394,)}
+    assert rules[(9395,)]["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+    assert "from" not in rules[(9394,)]
+    (service,) = [o for o in helm_home("helm3").template("hami", "kube-system") if o["kind"] == "Service"]
+    (port,) = service["spec"]["ports"]
+    assert (port["nodePort"], port["targetPort"]) == (31992, 9394)
+
+
+def test_readme_kustomization_is_the_examples() -> None:
+    """The README's kustomization for the kustomize route is manifests/example-hami's (the tested one)."""
+    (block,) = re.findall(r"```yaml\n(.*?)```", readme_deploying(), re.DOTALL)
+    shown = yaml.safe_load(block)
+    example = yaml.safe_load((MANIFESTS / "example-hami" / "kustomization.yaml").read_text())
+    assert shown["resources"] == example["resources"]
+    assert shown["images"] == example["images"]
+    assert [Path(c).name for c in shown["components"]] == [Path(c).name for c in example["components"]]

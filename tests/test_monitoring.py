@@ -83,9 +83,15 @@ def sanitize(name: str) -> str:
 
 def pod_template() -> tuple[dict[str, str], str, str]:
     """The DaemonSet pod's labels (HAMi's; the patch keeps them), the sidecar container and its port."""
-    ds = yaml.safe_load((ROOT / "manifests" / "example-hami" / "hami-device-plugin.yaml").read_text())
+    (ds,) = [
+        d
+        for d in yaml.safe_load_all((ROOT / "manifests" / "example-hami" / "hami.yaml").read_text())
+        if d and d["kind"] == "DaemonSet"
+    ]
     patch = yaml.safe_load((ROOT / "manifests" / "hami-patch" / "patch.yaml").read_text())
-    (sidecar,) = [c for c in patch["spec"]["template"]["spec"]["containers"] if c["name"] == "hami-sidecar"]
+    (sidecar,) = [
+        c for c in patch["spec"]["template"]["spec"]["initContainers"] if c["name"] == "hami-sidecar"
+    ]
     return ds["spec"]["template"]["metadata"]["labels"], sidecar["name"], sidecar["ports"][0]["name"]
 
 

@@ -65,7 +65,7 @@ def test_every_method_path_is_the_kubelets() -> None:
 
 def test_generated_code_is_current(tmp_path: Path) -> None:
     protos = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "sidecar" / "proto").glob("*.proto"))
-    assert len(protos) == 2
+    assert len(protos) == 4
     subprocess.run(
         [
             sys.executable,

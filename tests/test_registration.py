@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import pytest
 
 from initcheck.flags import PluginSpec
 from sidecar.checkpoint import Checkpoint
-from sidecar.health import Check, Status
+from sidecar.health import NO_RESTART, Check, Status
+from sidecar.http import _line
 from sidecar.probes import ProbeResult, Reading, SocketId
 from sidecar.registration import (
     RESTART_BUDGET,
@@ -96,6 +97,11 @@ class Node:
     checkpoint_error: str = ""
     pod_resources: dict[str, frozenset[str]] | None = None
     host: int | None = None
+    connection_ids: frozenset[int] | None = None  # the kubelet's connections by inode, where told apart
+    others: dict[str, SocketId] = field(default_factory=dict)  # other sockets served in the folder
+
+    def connect(self, *ids: int) -> None:
+        self.connection_ids, self.connections = frozenset(ids), len(ids)
 
     def round(self) -> Round:
         conns = Reading(self.connections) if self.connections is not None else Reading.failed("not visible")
@@ -104,7 +110,12 @@ class Node:
         )
         pr = Reading(self.pod_resources) if self.pod_resources is not None else Reading.failed("not mounted")
         return Round(
-            self.kubelet, {GPU: PluginRound(self.plugin, self.plugin.identity, conns)}, cp, pr, self.host
+            self.kubelet,
+            {GPU: PluginRound(self.plugin, self.plugin.identity, conns, connection_ids=self.connection_ids)},
+            cp,
+            pr,
+            self.host,
+            others=tuple(self.others.items()),
         )
 
 
@@ -190,6 +201,164 @@ def test_a_drop_fails_liveness_once_confirmed_saying_the_kubelet_let_go() -> Non
     node.connections = 1  # it came back (a plugin restart re-registered)
     reg.round(node.round())
     assert verdicts(reg) == (True, True)
+
+
+# -- a connection is not a stream: newer evidence against a held connection --------------------------
+def test_a_second_register_the_kubelet_recorded_moves_the_registration_to_its_connection() -> None:
+    """Up to 1.36 a second Register on the same socket is accepted: the newest connection carries it."""
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node()
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 102)  # the second Register's dial
+    clock.now += 0.01
+    reg.round(node.round())
+    node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 4_000)  # its first ListAndWatch answer
+    clock.now += 0.5
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    assert reg.wake_at() is None
+
+
+def test_the_end_of_the_first_stream_after_a_second_register_is_a_drop_a_restart_mends() -> None:
+    """1.36: the first stream's end disconnects the client in the map (the second); the first's
+    connection stays with no stream. The registration's own connection closed: a drop."""
+    reg, clock, seen = make(drop_confirm=0.2)
+    node = Node()
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 102)
+    node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 4_000)
+    clock.now += 0.01
+    reg.round(node.round())
+    node.connect(101)  # the second connection closed; the first stays, streamless
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)  # confirmed once first
+    assert reg.wake_at() == clock.now + 0.2
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+    assert "carried its registration" in reason(reg, f"registered:{GPU}")
+    assert seen.restart_requests == 1
+    assert reg.wake_at() is None  # confirmed: no busy wake-ups while it stays
+
+
+def test_a_second_register_the_kubelet_never_recorded_was_refused_and_fails_readiness_only() -> None:
+    """1.37: the second Register is refused ("device plugin already connected"), its dial kept, and the
+    kubelet forgets the first stream's client too: no plugin restart helps until the kubelet restarts."""
+    reg, clock, seen = make(drop_confirm=0.2)
+    node = Node()
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 102)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)  # a Register under way records within ms
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert "refused that Register" in reason(reg, f"registered:{GPU}")
+    assert verdicts(reg) == (True, False)
+    assert seen.restart_requests == 0
+    # The first stream still runs and pushes a health change: the write is that stream's, not the
+    # refused connection's.
+    node.checkpoint = Checkpoint({GPU: ("GPU-0",)}, 4_000)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    # The connections it left open close (grpc-go's idle timeout): the path is still refused.
+    node.connect()
+    for _ in range(2):
+        clock.now += 0.2
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert "refused its later Register" in reason(reg, f"registered:{GPU}")
+    assert seen.restart_requests == 0
+    # A kubelet restart is the remedy: a new pair, a new registration.
+    node.kubelet, node.checkpoint = alive(K2), Checkpoint({GPU: ("GPU-0", "GPU-1")}, 8_000)
+    node.connect(201)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_a_connection_gone_within_its_confirmation_is_no_refusal() -> None:
+    """A connection that comes and goes between two rounds (a dial that lingered) decides nothing."""
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node()
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 103)
+    clock.now += 0.1
+    reg.round(node.round())
+    node.connect(101)
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    assert reg.wake_at() is None
+
+
+def test_an_unrecorded_connection_that_closes_ends_the_refusal() -> None:
+    """The kubelet keeps a refused dial open; one that closes was something else (a probe's connection
+    that lingered past the confirmation): the verdict goes with it."""
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node()
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 104)
+    clock.now += 0.1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    node.connect(101)
+    clock.now += 0.1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_pod_resources_empty_against_a_fresh_checkpoint_outranks_the_connection() -> None:
+    """The kubelet marked the devices unhealthy itself (it does so only when it drops the plugin): the
+    checkpoint written since the socket was created still records them healthy."""
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node(pod_resources={GPU: frozenset({"GPU-0", "GPU-1"})})
+    reg.round(node.round())
+    node.pod_resources = {}
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)  # the write may trail the live view
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+    assert "pod-resources lists no device" in reason(reg, f"registered:{GPU}")
+    node.pod_resources = {GPU: frozenset({"GPU-0", "GPU-1"})}  # registered again
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_pod_resources_empty_with_the_checkpoint_rewritten_empty_is_the_plugins_own_report() -> None:
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node(pod_resources={GPU: frozenset({"GPU-0", "GPU-1"})})
+    reg.round(node.round())
+    node.pod_resources, node.checkpoint = {}, Checkpoint({GPU: ()}, 4_000)  # all unhealthy, reported
+    for _ in range(3):
+        clock.now += 0.5
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_a_checkpoint_rewritten_without_the_resource_outranks_the_connection() -> None:
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node()
+    reg.round(node.round())
+    node.checkpoint = Checkpoint({"other.com/dev": ("X",)}, 4_000)
+    clock.now += 1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+    assert "no longer lists nvidia.com/gpu" in reason(reg, f"registered:{GPU}")
 
 
 def test_a_connection_back_within_the_confirmation_is_no_drop() -> None:
@@ -538,3 +707,234 @@ def test_one_failed_probe_of_an_answering_plugin_is_confirmed_before_liveness_fa
     clock.now += 0.2
     reg.round(node.round())
     assert status(reg, f"plugin:{GPU}") == ("failed", True)
+
+
+# -- devices: on for every registered resource ------------------------------------------------------
+
+
+@pytest.mark.parametrize("listed", [frozenset(), frozenset({"GPU-0"})], ids=["zero", "one"])
+def test_without_an_expectation_devices_wants_one_healthy_device_for_readiness_only(
+    listed: frozenset[str],
+) -> None:
+    reg, clock, _ = make()
+    reg.round(Node(pod_resources={GPU: listed}).round())
+    clock.now += 61  # past the grace: a count may rise while the plugin's first list comes in
+    reg.round(Node(pod_resources={GPU: listed}).round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    if listed:
+        assert status(reg, f"devices:{GPU}") == ("ok", False)
+        assert verdicts(reg) == (True, True)
+    else:
+        assert status(reg, f"devices:{GPU}") == ("failed", False)
+        assert "lists 0 healthy device(s) by pod-resources, 1 expected" in reason(reg, f"devices:{GPU}")
+        assert "--expect-devices 0 opts out" in reason(reg, f"devices:{GPU}")
+        assert verdicts(reg) == (True, False)
+
+
+def test_expect_devices_0_has_no_devices_check() -> None:
+    reg, _, _ = make(expect_devices=0)
+    reg.round(Node(pod_resources={GPU: frozenset()}).round())
+    assert f"devices:{GPU}" not in reg.state.checks
+    assert verdicts(reg) == (True, True)
+
+
+# -- the budget for a socket that never comes back ----------------------------------------------------
+
+VGPU_SOCK = "nvidia-vgpu.sock"
+
+
+def test_a_socket_served_under_another_name_is_named_and_spends_the_budget_in_three_restarts() -> None:
+    reg, clock, seen = make(grace=1)
+    node = Node(plugin=down("absent"), connections=0, checkpoint=None, checkpoint_error="no checkpoint")
+    node.others = {VGPU_SOCK: SocketId(20, 1)}
+    reg.round(node.round())
+    clock.now += 1.5
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)
+    why = reason(reg, f"plugin:{GPU}")
+    assert "a device plugin serves nvidia-vgpu.sock in the folder instead" in why
+    assert "resourceName nvidia.com/<name>: nvidia.com/vgpu" in why
+    assert (
+        "--plugin nvidia.com/vgpu=nvidia-vgpu.sock, or HAMI_GUARD_PLUGIN=nvidia.com/vgpu=nvidia-vgpu.sock"
+        in why
+    )
+    assert seen.restart_requests == 1
+    for n in range(1, RESTART_BUDGET + 1):
+        assert not reg.state.healthy()
+        node.others = {}  # the plugin's container stops: its socket goes
+        reg.round(node.round())
+        node.others = {VGPU_SOCK: SocketId(20 + n, 1 + n)}  # and its successor serves the same name
+        reg.round(node.round())
+        assert reg.registration()[GPU]["restarts_without_registration"] == n
+    assert verdicts(reg) == (True, False)
+    assert status(reg, f"plugin:{GPU}") == ("failed", False)
+    assert reg.state.checks[f"plugin:{GPU}"].no_restart == (
+        "restart budget spent: 3 plugin restarts did not bring nvidia-gpu.sock back"
+    )
+    assert seen.budgets == [True]
+    assert reg.registration()[GPU]["socket_found_instead"] == VGPU_SOCK
+    assert seen.restart_requests == RESTART_BUDGET
+
+
+def test_another_socket_coming_and_going_spends_nothing_for_a_plugin_that_had_served() -> None:
+    reg, clock, _ = make(grace=1)
+    node = Node()
+    reg.round(node.round())
+    node.plugin, node.connections = down("absent"), 0
+    reg.plugin_socket_deleted(GPU)  # it stopped: the same kubelet.sock answers
+    reg.judge_vanished(GPU, Vanish(None, K1, False), restart_window_over=True)
+    for n in range(RESTART_BUDGET + 2):
+        node.others = {VGPU_SOCK: SocketId(30 + n, n)}
+        clock.now += 1
+        reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)
+    assert reg.registration()[GPU]["restarts_without_registration"] == 0
+
+
+def test_a_missing_socket_with_nothing_else_in_the_folder_spends_nothing() -> None:
+    reg, clock, _ = make(grace=1)
+    node = Node(plugin=down("absent"), connections=0, checkpoint=None, checkpoint_error="no checkpoint")
+    for _ in range(10):
+        reg.round(node.round())
+        clock.now += 1
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)
+    assert "instead" not in reason(reg, f"plugin:{GPU}")
+    assert reg.registration()[GPU]["restarts_without_registration"] == 0
+
+
+# -- what each [!] line says, state by state --------------------------------------------------------
+
+
+def _missed_kubelet_restart(reg: Registrar, clock: Clock) -> None:
+    """The kubelet restarted and removed the plugin's socket; the plugin never served a new one."""
+    node = Node()
+    reg.round(node.round())
+    node.kubelet, node.plugin, node.connections = alive(K2), down("absent"), 0
+    reg.round(node.round())
+    clock.now += 61
+    reg.round(node.round())
+
+
+def _kubelet_restarting(reg: Registrar, clock: Clock) -> None:
+    node = Node()
+    reg.round(node.round())
+    node.kubelet, node.connections = down("absent"), None
+    reg.round(node.round())
+    clock.now += 61
+    reg.round(node.round())
+
+
+def _unverified_kubelet(reg: Registrar, clock: Clock) -> None:
+    node = Node(kubelet=alive(K1, verified=False), connections=0)
+    reg.round(node.round())
+    clock.now += 61
+    reg.round(node.round())
+
+
+def _another_plugin_owns_the_socket(reg: Registrar, clock: Clock) -> None:
+    obs = PluginRound(alive(P1), P1, Reading(0), "elsewhere", "another process listens")
+    base = Node().round()
+    reg.round(replace(base, plugins={GPU: obs}))
+    clock.now += 61
+    reg.round(replace(base, plugins={GPU: obs}))
+
+
+def _budget_spent_never_registering(reg: Registrar, clock: Clock) -> None:
+    node = Node(connections=0, checkpoint=None, checkpoint_error="no checkpoint")
+    reg.round(node.round())
+    for plugin in (P2, P3, SocketId(14, 8_000), SocketId(15, 9_000)):
+        clock.now += 61
+        reg.refresh()
+        reg.plugin_socket_created(GPU, plugin)
+        node.plugin = alive(plugin)
+        reg.round(node.round())
+    clock.now += 61
+    reg.round(node.round())
+
+
+def _zero_devices(reg: Registrar, clock: Clock) -> None:
+    reg.round(Node(pod_resources={GPU: frozenset()}).round())
+    clock.now += 61
+    reg.round(Node(pod_resources={GPU: frozenset()}).round())
+
+
+def _renamed(restarts: int) -> Callable[[Registrar, Clock], None]:
+    """The plugin serves nvidia-vgpu.sock, never its own socket; the kubelet restarted it `restarts` times."""
+
+    def build(reg: Registrar, clock: Clock) -> None:
+        node = Node(plugin=down("absent"), connections=0, checkpoint=None, checkpoint_error="no checkpoint")
+        node.others = {VGPU_SOCK: SocketId(20, 1)}
+        reg.round(node.round())
+        clock.now += 61
+        reg.round(node.round())
+        for n in range(1, restarts + 1):
+            node.others = {VGPU_SOCK: SocketId(20 + n, 1 + n)}
+            reg.round(node.round())
+
+    return build
+
+
+PLUGIN_ASKS = f"the plugin does not answer: plugin:{GPU} judges that, and the plugin restart it asks for"
+OTHER_OWNER = "another device plugin owns the socket: a restart of this one would only fight it"
+DEVICES = {f"devices:{GPU}": "readiness only: a plugin restart does not bring devices back"}
+STATES = {
+    # state: ({the check: what its [!] line says after "no restart: "}, the checks failing liveness)
+    "missed kubelet restart": ({f"registered:{GPU}": PLUGIN_ASKS, **DEVICES}, {f"plugin:{GPU}"}),
+    "kubelet restarting": (
+        {
+            "kubelet": NO_RESTART,
+            f"registered:{GPU}": "a kubelet restart: HAMi registers again by itself",
+            **DEVICES,
+        },
+        set(),
+    ),
+    "unverified kubelet": (
+        {f"registered:{GPU}": "the kubelet's socket is not the real registration service"},
+        set(),
+    ),
+    "another plugin owns the socket": (
+        {f"plugin:{GPU}": OTHER_OWNER, f"registered:{GPU}": OTHER_OWNER},  # the checkpoint lists two
+        set(),
+    ),
+    "budget spent, never registering": (
+        {f"registered:{GPU}": "restart budget spent: 3 plugin restarts did not register it", **DEVICES},
+        set(),
+    ),
+    "zero devices": (DEVICES, set()),
+    "renamed, within the budget": ({f"registered:{GPU}": PLUGIN_ASKS, **DEVICES}, {f"plugin:{GPU}"}),
+    "renamed, budget spent": (
+        {
+            f"plugin:{GPU}": "restart budget spent: 3 plugin restarts did not bring nvidia-gpu.sock back",
+            f"registered:{GPU}": "restart budget spent: 3 plugin restarts did not register it",
+            **DEVICES,
+        },
+        set(),
+    ),
+}
+BUILDERS = {
+    "missed kubelet restart": _missed_kubelet_restart,
+    "kubelet restarting": _kubelet_restarting,
+    "unverified kubelet": _unverified_kubelet,
+    "another plugin owns the socket": _another_plugin_owns_the_socket,
+    "budget spent, never registering": _budget_spent_never_registering,
+    "zero devices": _zero_devices,
+    "renamed, within the budget": _renamed(RESTART_BUDGET - 1),
+    "renamed, budget spent": _renamed(RESTART_BUDGET),
+}
+
+
+@pytest.mark.parametrize("state", list(STATES))
+def test_each_no_restart_line_says_what_is_true_in_its_state(state: str) -> None:
+    """Every `[!]` line of the state, and only those, with its why; never "a plugin restart would not
+    mend it" for registration while a plugin restart is what liveness asks for."""
+    quiet, live = STATES[state]
+    reg, clock, _ = make(expect_devices=None)
+    BUILDERS[state](reg, clock)
+    lines = {c.name: _line(reg.state, c) for c in reg.state.checks.values()}
+    marked = {name for name, line in lines.items() if line.startswith("[!]")}
+    assert marked == set(quiet), lines
+    for name, why in quiet.items():
+        assert lines[name].startswith(f"[!]{name} failed (no restart: {why}"), lines[name]
+    assert reg.state.failed == live, lines
+    if live:  # a plugin restart is under way: no registration line may say it would not mend it
+        assert all(NO_RESTART not in lines[n] for n in marked if not n.startswith(("kubelet", "checkpoint")))

@@ -94,6 +94,9 @@ async def probe(server: BoundedServer) -> int:
         return (await answer(reader))[0]
     finally:
         writer.close()
+        # Its descriptor is this process's too: gone before the caller counts descriptors.
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
 
 
 def close_all(streams: list[Stream]) -> None:

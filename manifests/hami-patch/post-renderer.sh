@@ -1,20 +1,10 @@
 #!/usr/bin/env bash
-# Helm post-renderer: applies hami-guard's patch to HAMi's chart output.
-#   helm install hami hami-charts/hami --post-renderer ./manifests/hami-patch/post-renderer.sh
-# Reads the rendered manifests on stdin, writes the patched ones on stdout.
+# Helm 3 post-renderer: hami-guard's patch on HAMi's chart output (render.py says what it does).
+#   helm upgrade --install hami hami-charts/hami -n kube-system \
+#     --post-renderer ./manifests/hami-patch/post-renderer.sh \
+#     --post-renderer-args registry=<your registry>
+# Helm 4 takes the same script as a plugin (plugin.yaml): --post-renderer hami-guard.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-cat > "$work/rendered.yaml"
-mkdir "$work/hami-patch"
-cp "$here/kustomization.yaml" "$here/patch.yaml" "$work/hami-patch/"
-cat > "$work/kustomization.yaml" <<KUSTOMIZATION
-apiVersion: kustomize.config.k8s.io/v1beta1
-kind: Kustomization
-resources:
-  - rendered.yaml
-components:
-  - hami-patch
-KUSTOMIZATION
-exec kubectl kustomize "$work"
+command -v python3 >/dev/null || { echo "hami-guard post-renderer: python3 is not on PATH" >&2; exit 1; }
+exec python3 "$here/render.py" "$@"

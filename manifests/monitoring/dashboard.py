@@ -137,7 +137,7 @@ def check_matrix() -> table.Panel:
         .description(
             "The worst state of each check on each node (ok, pending within the grace, failed). "
             "The reason is not a metric label: it is in the node's sidecar, "
-            "`kubectl -n kube-system exec <pod> -c hami-sidecar -- ...` or a port-forward to :9395, "
+            "`kubectl -n <namespace> exec <pod> -c hami-sidecar -- ...` or a port-forward to :9395, "
             "at /readyz?verbose and /status."
         )
         .datasource(DATASOURCE)

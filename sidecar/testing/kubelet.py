@@ -540,6 +540,10 @@ class FakeKubelet:
             c.streaming = False
             self._streams.discard(c)
         current = self._get_client(name, c.socket)
+        if current is not c and c.channel is not None:
+            # Nobody closes this client's connection (Go's ClientConn outlives the stream): it stays
+            # open with no stream, replaced in the map (up to 1.36) or forgotten by a refusal (1.37).
+            self._leaked.append(c.channel)
         if current is not None:
             self._disconnect_client(name, current)
 

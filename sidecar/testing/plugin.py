@@ -102,7 +102,9 @@ class FakeDevicePlugin:
         self._private = tempfile.mkdtemp(prefix="fake-plugin-")
         self._server: grpc.aio.Server | None = None
         self._front: SocketFront | None = None
-        self._streams: set[asyncio.Queue[bool]] = set()  # True: end the stream
+        # Open ListAndWatch streams in the order they opened: False pushes the devices, True ends it.
+        self._streams: dict[int, asyncio.Queue[bool]] = {}
+        self._next_stream = 0
         self._watcher: FolderWatcher | None = None
         self._tasks = TaskSet()
         self._retry: asyncio.TimerHandle | None = None
@@ -270,14 +272,15 @@ class FakeDevicePlugin:
     ) -> AsyncIterator[dp.ListAndWatchResponse]:
         await self._answer("ListAndWatch", context)
         changed: asyncio.Queue[bool] = asyncio.Queue()
-        self._streams.add(changed)
+        stream, self._next_stream = self._next_stream, self._next_stream + 1
+        self._streams[stream] = changed
         try:
             while True:
                 yield dp.ListAndWatchResponse(devices=[self._device(d, h) for d, h in self._devices.items()])
                 if await changed.get():
-                    return
+                    return  # the plugin ends the stream: the call completes, the connection stays
         finally:
-            self._streams.discard(changed)
+            self._streams.pop(stream, None)
 
     def _device(self, device: str, health: str) -> dp.Device:
         if device not in self.numa:
@@ -286,13 +289,20 @@ class FakeDevicePlugin:
         return dp.Device(ID=device, health=health, topology=dp.TopologyInfo(nodes=nodes))
 
     def _notify(self) -> None:
-        for q in self._streams:
+        for q in self._streams.values():
             q.put_nowait(False)
 
-    def end_streams(self) -> None:
-        """Every open ListAndWatch stream ends (status OK) while the plugin keeps serving: a drop."""
-        for q in self._streams:
-            q.put_nowait(True)
+    @property
+    def streams_open(self) -> int:
+        """ListAndWatch streams open on this plugin's server, as the plugin sees them."""
+        return len(self._streams)
+
+    def end_stream(self, which: str = "oldest") -> None:
+        """End the oldest (or newest) open ListAndWatch stream while the server keeps serving."""
+        if not self._streams:
+            raise RuntimeError("no open stream")
+        order = sorted(self._streams)
+        self._streams.pop(order[0] if which == "oldest" else order[-1]).put_nowait(True)
 
     async def _preferred(
         self, req: dp.PreferredAllocationRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -39,6 +39,9 @@ _REPO = Path(__file__).resolve().parents[2]
 Event = dict[str, Any]
 
 
+START_ATTEMPTS = 20  # a kubelet start that finds the machine's inotify instances exhausted is retried
+
+
 class FixtureError(Exception):
     """A fixture process failed, answered an error, or did not answer in time."""
 
@@ -338,12 +341,22 @@ class RealKubelet:
     async def start(self, timeout: float = 30.0) -> None:
         """Start: the manager reads its checkpoint, cleans the folder, listens; then pod-resources."""
         os.makedirs(self.dir, mode=0o750, exist_ok=True)
-        await self.process.spawn()
-        try:
-            await self.process.wait_event("ready", timeout=timeout)
-        except FixtureError:
-            await self.process.kill()
-            raise
+        for attempt in range(START_ATTEMPTS):
+            await self.process.spawn()
+            try:
+                await self.process.wait_event("ready", timeout=timeout)
+                return
+            except FixtureError:
+                await self.process.kill()
+                # Every root process on the machine shares one limit of inotify instances
+                # (fs.inotify.max_user_instances): another program's watchers can exhaust it for a
+                # moment. The fixture fails before the manager starts (its checkpoint watch), so a
+                # later start is the same start.
+                failed = self.process.find("start-failed")
+                busy = bool(failed) and "too many open files" in str(failed[-1].get("error"))
+                if not busy or attempt == START_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(0.25)
 
     async def stop(self, unlink_socket: bool = False) -> None:
         """unlink_socket: a graceful stop (the manager's Stop unlinks kubelet.sock); else SIGKILL,
@@ -513,6 +526,12 @@ class RealPlugin:
         """A new server on the same path, no Register (the kubelet's streams to the old one end)."""
         await self.process.call("restart-server-only")
         self._note_inode()
+
+    async def end_stream(self, which: str = "oldest") -> int:
+        """End one open ListAndWatch stream ("oldest", "newest" or its number) while the server keeps
+        serving: the call completes, the kubelet's connection stays. Returns the stream's number."""
+        reply = await self.process.call("end-stream", which)
+        return int(reply["stream"])
 
     async def crash(self, remove_socket: bool = True) -> None:
         """SIGKILL: nothing serves. The socket file stays as a dead file unless remove_socket, and is

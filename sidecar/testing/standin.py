@@ -57,7 +57,8 @@ def apply_control(plugin: StandInPlugin, control: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(control, DROP))
         logger.info("ending every ListAndWatch stream (%s)", DROP)
-        plugin.end_streams()
+        while plugin.streams_open:
+            plugin.end_stream()
 
 
 async def serve(args: argparse.Namespace) -> None:

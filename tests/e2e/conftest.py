@@ -23,7 +23,16 @@ from tests.test_realkubelet import require_fixture
 
 GPU = "nvidia.com/gpu"
 # Short settings so that every scenario runs in a second or two.
-FAST = Settings(probe_interval=1.0, probe_timeout=0.3, registration_grace=2.0, host="127.0.0.1")
+FAST = Settings(
+    probe_interval=1.0,
+    probe_timeout=0.3,
+    registration_grace=2.0,
+    host="127.0.0.1",
+    # Never the machine's own: HAMi's node configuration, the driver's GPUs, vfio-bound devices.
+    hami_config="/nonexistent/hami/config.json",
+    nvidia_gpus_dir="/nonexistent/nvidia/gpus",
+    vfio_dir="/nonexistent/vfio-pci",
+)
 
 
 @dataclass

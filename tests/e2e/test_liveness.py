@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from functools import partial
 from pathlib import Path
@@ -27,11 +28,15 @@ def registered_since(node: Node, count: int) -> bool:
 
 
 def probe_paths() -> tuple[str, str]:
-    """(liveness, readiness) paths of the `device-plugin` container in the shipped patch."""
+    """(liveness, readiness) paths of the `device-plugin` container in the shipped patch: the path its
+    livenessProbe command asks for, and its readinessProbe's path less the query (the probe excludes the
+    checks a rollback cannot mend: tests/test_manifests.py tests that gate; here /readyz is every check)."""
     doc = yaml.safe_load(PATCH.read_text())
     containers = doc["spec"]["template"]["spec"]["containers"]
     plugin = next(c for c in containers if c["name"] == "device-plugin")
-    return plugin["livenessProbe"]["httpGet"]["path"], plugin["readinessProbe"]["httpGet"]["path"]
+    asked = re.search(r"GET (\S+) HTTP", plugin["livenessProbe"]["exec"]["command"][-1])
+    assert asked is not None
+    return asked.group(1), plugin["readinessProbe"]["httpGet"]["path"].split("?", 1)[0]
 
 
 LIVE, READY = probe_paths()
@@ -57,14 +62,34 @@ async def test_all_devices_unhealthy_keeps_liveness_and_fails_readiness(make_nod
         assert node.plugin.registrations == 1  # and nothing restarted it
 
 
-async def test_zero_devices_is_registered(make_node: NodeFactory) -> None:
+async def test_zero_or_all_unhealthy_devices_fail_readiness_without_an_expectation(
+    make_node: NodeFactory,
+) -> None:
+    """No --expect-devices: a registered plugin with no healthy device is registered, live, not ready."""
     async with make_node() as node:
+        await node.until(READY, 200)
+        node.plugin.set_devices([])
+        body = await node.until(f"{READY}?verbose", 503, contains=f"devices:{GPU} failed")
+        assert "the kubelet lists 0 healthy device(s) by pod-resources, 1 expected" in body
+        assert "--expect-devices 0 opts out" in body
+        assert await node.get(f"{READY}/registered:{GPU}") == (200, "ok")
+        node.plugin.set_devices(["GPU-0", "GPU-1"])
+        await node.until(READY, 200)
+        for device in ("GPU-0", "GPU-1"):
+            node.plugin.set_health(device, False)
+        await node.until(f"{READY}?verbose", 503, contains=f"devices:{GPU} failed")
+        await node.wait_rounds()
+        assert await both(node) == (200, 503)
+        assert node.plugin.registrations == 1  # nothing restarted it
+
+
+async def test_expect_devices_0_opts_out_of_the_devices_check(make_node: NodeFactory) -> None:
+    async with make_node(expect_devices=0) as node:
         await node.until(READY, 200)
         node.plugin.set_devices([])
         await node.wait_rounds(rounds=3)
         assert await both(node) == (200, 200)
-        status = await node.get(f"{READY}/registered:{GPU}")
-        assert status == (200, "ok")
+        assert f"devices:{GPU}" not in node.sidecar.state.checks
 
 
 async def test_hami_split_ids_count_once_per_gpu_and_losing_one_gpu_fails_readiness(

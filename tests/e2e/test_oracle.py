@@ -85,7 +85,15 @@ class Oracle:
 
     async def step(self) -> None:
         p, k = self.plugin, self.node.kubelet
-        choices = ["health", "devices", "kubelet", "plugin-restart", "allocate", "capacity"]
+        choices = [
+            "health",
+            "devices",
+            "kubelet",
+            "plugin-restart",
+            "allocate",
+            "capacity",
+            "second-register",
+        ]
         choices.append("serve" if not self.serving else "stop")
         event = self.rng.choice(choices)
         if event == "health" and not p.devices:
@@ -110,6 +118,22 @@ class Oracle:
         elif event == "plugin-restart" and self.serving:
             await p.restart()
             self.history.append("plugin restart")
+        elif event == "second-register" and self.serving:
+            # Registers again on its own socket, then ends its first stream while its server serves on:
+            # up to 1.36 the kubelet disconnects the second and keeps the first's connection with no
+            # stream; 1.37 refuses the Register, forgets both clients, and notices no stream's end.
+            mark = k.mark()
+            accepted = await p.register()
+            if accepted:
+                # The second stream's first answer is in before the first ends. (Ended at once, the
+                # two race in the old kubelet: a late answer can mark the stopped endpoint's devices
+                # healthy again, allocatable with no stream, which nothing outside the kubelet shows.)
+                await k.wait_checkpoint(after=mark)
+            try:
+                ended = f"stream {await p.end_stream('oldest')} ended"
+            except FixtureError:
+                ended = "no stream to end"
+            self.history.append(f"second register accepted={accepted}, {ended}")
         elif event == "stop":
             await p.stop_serving()
             self.serving = False
@@ -144,5 +168,9 @@ async def test_the_sidecar_agrees_with_the_real_kubelet_over_random_events(
             await oracle.step()
             await oracle.settle()
         took = time.monotonic() - started
-        print(f"oracle seed {seed} on {node.kubelet.version}: {EVENTS} events in {took:.1f} s")
+        twice = sum(1 for h in oracle.history if h.startswith("second register"))
+        print(
+            f"oracle seed {seed} on {node.kubelet.version}: {EVENTS} events "
+            f"({twice} second registers) in {took:.1f} s"
+        )
         assert not oracle.mismatches, "\n".join(oracle.mismatches[:10])

@@ -143,7 +143,9 @@ async def test_issue_121994_on_the_old_release_is_a_drop_the_sidecar_names(node_
             limit = node.settings.probe_interval + node.settings.probe_timeout + node.settings.drop_confirm
             assert took <= limit + 1.0
             print(f"121994 on {node.kubelet.version}: the drop failed liveness {took:.3f} s after A's end")
-            await says(node, "no longer connected")
+            # The kubelet closes B's connection a moment after B's stream: the doctor may still see it
+            # open, and then names the drop by pod-resources instead. Either way, a drop.
+            await says(node, "dropped the plugin")
         else:
             assert not registered
             assert "device plugin already connected" in (b.last_register_error or "")
@@ -173,10 +175,18 @@ async def test_pr_139338_takeover_on_the_new_release(node_factory: Any) -> None:
         await node.until("/readyz", 200)  # the stream runs on the owner's server: held
         assert await second.streams_open() == 1
         assert not await second.register()  # refused: the kubelet forgets the stale endpoint's client
-        await node.rounds()
-        assert (await node.get("/readyz"))[0] == 200  # its stream still runs on the owner's server
+        # Its stream still runs on the owner's server, but its end would go unnoticed and the path is
+        # refused until the kubelet restarts: not ready, and no plugin restart asked for.
+        await node.until("/readyz?verbose", 503, contains="refused that Register")
+        assert (await node.get("/healthz"))[0] == 200
         fault = time.monotonic()
-        assert not await second.restart()  # a new server, Register refused ("already connected")
+        mark = node.kubelet.mark()
+        await second.restart_server_only()  # a new server: the stale endpoint's stream ends
+        # The kubelet has seen that end before the Register: a Register at once races it (the end's
+        # lookup by path can find the new client and disconnect it, which frees the path).
+        await node.kubelet.wait_log("ListAndWatch ended unexpectedly for device plugin", after=mark)
+        await node.kubelet.capacity()  # a round trip: runClient has finished with the end by now
+        assert not await second.register()  # refused ("already connected")
         await node.until("/healthz?verbose", 503, contains="recorded no device list")
         took = time.monotonic() - fault
         print(f"PR 139338 state on {node.kubelet.version}: liveness failed {took:.3f} s after the restart")
@@ -220,3 +230,79 @@ async def test_from_a_pod_network_namespace_the_kubelets_connections_and_a_compe
                 assert (await node.get(f"/healthz/plugin:{GPU}"))[0] == 200  # not a restart's remedy
             finally:
                 theirs.stop()
+
+
+async def test_a_second_register_on_its_own_socket_then_the_first_stream_ends(node_factory: Any) -> None:
+    """A connection is not a stream. The plugin registers twice on its own socket, then ends its first
+    ListAndWatch stream while its server keeps serving; the kubelet keeps a connection with no stream.
+
+    Old release: the second Register replaces the client; the first stream's end disconnects the
+    second (the newest connection closes, the first's stays, pod-resources lists nothing): a drop,
+    which a plugin restart mends. New release: the second Register is refused ("already connected")
+    and both clients are forgotten; the first stream's end changes nothing the kubelet shows, and
+    every Register at the path is refused until the kubelet restarts: readiness only.
+    """
+    async with node_factory() as node:
+        plugin = await node.plugin(watch_kubelet=False)
+        await node.until("/readyz", 200)
+        await node.rounds()
+        mark = plugin.mark()
+        registered = time.monotonic()
+        accepted = await plugin.register()
+        if node.release == "old":
+            assert accepted
+            await plugin.wait_event("stream-open", after=mark)
+            assert await plugin.streams_open() == 2
+            await node.rounds(3)
+            assert (await node.get("/readyz"))[0] == 200  # the second stream carries the registration
+        else:
+            assert not accepted
+            assert "device plugin already connected" in (plugin.last_register_error or "")
+            # Refused: the first stream still runs, but the kubelet forgot its client.
+            await node.until("/readyz?verbose", 503, contains="refused that Register")
+            took = time.monotonic() - registered
+            print(f"second Register refused on {node.kubelet.version}: readiness 503 after {took:.3f} s")
+            assert (await node.get("/healthz"))[0] == 200
+        fault = time.monotonic()
+        await plugin.end_stream("oldest")
+        if node.release == "old":
+            await node.until("/healthz?verbose", 503, contains="carried its registration")
+            took = time.monotonic() - fault
+            print(f"second Register, first stream ended, on {node.kubelet.version}: 503 after {took:.3f} s")
+            limit = node.settings.probe_interval + node.settings.probe_timeout + node.settings.drop_confirm
+            assert took <= limit + 1.0
+            assert await plugin.streams_open() == 0
+            assert (await node.kubelet.capacity())["allocatable"] == {GPU: 0}
+            assert node.sidecar.registrar.devices()[GPU]["pod_resources"] == 0
+            await says(node, "pod-resources lists no device")
+            # The remedy: a plugin restart (the livenessProbe's) registers it again.
+            mark = plugin.mark()
+            assert await plugin.restart()
+            await plugin.wait_event("stream-open", after=mark)
+            await node.until("/readyz", 200)
+        else:
+            await plugin.wait_event("stream-closed", after=mark)
+            assert await plugin.streams_open() == 0
+            await node.rounds(3)
+            assert (await node.kubelet.capacity())["allocatable"] == {GPU: 2}  # no stream behind it
+            code, body = await node.get("/readyz?verbose")
+            assert code == 503 and "refused that Register" in body, body
+            assert (await node.get("/healthz"))[0] == 200  # a plugin restart would be refused too
+            # hami-doctor reads the refusal in the kubelet's log, and names the kubelet restart.
+            tmp = os.path.dirname(node.dir)
+            open(os.path.join(tmp, "plugin.log"), "a").close()
+            doctor = Doctor(node.dir, tmp, node.kubelet.process.log_path, os.path.join(tmp, "plugin.log"))
+            code, doc = await doctor.report()
+            assert (code, doc["most_likely"]) == (1, "plugin-not-registered")
+            found = row(doc, "plugin-not-registered")
+            assert "refused a later Register" in " ".join(found["evidence"])
+            assert "$ systemctl restart kubelet" in found["fix"]
+            logged = row(doc, "kubelet-log")
+            assert "refuses every Register at that path" in " ".join(logged["evidence"]), logged
+            assert "$ systemctl restart kubelet" in logged["fix"]
+            assert not await plugin.restart()
+            await node.kubelet.restart()  # the remedy
+            mark = plugin.mark()
+            assert await plugin.restart()
+            await plugin.wait_event("stream-open", after=mark)
+            await node.until("/readyz", 200)

@@ -57,6 +57,7 @@ async def test_healthy_node_answers_200_within_2s_with_every_check(make_node: No
             "[+]checkpoint ok",
             "[+]plugin:nvidia.com/gpu ok",
             "[+]registered:nvidia.com/gpu ok",
+            "[+]devices:nvidia.com/gpu ok",
             "healthz check passed",
         ]
         assert await node.get("/healthz") == (200, "ok")
@@ -556,6 +557,8 @@ async def test_one_log_line_per_transition_none_per_probe(
                 f"check plugin:{GPU}: pending -> ok: GetDevicePluginOptions answered",
                 f"check registered:{GPU}: pending -> ok: the kubelet holds a connection to nvidia-gpu.sock; "
                 "pod-resources lists 2 healthy device(s)",
+                f"check devices:{GPU}: pending -> ok: the kubelet lists 2 (want 1: a registered plugin "
+                "with no healthy device is not ready; --expect-devices 0 opts out)",
             ]
         )
 
@@ -571,8 +574,9 @@ async def test_expected_devices_check_counts_what_the_kubelet_lists(
     async with make_node(expect_devices=-1, device_glob=os.path.join(host, "nvidia[0-9]*")) as node:
         body = await node.until("/readyz?verbose", 503, timeout=3, contains=f"devices:{GPU} failed")
         assert (
-            f"[!]devices:{GPU} failed (no restart: a plugin restart would not mend it): "
-            "the kubelet lists 2 healthy device(s) by pod-resources, 3 expected"
+            f"[!]devices:{GPU} failed (no restart: readiness only: a plugin restart does not bring devices "
+            "back): the kubelet lists 2 healthy device(s) by pod-resources, 3 expected "
+            "(--expect-devices auto: 3 device node(s) on the host; no HAMi node configuration at "
         ) in body
         assert await node.get("/healthz") == (200, "ok")  # a device shortfall restarts nothing
         node.plugin.set_devices(["GPU-0", "GPU-1", "GPU-2"])

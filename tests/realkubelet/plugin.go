@@ -103,6 +103,7 @@ type pluginImpl interface {
 	setDevices(devs []*pluginapi.Device) (map[string]any, error)
 	setHealth(id, health string) (map[string]any, error)
 	restart(register bool) error
+	endStream(which string) (map[string]any, error)
 	state() map[string]any
 	onKubeletCreated()
 }
@@ -159,6 +160,15 @@ func pluginMain(args []string) int {
 			c.reply(nil, p.restart(true))
 		case "restart-server-only":
 			c.reply(nil, p.restart(false))
+		case "end-stream":
+			which := "oldest"
+			if len(c.args) == 1 {
+				which = c.args[0]
+			} else if len(c.args) > 1 {
+				c.reply(nil, errors.New("usage: end-stream [oldest|newest|ID]"))
+				return false
+			}
+			c.reply(p.endStream(which))
 		case "devices":
 			devs, err := parseDevices(c.args)
 			if err != nil {
@@ -255,6 +265,7 @@ type ownPlugin struct {
 	server           *grpc.Server
 	inode            uint64
 	streams          map[int]chan struct{}
+	ends             map[int]chan struct{} // closed to end that stream while the server keeps serving
 	nextStream       int
 	calls            map[string]int
 	registrations    int
@@ -265,7 +276,7 @@ type ownPlugin struct {
 
 func newOwnPlugin(o pluginOptions, devs []*pluginapi.Device) *ownPlugin {
 	return &ownPlugin{o: o, path: filepath.Join(o.dir, o.socket), devices: devs,
-		streams: map[int]chan struct{}{}, calls: map[string]int{}}
+		streams: map[int]chan struct{}{}, ends: map[int]chan struct{}{}, calls: map[string]int{}}
 }
 
 func (p *ownPlugin) serve() error {
@@ -354,6 +365,36 @@ func (p *ownPlugin) register() error {
 	return nil
 }
 
+// endStream ends one open ListAndWatch stream ("oldest", "newest" or its number) as a plugin
+// returning from the handler does: the call completes, the connection and the server stay.
+func (p *ownPlugin) endStream(which string) (map[string]any, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ids := make([]int, 0, len(p.ends))
+	for id := range p.ends {
+		ids = append(ids, id)
+	}
+	if len(ids) == 0 {
+		return nil, errors.New("no open stream")
+	}
+	sort.Ints(ids)
+	id := ids[0]
+	switch which {
+	case "oldest":
+	case "newest":
+		id = ids[len(ids)-1]
+	default:
+		n, err := strconv.Atoi(which)
+		if err != nil || p.ends[n] == nil {
+			return nil, fmt.Errorf("no open stream %q", which)
+		}
+		id = n
+	}
+	close(p.ends[id])
+	delete(p.ends, id)
+	return map[string]any{"stream": id}, nil
+}
+
 func (p *ownPlugin) notify() map[string]any {
 	for _, ch := range p.streams {
 		select {
@@ -420,6 +461,8 @@ func (p *ownPlugin) ListAndWatch(_ *pluginapi.Empty, s pluginapi.DevicePlugin_Li
 	id := p.nextStream
 	p.nextStream++
 	p.streams[id] = ch
+	end := make(chan struct{})
+	p.ends[id] = end
 	open := len(p.streams)
 	devs := p.devices
 	p.mu.Unlock()
@@ -427,6 +470,7 @@ func (p *ownPlugin) ListAndWatch(_ *pluginapi.Empty, s pluginapi.DevicePlugin_Li
 	defer func() {
 		p.mu.Lock()
 		delete(p.streams, id)
+		delete(p.ends, id)
 		open := len(p.streams)
 		p.mu.Unlock()
 		event("stream-closed", map[string]any{"stream": id, "open": open})
@@ -438,6 +482,8 @@ func (p *ownPlugin) ListAndWatch(_ *pluginapi.Empty, s pluginapi.DevicePlugin_Li
 		select {
 		case <-s.Context().Done():
 			return nil
+		case <-end:
+			return nil // the plugin ends the stream; its server and the connection stay
 		case <-ch:
 			p.mu.Lock()
 			devs = p.devices

@@ -79,6 +79,11 @@ func (p *stubPlugin) restart(register bool) error {
 	return nil
 }
 
+// endStream: Stub's ListAndWatch ends only with its server.
+func (p *stubPlugin) endStream(string) (map[string]any, error) {
+	return nil, errors.New("the kubelet's Stub cannot end a stream while it serves")
+}
+
 // onKubeletCreated is not used: Stub watches kubelet.sock itself (Stub.Watch).
 func (p *stubPlugin) onKubeletCreated() {}
 

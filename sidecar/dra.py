@@ -1,0 +1,281 @@
+"""Is a DRA driver registered with the kubelet? The judgement, pure and clock-injected.
+
+A DRA kubelet plugin registers through the kubelet's plugin watcher: it serves the plugin
+registration API on a socket in `plugins_registry`, the kubelet calls `GetInfo`, hands the
+driver to its DRA manager, and the DRA manager opens a gRPC connection to the driver's
+service socket (the `endpoint` GetInfo names) that it keeps open and reconnects when it
+ends (docs/kubelet.md#dra). So the kubelet's live evidence of a registered driver is its
+open connection to the service socket; a registration socket that answers `GetInfo` says
+only that the driver is alive.
+
+Two checks per driver, in the health vocabulary of the device plugins:
+
+- `dra-plugin:<driver>`: the driver answers `GetInfo` on its registration socket with its own
+  name and the type `DRAPlugin`. A driver that stopped answering (socket gone, nothing
+  listens, hung) fails liveness; one that answers for another driver or type is a setting
+  to fix, which no restart mends.
+- `dra-registered:<driver>`: the kubelet holds a connection to the driver's service socket.
+  Not registered for the grace (which covers the kubelet's registration retry, at most
+  2 min 2 s apart) fails liveness; so does a connection that stays lost for the grace. While
+  the kubelet is down, or its connections cannot be seen, it is readiness only: a driver
+  restart is not the remedy. After `RESTART_BUDGET` driver restarts that did not register
+  it, liveness stops failing (the restart budget, as for device plugins).
+
+Every "start of a spell" (the sidecar's start, a new registration or service socket, a new
+kubelet, a lost connection) starts the grace again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from sidecar.health import Status
+
+PLUGIN_TYPE = "DRAPlugin"
+# The kubelet retries a failed registration of one socket after 0.5 s, doubling up to 2 min 2 s
+# (pkg/util/goroutinemap/exponentialbackoff: initialDurationBeforeRetry, maxDurationBeforeRetry).
+KUBELET_RETRY_CAP = 122.0
+# The grace covers one full retry interval of the kubelet plus its registration and connection.
+DEFAULT_GRACE = 150.0
+# GetInfo timeouts in a row that make a hung driver (one slow answer is not a hang).
+HUNG_ROUNDS = 2
+RESTART_BUDGET = 3
+
+InfoKind = Literal["ok", "absent", "not-socket", "refused", "timeout", "error"]
+FileId = tuple[int, int]
+
+
+# The kubelet's plugin watcher folder, and the helper's default registration socket name.
+DEFAULT_REGISTRY = "/var/lib/kubelet/plugins_registry"
+
+
+@dataclass(frozen=True)
+class DraSpec:
+    """A DRA driver to watch: its name, its registration socket, and optionally its service socket
+    (by default the endpoint its GetInfo names)."""
+
+    name: str
+    registration: str
+    service: str = ""
+
+
+def dra_spec(value: str, registry: str = DEFAULT_REGISTRY) -> DraSpec:
+    """`NAME[=SOCKET]`: a driver name and its registration socket, a path or a file name in
+    `registry` (default `<NAME>-reg.sock`, the kubelet plugin helper's). Raises ValueError."""
+    name, _, sock = value.strip().partition("=")
+    name, sock = name.strip(), sock.strip()
+    if not name or "/" in name or any(c.isspace() for c in name) or "," in name:
+        raise ValueError(f"expected NAME[=SOCKET] (gpu.nvidia.com=gpu.nvidia.com-reg.sock), got {value!r}")
+    if "\0" in sock:
+        raise ValueError(f"a socket path has no NUL: {value!r}")
+    sock = sock or f"{name}-reg.sock"
+    path = sock if sock.startswith("/") else f"{registry.rstrip('/')}/{sock}"
+    return DraSpec(name, path)
+
+
+@dataclass(frozen=True)
+class Info:
+    """The answer to GetInfo on the registration socket, or why there is none."""
+
+    kind: InfoKind
+    reason: str
+    type: str = ""
+    name: str = ""
+    endpoint: str = ""
+    versions: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == "ok"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One round's readings for one driver. None where a reading is not available."""
+
+    info: Info
+    registration_id: FileId | None  # the registration socket file now
+    service: str  # the service socket's path (the setting, else GetInfo's endpoint)
+    service_id: FileId | None  # the service socket file now
+    kubelet_up: bool | None  # the kubelet answers on its socket; None: not known
+    kubelet_id: FileId | None  # the kubelet's socket file: a new one is a new kubelet
+    connections: int | None  # the kubelet's open connections to the service socket
+    connections_why: str = ""  # why connections is None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: Status
+    reason: str
+    restarts: bool = True  # a failure fails liveness
+
+    @property
+    def live_failed(self) -> bool:
+        return self.status is Status.FAILED and self.restarts
+
+
+@dataclass
+class _Driver:
+    since: float  # monotonic start of the current spell (the grace runs from it)
+    plugin_since: float
+    registration_id: FileId | None = None
+    service_id: FileId | None = None
+    kubelet_id: FileId | None = None
+    connected: bool = False  # the kubelet's connection was seen in this spell
+    answered: bool = False  # GetInfo answered since plugin_since
+    timeouts: int = 0
+    failing_live: bool = False  # dra-registered failed liveness in this spell
+    gone: bool = False  # the registration socket went
+    restarts_in_vain: int = 0
+    events: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Judgement:
+    plugin: Verdict
+    registered: Verdict
+    spell_started: float  # monotonic
+    restarts_in_vain: int
+
+
+class DraJudge:
+    """Verdicts for the configured drivers from each round's evidence."""
+
+    def __init__(
+        self,
+        drivers: tuple[str, ...],
+        grace: float = DEFAULT_GRACE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.grace = grace
+        self.clock = clock
+        now = clock()
+        self._d = {name: _Driver(since=now, plugin_since=now) for name in drivers}
+
+    def restarts_in_vain(self, driver: str) -> int:
+        return self._d[driver].restarts_in_vain
+
+    def judge(self, driver: str, ev: Evidence) -> Judgement:
+        d = self._d[driver]
+        now = self.clock()
+        self._spells(d, ev, now)
+        plugin = self._plugin(driver, d, ev, now)
+        registered = self._registered(driver, d, ev, now, plugin)
+        d.failing_live = d.failing_live or registered.live_failed
+        return Judgement(plugin, registered, d.since, d.restarts_in_vain)
+
+    def _spells(self, d: _Driver, ev: Evidence, now: float) -> None:
+        """Start the grace again on what restarts registration."""
+        if ev.registration_id is None and d.registration_id is not None:
+            # The registration socket went (an orderly stop): a new instance has the grace to come.
+            if d.failing_live:
+                d.restarts_in_vain += 1
+            self._restart(d, now, plugin=True)
+            d.registration_id = None
+            d.gone = True
+        if ev.registration_id is not None and ev.registration_id != d.registration_id:
+            if d.registration_id is not None:
+                # A new driver instance: if the last one failed liveness for not being registered,
+                # that restart was in vain until this one registers.
+                if d.failing_live:
+                    d.restarts_in_vain += 1
+                self._restart(d, now, plugin=True)
+            elif d.gone:
+                self._restart(d, now, plugin=True)
+            d.registration_id, d.gone = ev.registration_id, False
+        if ev.service_id is not None and ev.service_id != d.service_id:
+            if d.service_id is not None:
+                self._restart(d, now)
+            d.service_id = ev.service_id
+        if ev.kubelet_id is not None and ev.kubelet_id != d.kubelet_id:
+            if d.kubelet_id is not None:
+                self._restart(d, now)
+            d.kubelet_id = ev.kubelet_id
+        if ev.kubelet_up is False and d.connected:
+            self._restart(d, now)
+        if ev.connections == 0 and d.connected:
+            self._restart(d, now)  # lost: the kubelet reconnects, or restarts, within the grace
+
+    @staticmethod
+    def _restart(d: _Driver, now: float, plugin: bool = False) -> None:
+        d.since, d.connected, d.failing_live = now, False, False
+        if plugin:
+            d.plugin_since, d.answered, d.timeouts = now, False, 0
+
+    def _plugin(self, driver: str, d: _Driver, ev: Evidence, now: float) -> Verdict:
+        info = ev.info
+        if info.ok:
+            d.answered, d.timeouts = True, 0
+            if info.type != PLUGIN_TYPE or info.name != driver:
+                return Verdict(
+                    Status.FAILED,
+                    f"the registration socket serves {info.type or '?'} {info.name or '?'}, not the DRA "
+                    f"driver {driver}: the setting names another driver's socket",
+                    restarts=False,
+                )
+            services = ", ".join(info.versions) or "none"
+            return Verdict(
+                Status.OK, f"GetInfo answers: {PLUGIN_TYPE} {driver}, service {info.endpoint}, {services}"
+            )
+        if info.kind in ("timeout", "error"):
+            # A socket that accepts but does not answer: hung once it stays so (one slow or failed
+            # answer is not a hang).
+            d.timeouts += 1
+            if d.answered and d.timeouts < HUNG_ROUNDS:
+                return Verdict(Status.PENDING, f"{info.reason} (once; hung after {HUNG_ROUNDS} in a row)")
+            if d.timeouts >= HUNG_ROUNDS:
+                return Verdict(Status.FAILED, f"hung: {d.timeouts} GetInfo failures in a row; {info.reason}")
+        else:
+            d.timeouts = 0
+        left = d.plugin_since + self.grace - now
+        if not d.answered and left > 0:
+            return Verdict(Status.PENDING, f"{info.reason} (grace: {left:.0f}s left)")
+        return Verdict(Status.FAILED, info.reason)
+
+    def _registered(self, driver: str, d: _Driver, ev: Evidence, now: float, plugin: Verdict) -> Verdict:
+        spell = now - d.since
+        left = self.grace - spell
+        if ev.connections is not None and ev.connections > 0 and ev.service_id is not None:
+            d.connected = True
+            if d.restarts_in_vain:
+                d.restarts_in_vain = 0
+            n = ev.connections
+            return Verdict(Status.OK, f"the kubelet holds {n} connection{'s' * (n != 1)} to {ev.service}")
+        if plugin.status is not Status.OK:
+            why = "the driver does not answer GetInfo (dra-plugin)"
+            if plugin.status is Status.FAILED and not plugin.restarts:
+                why = "the registration socket is another driver's (dra-plugin)"
+            return self._not_yet(why, left, restarts=False)
+        if ev.kubelet_up is False:
+            return Verdict(
+                Status.FAILED, "the kubelet is not running: restarting the driver does not register it", False
+            )
+        if ev.connections is None:
+            return Verdict(
+                Status.FAILED,
+                f"the kubelet's connections cannot be seen ({ev.connections_why}): not judged",
+                restarts=False,
+            )
+        if ev.service_id is None:
+            why = f"the service socket {ev.service or '(unnamed)'} does not exist: the kubelet cannot connect"
+        else:
+            why = f"the kubelet holds no connection to {ev.service}"
+        if left > 0:
+            return Verdict(Status.PENDING, f"{why} (grace: {left:.0f}s left)")
+        why = f"not registered: {why} for {spell:.0f}s"
+        if d.restarts_in_vain >= RESTART_BUDGET:
+            return Verdict(
+                Status.FAILED,
+                f"{why}; restart budget spent: {d.restarts_in_vain} driver restarts did not register it",
+                restarts=False,
+            )
+        return Verdict(Status.FAILED, why)
+
+    @staticmethod
+    def _not_yet(why: str, left: float, restarts: bool) -> Verdict:
+        if left > 0:
+            return Verdict(Status.PENDING, f"{why} (grace: {left:.0f}s left)", restarts)
+        return Verdict(Status.FAILED, why, restarts)

@@ -1,0 +1,195 @@
+"""The kubelet's real plugin manager and DRA manager, and DRA drivers on the kubelet plugin helper.
+
+Each runs a process of the Go fixture in `tests/realdra` (docs/real-kubelet.md#dra) at one of the
+two releases of `tests/realkubelet`; build them with `make dra-fixtures`. The processes speak the
+same JSON lines as the device-manager fixture (`sidecar.testing.realkubelet.FixtureProcess`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from sidecar.testing.realkubelet import RELEASES, Event, FixtureError, FixtureProcess, Release
+
+BIN_ENV = "HAMI_GUARD_REALDRA_BIN"
+_REPO = Path(__file__).resolve().parents[2]
+
+__all__ = ["RELEASES", "FixtureError", "RealDraDriver", "RealDraKubelet", "Release", "missing_reason"]
+
+
+def bin_dir() -> Path:
+    return Path(os.environ.get(BIN_ENV) or _REPO / "tests" / "realdra" / "bin")
+
+
+def fixture_binary(release: str) -> Path | None:
+    version = RELEASES.get(release, release)
+    path = bin_dir() / f"realdra-{version}"
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def missing_reason(release: str) -> str | None:
+    """Why the DRA fixture of a release cannot run here, or None when it can."""
+    if fixture_binary(release) is not None:
+        return None
+    version = RELEASES.get(release, release)
+    hint = (
+        f"the DRA fixture for kubernetes {version} is not built: run `make dra-fixtures` (needs Go >= 1.26)"
+    )
+    return hint if shutil.which("go") else f"Go is not installed; {hint}"
+
+
+def _binary(release: str) -> str:
+    path = fixture_binary(release)
+    if path is None:
+        raise FixtureError(missing_reason(release) or "the DRA fixture is missing")
+    return str(path)
+
+
+class RealDraKubelet:
+    """`pluginmanager.NewPluginManager(registry)` with the DRA manager's handler, a fake API client."""
+
+    def __init__(self, registry: str, state: str, kubelet_socket: str, *, release: Release = "new") -> None:
+        self.registry = registry
+        self.state_dir = state
+        self.socket_path = kubelet_socket
+        self.release = release
+        self.version = RELEASES[release]
+        self.restarts = 0
+        argv = [_binary(release), "kubelet", "--registry", registry, "--state", state]
+        argv += ["--kubelet-socket", kubelet_socket]
+        self.proc = FixtureProcess(argv, f"dra-kubelet-{self.version}")
+
+    async def start(self) -> Event:
+        await self.proc.spawn()
+        return await self.proc.wait_event("ready", timeout=30)
+
+    async def stop(self) -> None:
+        """An orderly stop: the DRA manager closes its connections, the socket goes."""
+        await self.proc.finish("stop")
+
+    async def crash(self) -> None:
+        """SIGKILL: connections close with the process, the kubelet socket file stays."""
+        await self.proc.kill()
+
+    async def restart(self, crash: bool = False) -> Event:
+        await (self.crash() if crash else self.stop())
+        self.restarts += 1
+        return await self.start()
+
+    async def state(self) -> dict[str, Any]:
+        return await self.proc.call("state")
+
+    async def endpoints(self, driver: str) -> list[dict[str, Any]]:
+        drivers = (await self.state()).get("drivers") or {}
+        found = drivers.get(driver) or []
+        return list(found) if isinstance(found, list) else []
+
+    async def usable(self, driver: str) -> bool:
+        """The kubelet's own truth: the DRA plugin manager has an endpoint of the driver that gRPC
+        reports connected (the `usable` test that decides the ResourceSlice wipe)."""
+        return any(e.get("connected") for e in await self.endpoints(driver))
+
+    async def call(self, driver: str) -> Event:
+        """The kubelet's own empty NodePrepareResources through its own connection."""
+        return await self.proc.ask("call", driver, timeout=10)
+
+    def wipes(self, driver: str, after: int = 0) -> list[Event]:
+        return self.proc.find("wipe", lambda e: f"driver={driver}" in str(e.get("selector")), after)
+
+    async def close(self) -> None:
+        if self.proc.alive:
+            await self.proc.kill()
+        self.proc.cleanup()
+
+    async def __aenter__(self) -> RealDraKubelet:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class RealDraDriver:
+    """A DRA driver on `kubeletplugin.Start`: its registration socket in the registry, its DRA service
+    in a folder of its own."""
+
+    def __init__(
+        self,
+        name: str,
+        registry: str,
+        plugin_dir: str,
+        *,
+        release: Release = "new",
+        reg_socket: str = "",
+        rolling_uid: str = "",
+        health: str = "off",
+    ) -> None:
+        self.name = name
+        self.registry = registry
+        self.plugin_dir = plugin_dir
+        self.release = release
+        argv = [
+            _binary(release),
+            "driver",
+            "--name",
+            name,
+            "--registry",
+            registry,
+            "--plugin-dir",
+            plugin_dir,
+        ]
+        if reg_socket:
+            argv += ["--reg-socket", reg_socket]
+        if rolling_uid:
+            argv += ["--rolling-uid", rolling_uid]
+        argv += ["--health", health]
+        self.proc = FixtureProcess(argv, f"dra-driver-{name}-{RELEASES[release]}")
+        self.registration = ""
+        self.service = ""
+
+    async def start(self) -> Event:
+        await self.proc.spawn()
+        ready = await self.proc.wait_event("ready", timeout=30)
+        self.registration, self.service = str(ready["registration"]), str(ready["service"])
+        return ready
+
+    async def stop(self) -> None:
+        """An orderly stop: the helper closes both listeners and removes both socket files."""
+        await self.proc.finish("stop")
+
+    async def crash(self) -> None:
+        """SIGKILL: both socket files stay, nothing listens on them."""
+        await self.proc.kill()
+
+    async def set(self, switch: str, on: bool) -> None:
+        """refuse (NotifyRegistrationStatus fails), getinfo-error, hang (every call blocks)."""
+        await self.proc.call(switch, "on" if on else "off")
+
+    async def drop(self) -> int:
+        """End the kubelet's connections to the DRA service (the listener stays): their number."""
+        return int((await self.proc.call("drop")).get("dropped") or 0)
+
+    async def service_off(self) -> None:
+        """Close the DRA service's listener and its connections; registration keeps answering."""
+        await self.proc.call("service-off")
+
+    async def status(self) -> dict[str, Any]:
+        return await self.proc.call("status")
+
+    def calls(self, method: str, after: int = 0) -> int:
+        return len(self.proc.find("call", lambda e: e.get("method") == method, after))
+
+    async def close(self) -> None:
+        if self.proc.alive:
+            await self.proc.kill()
+        self.proc.cleanup()
+
+    async def __aenter__(self) -> RealDraDriver:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

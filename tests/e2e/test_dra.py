@@ -1,0 +1,142 @@
+"""The whole sidecar (HTTP, probe loop) watching a DRA driver of the real DRA fixture (tests/realdra).
+
+Short settings: a 3 s DRA grace, 0.5 s rounds. Figures printed with -s are under the shared
+machine's contention, not asserted beyond the bound the rules promise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+
+from sidecar.app import Sidecar
+from sidecar.config import Settings
+from sidecar.dra import DraSpec
+from sidecar.testing import free_port
+from sidecar.testing.realdra import RealDraDriver, RealDraKubelet, Release
+from tests.e2e.conftest import Watch, sidecar_running
+
+DRIVER = "gpu.example.com"
+GRACE = 3.0
+INTERVAL = 0.5
+
+
+@dataclass
+class DraNode:
+    root: str
+    kubelet: RealDraKubelet
+    driver: RealDraDriver
+    sidecar: Sidecar
+    settings: Settings
+    http: aiohttp.ClientSession
+
+    async def get(self, path: str) -> tuple[int, str]:
+        async with self.http.get(f"http://127.0.0.1:{self.settings.port}{path}") as r:
+            return r.status, await r.text()
+
+    async def until(self, path: str, status: int, timeout: float = 15.0, contains: str = "") -> float:
+        started = time.monotonic()
+        while True:
+            code, body = await self.get(path)
+            if code == status and contains in body:
+                return time.monotonic() - started
+            if time.monotonic() - started > timeout:
+                pytest.fail(f"{path} answered {code} after {timeout}s, not {status} {contains!r}:\n{body}")
+            await asyncio.sleep(0.01)
+
+    async def until_ok(self, check: str, timeout: float = 15.0) -> None:
+        """Until the check's state is ok (its /healthz/<check> also answers 200 while it fails
+        readiness only)."""
+        async with asyncio.timeout(timeout):
+            while self.sidecar.state.checks[check].status.value != "ok":
+                await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def dra_node(short_tmp: str, dra_release: Release) -> AsyncIterator[DraNode]:
+    """A kubelet (not started), a driver (started), and the sidecar watching the driver; the
+    device-plugins folder holds the kubelet's stand-in kubelet.sock only."""
+    registry = os.path.join(short_tmp, "plugins_registry")
+    dp_dir = os.path.join(short_tmp, "device-plugins")
+    os.makedirs(registry)
+    os.makedirs(dp_dir)
+    kubelet = RealDraKubelet(
+        registry, os.path.join(short_tmp, "state"), os.path.join(dp_dir, "kubelet.sock"), release=dra_release
+    )
+    driver = RealDraDriver(DRIVER, registry, os.path.join(short_tmp, "plugins", DRIVER), release=dra_release)
+    settings = Settings(
+        device_plugin_dir=dp_dir,
+        plugins=(),
+        dra_drivers=(DraSpec(DRIVER, os.path.join(registry, f"{DRIVER}-reg.sock")),),
+        dra_grace=GRACE,
+        probe_interval=INTERVAL,
+        probe_timeout=0.4,
+        registration_grace=1.5,
+        host="127.0.0.1",
+        port=free_port(),
+    )
+    try:
+        await driver.start()
+        async with sidecar_running(settings) as (sidecar, _task), aiohttp.ClientSession() as http:
+            yield DraNode(short_tmp, kubelet, driver, sidecar, settings, http)
+    finally:
+        await driver.close()
+        await kubelet.close()
+
+
+async def test_running_but_not_registered_fails_liveness_within_grace_plus_interval(
+    dra_node: DraNode,
+) -> None:
+    node = dra_node
+    await node.driver.set("refuse", True)
+    await node.kubelet.start()
+    started = time.monotonic()
+    took = await node.until("/healthz?verbose", 503, contains=f"dra-registered:{DRIVER}")
+    print(f"\nnot registered -> 503 after {took:.2f}s (grace {GRACE}s + interval {INTERVAL}s)")
+    # The grace runs from the first round that sees the new kubelet (up to one interval after its start),
+    # and the 503 comes at the first round after it: grace + 2 intervals, plus a round's own time.
+    assert time.monotonic() - started <= GRACE + 2 * INTERVAL + 0.5
+    assert not await node.kubelet.usable(DRIVER)
+    code, _ = await node.get(f"/healthz/dra-plugin:{DRIVER}")
+    assert code == 200  # the driver answers; the liveness failure is registration's
+    _, metrics = await node.get("/metrics")
+    assert (
+        f'device_plugin_check_fails_liveness{{check="dra-registered",plugin="hami",resource="{DRIVER}"}} 1.0'
+        in (metrics)
+    )
+    # The refusal ends, the kubelet's retry registers it, liveness passes again.
+    await node.driver.set("refuse", False)
+    await node.until("/healthz", 200, timeout=30)
+    assert await node.kubelet.usable(DRIVER)
+
+
+async def test_registered_driver_never_fails_liveness_through_kubelet_restarts(dra_node: DraNode) -> None:
+    node = dra_node
+    await node.kubelet.start()
+    await node.until_ok(f"dra-registered:{DRIVER}")
+    watch = Watch(node, "/healthz?verbose", pause=0.01)
+    await watch.started()
+    try:
+        for crash in (True, False):
+            await node.kubelet.restart(crash=crash)
+            await node.until_ok(f"dra-registered:{DRIVER}")
+    finally:
+        codes = await watch.stop()
+    bad = [body for _, code, body in watch.seen if code != 200]
+    assert not bad, bad[:2]
+    assert codes.count(200) == len(codes)
+    seen = [
+        b
+        for _, _, b in watch.seen
+        if f"[~]dra-registered:{DRIVER}" in b or f"[!]dra-registered:{DRIVER}" in b
+    ]
+    assert seen, "the kubelet restarts were not seen"
+    status = node.sidecar.status_document()
+    assert status["dra"]["drivers"][DRIVER]["kubelet_connections"] == 1
+    assert status["checks"][f"dra-registered:{DRIVER}"]["state"] == "ok"

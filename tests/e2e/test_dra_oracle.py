@@ -1,0 +1,236 @@
+"""An oracle for DRA drivers: seeded random events through the kubelet's real plugin manager and DRA
+manager (tests/realdra), the sidecar's DRA verdicts compared at every quiet point with the kubelet's
+truth.
+
+The truth: the DRA plugin manager has an endpoint of the driver that gRPC reports connected (its
+`usable`, which decides the ResourceSlice wipe). The sidecar's `dra-registered` must be ok exactly
+then (within SETTLE seconds); it must never fail liveness while the driver is usable and answers,
+nor while the kubelet is down; and once the grace has passed (the judge's clock is the test's) with
+the kubelet up, the driver answering and not usable, it must fail liveness, unless the restart
+budget is spent.
+
+Marked slow: `make real-slow` runs 200 events with three seeds on each release, the two releases side
+by side (ORACLE_EVENTS, ORACLE_SEEDS; 5 events and seed 1 by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from sidecar.dra import RESTART_BUDGET, DraSpec, Judgement
+from sidecar.drawatch import DraWatch
+from sidecar.health import Status
+from sidecar.testing.realdra import RealDraDriver, RealDraKubelet, Release
+from tests.test_realdra import Clock
+
+EVENTS = int(os.environ.get("ORACLE_EVENTS", "5"))
+SEEDS = [int(s) for s in os.environ.get("ORACLE_SEEDS", "1").split(",")]
+SETTLE = 8.0  # the kubelet's registration (its 1 s reconciler, its retry backoff) and reconnection
+GRACE = 150.0
+QUIET = 1.5
+DRIVER = "gpu.example.com"
+
+
+@dataclass
+class Oracle:
+    root: str
+    release: Release
+    rng: random.Random
+    kubelet: RealDraKubelet
+    driver: RealDraDriver
+    watch: DraWatch
+    clock: Clock
+    history: list[str] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+    kubelet_up: bool = True
+    alive: bool = True  # the driver process runs
+    service: bool = True  # its DRA service listens
+    hung: bool = False
+    refusing: bool = False
+    rounds: int = 0
+    seen_usable: set[bool] = field(default_factory=set)
+
+    def new_driver(self) -> RealDraDriver:
+        return RealDraDriver(
+            DRIVER, self.kubelet.registry, os.path.join(self.root, "plugins", DRIVER), release=self.release
+        )
+
+    async def usable(self) -> bool:
+        return self.kubelet_up and await self.kubelet.usable(DRIVER)
+
+    async def judge(self) -> Judgement:
+        self.rounds += 1
+        return (await self.watch.round())[DRIVER][1]
+
+    def check_liveness(self, j: Judgement, usable: bool) -> None:
+        if usable and not self.hung and (j.registered.live_failed or j.plugin.live_failed):
+            self.mismatches.append(f"wrong liveness failure while usable, after {self.history[-6:]}: {j}")
+        if not self.kubelet_up and j.registered.live_failed:
+            self.mismatches.append(
+                f"liveness failure while the kubelet is down, after {self.history[-6:]}: {j}"
+            )
+
+    async def quiet(self) -> None:
+        """Until the kubelet's truth has not changed for QUIET seconds (its reconciler runs each
+        second; a registration or a reconnection lands within that), at most SETTLE."""
+        started = stable = time.monotonic()
+        last = await self.usable()
+        while time.monotonic() - stable < QUIET and time.monotonic() - started < SETTLE:
+            await asyncio.sleep(0.1)
+            now = await self.usable()
+            if now != last:
+                last, stable = now, time.monotonic()
+
+    async def settle(self) -> None:
+        await self.quiet()
+        deadline = time.monotonic() + SETTLE
+        while True:
+            usable = await self.usable()
+            self.seen_usable.add(usable)
+            j = await self.judge()
+            self.check_liveness(j, usable)
+            if (j.registered.status is Status.OK) == usable:
+                break
+            if time.monotonic() > deadline:
+                self.mismatches.append(
+                    f"after {self.history[-6:]}: sidecar {j.registered}, kubelet usable={usable}"
+                )
+                return
+            await asyncio.sleep(0.1)
+        # The grace side: once it passed, a driver that answers and is not usable fails liveness.
+        if self.history and self.history[-1] == "time passes":
+            expect = (
+                not usable
+                and self.kubelet_up
+                and self.alive
+                and not self.hung
+                and self.clock.now - j.spell_started >= GRACE
+                and j.restarts_in_vain < RESTART_BUDGET
+            )
+            if j.registered.live_failed != expect:
+                self.mismatches.append(
+                    f"after {self.history[-6:]}: dra-registered fails liveness={j.registered.live_failed}, "
+                    f"expected {expect} (usable={usable}, alive={self.alive}, kubelet up={self.kubelet_up})"
+                )
+
+    async def step(self) -> None:
+        k, rng = self.kubelet, self.rng
+        event = rng.choice(
+            [
+                "kubelet-restart",
+                "kubelet-down",
+                "driver-restart",
+                "driver-crash",
+                "refuse",
+                "drop",
+                "service-off",
+                "hang",
+                "time",
+            ]
+        )
+        if not self.kubelet_up:
+            event = "kubelet-up" if rng.random() < 0.7 else "time"
+        elif not self.alive:
+            event = "driver-start" if rng.random() < 0.7 else "time"
+        if event == "kubelet-restart":
+            crash = rng.random() < 0.5
+            await k.restart(crash=crash)
+            self.history.append(f"kubelet restart crash={crash}")
+        elif event == "kubelet-down":
+            crash = rng.random() < 0.5
+            await (k.crash() if crash else k.stop())
+            self.kubelet_up = False
+            self.history.append(f"kubelet down crash={crash}")
+        elif event == "kubelet-up":
+            await k.start()
+            self.kubelet_up = True
+            self.history.append("kubelet up")
+        elif event in ("driver-restart", "driver-crash"):
+            crash = event == "driver-crash"
+            if self.hung and not crash:
+                await self.driver.set("hang", False)  # an orderly stop waits for the calls in flight
+            await (self.driver.crash() if crash else self.driver.stop())
+            await self.driver.close()
+            self.alive, self.service, self.hung, self.refusing = False, False, False, False
+            self.history.append("driver crash" if crash else "driver stop")
+            if rng.random() < 0.6:
+                await self.start_driver()
+        elif event == "driver-start":
+            await self.start_driver()
+        elif event == "refuse":
+            self.refusing = not self.refusing
+            await self.driver.set("refuse", self.refusing)
+            self.history.append(f"refuse {self.refusing}")
+        elif event == "drop" and self.service:
+            n = await self.driver.drop()
+            self.history.append(f"drop {n} connections")
+        elif event == "service-off" and self.service:
+            await self.driver.service_off()
+            self.service = False
+            self.history.append("service off")
+        elif event == "hang":
+            self.hung = not self.hung
+            await self.driver.set("hang", self.hung)
+            self.history.append(f"hang {self.hung}")
+        else:
+            self.clock.now += GRACE + 1
+            self.history.append("time passes")
+
+    async def start_driver(self) -> None:
+        self.driver = self.new_driver()
+        await self.driver.start()
+        self.alive, self.service = True, True
+        self.history.append("driver start")
+
+
+@pytest.fixture
+def oracle_parts(short_tmp: str, dra_release: Release) -> tuple[str, Release]:
+    return short_tmp, dra_release
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(max(120, EVENTS * 12))
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_dra_verdicts_agree_with_the_real_dra_manager_over_random_events(
+    oracle_parts: tuple[str, Release], seed: int
+) -> None:
+    root, release = oracle_parts
+    registry = os.path.join(root, "plugins_registry")
+    os.makedirs(registry)
+    kubelet_socket = os.path.join(root, "kubelet.sock")
+    kubelet = RealDraKubelet(registry, os.path.join(root, "state"), kubelet_socket, release=release)
+    clock = Clock()
+    watch = DraWatch(
+        [DraSpec(DRIVER, os.path.join(registry, f"{DRIVER}-reg.sock"))],
+        kubelet_socket,
+        grace=GRACE,
+        timeout=0.5,
+        clock=clock,
+    )
+    driver = RealDraDriver(DRIVER, registry, os.path.join(root, "plugins", DRIVER), release=release)
+    oracle = Oracle(root, release, random.Random(seed), kubelet, driver, watch, clock)
+    try:
+        await kubelet.start()
+        await driver.start()
+        await oracle.settle()
+        started = time.monotonic()
+        for _ in range(EVENTS):
+            await oracle.step()
+            await oracle.settle()
+        took = time.monotonic() - started
+        print(
+            f"DRA oracle seed {seed} on {kubelet.version}: {EVENTS} events, "
+            f"{oracle.rounds} rounds, {took:.0f} s"
+        )
+        print("  " + "; ".join(oracle.history))
+        print(f"  usable seen: {sorted(oracle.seen_usable)}")
+    finally:
+        await oracle.driver.close()
+        await kubelet.close()
+    assert not oracle.mismatches, "\n".join(oracle.mismatches[:10])

@@ -1,0 +1,296 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"path"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/klog/v2"
+)
+
+type driverOptions struct {
+	name       string
+	registry   string
+	pluginDir  string
+	regSocket  string
+	rollingUID string
+	health     string
+	node       string
+	verbosity  string
+}
+
+func parseDriverFlags(args []string) (driverOptions, error) {
+	var o driverOptions
+	fs := flag.NewFlagSet("driver", flag.ContinueOnError)
+	fs.StringVar(&o.name, "name", "", "the DRA driver's name")
+	fs.StringVar(&o.registry, "registry", "", "the kubelet's plugins_registry folder")
+	fs.StringVar(&o.pluginDir, "plugin-dir", "", "the driver's own folder for its DRA service socket")
+	fs.StringVar(&o.regSocket, "reg-socket", "", "the registration socket's file name (default: the helper's)")
+	fs.StringVar(&o.rollingUID, "rolling-uid", "", "a pod UID: the helper's rolling-update mode (a socket per instance)")
+	fs.StringVar(&o.health, "health", "off", "the DRAResourceHealth service: off, unsupported (1.37 helper only), v1 (1.37 helper only)")
+	fs.StringVar(&o.node, "node", "node-1", "the node's name")
+	fs.StringVar(&o.verbosity, "v", "2", "klog verbosity")
+	if err := fs.Parse(args); err != nil {
+		return o, err
+	}
+	if o.name == "" || o.registry == "" || o.pluginDir == "" {
+		return o, errors.New("--name, --registry and --plugin-dir are required")
+	}
+	return o, nil
+}
+
+// driver is a DRA kubelet plugin on the helper, with switches the tests turn: refuse the kubelet's
+// NotifyRegistrationStatus, fail GetInfo, hang every call. It counts the calls it receives.
+type driver struct {
+	o      driverOptions
+	helper *kubeletplugin.Helper
+	hung   atomic.Bool
+	unhang chan struct{}
+	mu     sync.Mutex
+	calls  map[string]int
+	svc    *serviceListener
+}
+
+// serviceListener is the DRA service's listener as the helper makes it (remove a stale file, listen),
+// keeping the connections it accepted so that a test can end them ("drop") or stop serving ("service off").
+type serviceListener struct {
+	net.Listener
+	mu    sync.Mutex
+	conns []net.Conn
+}
+
+func (l *serviceListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err == nil {
+		l.mu.Lock()
+		l.conns = append(l.conns, c)
+		l.mu.Unlock()
+	}
+	return c, err
+}
+
+func (l *serviceListener) drop() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := len(l.conns)
+	for _, c := range l.conns {
+		_ = c.Close()
+	}
+	l.conns = nil
+	return n
+}
+
+func driverMain(args []string) int {
+	o, err := parseDriverFlags(args)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "realdra driver:", err)
+		return 2
+	}
+	fs := flag.NewFlagSet("klog", flag.ContinueOnError)
+	klog.InitFlags(fs)
+	_ = fs.Set("v", o.verbosity)
+	klog.SetOutput(os.Stderr)
+	_ = fs.Set("logtostderr", "false")
+	_ = fs.Set("stderrthreshold", "FATAL")
+	defer klog.Flush()
+	d := &driver{o: o, calls: map[string]int{}, unhang: make(chan struct{})}
+	if err := d.start(); err != nil {
+		event("start-failed", map[string]any{"error": err.Error()})
+		fmt.Fprintln(os.Stderr, "realdra driver:", err)
+		return 1
+	}
+	regFile := o.regSocket
+	if regFile == "" {
+		regFile = registrarSocketFile(o.registry, o.name, types.UID(o.rollingUID))
+	}
+	draFile := "dra.sock"
+	if o.rollingUID != "" {
+		draFile = "dra-" + o.rollingUID + ".sock"
+	}
+	event("ready", map[string]any{
+		"pid": os.Getpid(), "release": kubernetesRelease,
+		"registration": filepath.Join(o.registry, regFile), "service": path.Join(o.pluginDir, draFile),
+	})
+	serveCommands(d.handle)
+	d.helper.Stop()
+	return 0
+}
+
+func (d *driver) start() error {
+	if err := os.MkdirAll(d.o.pluginDir, 0o750); err != nil {
+		return err
+	}
+	client := fake.NewSimpleClientset(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: d.o.node}})
+	opts := []kubeletplugin.Option{
+		kubeletplugin.DriverName(d.o.name),
+		kubeletplugin.RegistrarDirectoryPath(d.o.registry),
+		kubeletplugin.PluginDataDirectoryPath(d.o.pluginDir),
+		kubeletplugin.KubeClient(client),
+		kubeletplugin.NodeName(d.o.node),
+		kubeletplugin.GRPCInterceptor(d.unary),
+		kubeletplugin.GRPCStreamInterceptor(d.stream),
+		kubeletplugin.PluginListener(func(_ context.Context, path string) (net.Listener, error) {
+			if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
+				return nil, err
+			}
+			l, err := net.Listen("unix", path)
+			if err != nil {
+				return nil, err
+			}
+			d.svc = &serviceListener{Listener: l}
+			return d.svc, nil
+		}),
+	}
+	if d.o.regSocket != "" {
+		opts = append(opts, kubeletplugin.RegistrarSocketFilename(d.o.regSocket))
+	}
+	if d.o.rollingUID != "" {
+		opts = append(opts, kubeletplugin.RollingUpdate(types.UID(d.o.rollingUID)))
+	}
+	impl, more, err := pluginImpl(d, d.o.health)
+	if err != nil {
+		return err
+	}
+	ctx := klog.NewContext(context.Background(), klog.Background())
+	h, err := kubeletplugin.Start(ctx, impl, append(opts, more...)...)
+	if err != nil {
+		return err
+	}
+	d.helper = h
+	return nil
+}
+
+func (d *driver) count(method string) {
+	d.mu.Lock()
+	d.calls[path.Base(method)]++
+	d.mu.Unlock()
+	event("call", map[string]any{"method": path.Base(method)})
+}
+
+// wait blocks while the driver is hung (a driver whose gRPC server accepts but never answers).
+func (d *driver) wait(ctx context.Context) error {
+	if !d.hung.Load() {
+		return nil
+	}
+	d.mu.Lock()
+	ch := d.unhang
+	d.mu.Unlock()
+	select {
+	case <-ch:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (d *driver) unary(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	d.count(info.FullMethod)
+	if err := d.wait(ctx); err != nil {
+		return nil, err
+	}
+	return handler(ctx, req)
+}
+
+func (d *driver) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+	d.count(info.FullMethod)
+	if err := d.wait(ss.Context()); err != nil {
+		return err
+	}
+	return handler(srv, ss)
+}
+
+func (d *driver) handle(c command) bool {
+	on := len(c.args) == 1 && c.args[0] == "on"
+	switch c.name {
+	case "refuse":
+		var err error
+		if on {
+			err = status.Error(codes.FailedPrecondition, "refused by the test")
+		}
+		d.helper.SetNotifyRegistrationStatusError(err)
+		c.reply(nil, nil)
+	case "getinfo-error":
+		var err error
+		if on {
+			err = status.Error(codes.Internal, "GetInfo fails by the test")
+		}
+		d.helper.SetGetInfoError(err)
+		c.reply(nil, nil)
+	case "hang":
+		d.mu.Lock()
+		if on && !d.hung.Load() {
+			d.unhang = make(chan struct{})
+			d.hung.Store(true)
+		} else if !on && d.hung.Load() {
+			d.hung.Store(false)
+			close(d.unhang)
+		}
+		d.mu.Unlock()
+		c.reply(nil, nil)
+	case "drop":
+		// The kubelet's connections to the DRA service end; the listener stays.
+		c.reply(map[string]any{"dropped": d.svc.drop()}, nil)
+	case "service-off":
+		// The DRA service's listener closes (its socket file goes) and its connections end; the
+		// registration socket keeps answering: a driver whose DRA server died.
+		err := d.svc.Listener.Close()
+		c.reply(map[string]any{"dropped": d.svc.drop()}, err)
+	case "status":
+		calls := map[string]int{}
+		d.mu.Lock()
+		for k, v := range d.calls {
+			calls[k] = v
+		}
+		d.mu.Unlock()
+		out := map[string]any{"calls": calls, "registration": nil}
+		if s := d.helper.RegistrationStatus(); s != nil {
+			out["registration"] = map[string]any{"registered": s.PluginRegistered, "error": s.Error}
+		}
+		c.reply(out, nil)
+	case "stop", "quit":
+		c.reply(nil, nil)
+		return true
+	default:
+		c.reply(nil, fmt.Errorf("unknown command %q", c.name))
+	}
+	return false
+}
+
+// basePlugin prepares and unprepares nothing: the tests never allocate a claim.
+type basePlugin struct{ d *driver }
+
+func (basePlugin) PrepareResourceClaims(_ context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
+	out := map[types.UID]kubeletplugin.PrepareResult{}
+	for _, c := range claims {
+		out[c.UID] = kubeletplugin.PrepareResult{}
+	}
+	return out, nil
+}
+
+func (basePlugin) UnprepareResourceClaims(_ context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
+	out := map[types.UID]error{}
+	for _, c := range claims {
+		out[c.UID] = nil
+	}
+	return out, nil
+}
+
+func (basePlugin) HandleError(_ context.Context, err error, msg string) {
+	event("driver-error", map[string]any{"error": err.Error(), "msg": msg})
+}

@@ -1,0 +1,376 @@
+"""The sidecar's DRA verdicts against the kubelet's real plugin manager and DRA manager (tests/realdra).
+
+Both releases of the fixture: "new" is k8s.io/kubernetes v1.37.2, "old" v1.36.5. The kubelet's
+truth is its own state (the DRA plugin manager's endpoints and whether gRPC reports them
+connected); the sidecar's verdicts come from `sidecar.drawatch.DraWatch`, whose judge runs on a
+clock the test moves. Without the fixture (`make dra-fixtures`) the tests skip; under CI=true
+they fail. Marked slow: `make real-slow` runs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from sidecar.dra import DEFAULT_GRACE, DraSpec, Judgement
+from sidecar.drawatch import DraWatch, get_info
+from sidecar.health import Status
+from sidecar.testing.realdra import FixtureError, RealDraDriver, RealDraKubelet, Release
+from tests.conftest import require_dra_fixture
+
+DRIVER = "gpu.example.com"
+RELEASES: list[Release] = ["new", "old"]
+# About a minute for both releases: run by `make real-slow` (and .ci/run), not `make test`, which
+# keeps tests/e2e/test_dra.py (the whole sidecar against the same fixture) and the wire vectors.
+pytestmark = pytest.mark.slow
+
+
+require_fixture = require_dra_fixture
+
+
+@pytest.fixture(params=RELEASES)
+def release(request: pytest.FixtureRequest) -> Release:
+    rel: Release = request.param
+    require_fixture(rel)
+    return rel
+
+
+class Clock:
+    """The judge's clock: moved by the test, never by waiting."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Node:
+    """One test's node: a registry, a kubelet, drivers, and the sidecar's watch of one driver."""
+
+    def __init__(self, root: str, release: Release) -> None:
+        self.root = root
+        self.release = release
+        self.registry = os.path.join(root, "plugins_registry")
+        self.plugins = os.path.join(root, "plugins")
+        os.makedirs(self.registry)
+        os.makedirs(self.plugins)
+        self.kubelet_socket = os.path.join(root, "kubelet.sock")
+        self.kubelet = RealDraKubelet(
+            self.registry, os.path.join(root, "state"), self.kubelet_socket, release=release
+        )
+        self.drivers: list[RealDraDriver] = []
+        self.clock = Clock()
+
+    def driver(self, name: str = DRIVER, **kw: str) -> RealDraDriver:
+        d = RealDraDriver(name, self.registry, os.path.join(self.plugins, name), release=self.release, **kw)
+        self.drivers.append(d)
+        return d
+
+    def watch(self, registration: str, name: str = DRIVER, grace: float = DEFAULT_GRACE) -> DraWatch:
+        return DraWatch(
+            [DraSpec(name, registration)], self.kubelet_socket, grace=grace, timeout=2.0, clock=self.clock
+        )
+
+    async def close(self) -> None:
+        for d in self.drivers:
+            await d.close()
+        await self.kubelet.close()
+
+
+@pytest.fixture
+async def node(short_tmp: str, release: Release) -> AsyncIterator[Node]:
+    require_fixture(release)
+    n = Node(short_tmp, release)
+    try:
+        yield n
+    finally:
+        await n.close()
+
+
+async def verdict(watch: DraWatch, name: str = DRIVER) -> Judgement:
+    return (await watch.round())[name][1]
+
+
+async def until(predicate: Callable[[], Awaitable[bool]], timeout: float = 15.0, what: str = "") -> None:
+    async with asyncio.timeout(timeout):
+        while not await predicate():
+            await asyncio.sleep(0.05)
+
+
+async def settle(node: Node, watch: DraWatch, usable: bool, timeout: float = 30.0) -> Judgement:
+    """Wait until the kubelet's truth is `usable` and the sidecar's reading agrees (the kernel's table
+    and the kubelet's gRPC state change a few ms apart); the last verdict."""
+    last: list[Judgement] = []
+
+    async def agreed() -> bool:
+        if await node.kubelet.usable(DRIVER) != usable:
+            return False
+        j = await verdict(watch)
+        last[:] = [j]
+        return (j.registered.status is Status.OK) == usable
+
+    try:
+        await until(agreed, timeout)
+    except TimeoutError:
+        pytest.fail(f"kubelet usable={usable} and the sidecar did not agree: {last}")
+    return last[0]
+
+
+async def test_registration_getinfo_only(node: Node) -> None:
+    driver = node.driver()
+    await driver.start()
+    watch = node.watch(driver.registration)
+    # No kubelet yet: alive, not registered, pending (no restart asked for) within the grace.
+    j = await verdict(watch)
+    assert j.plugin.status is Status.OK, j
+    assert j.registered.status is Status.FAILED and not j.registered.restarts, j  # the kubelet is down
+    await node.kubelet.start()
+    j = await settle(node, watch, usable=True)
+    assert j.plugin.status is Status.OK
+    assert "1 connection" in j.registered.reason
+    (ep,) = await node.kubelet.endpoints(DRIVER)
+    assert ep["endpoint"] == driver.service
+    # The sidecar asks GetInfo only: its rounds add no NotifyRegistrationStatus and no DRA call.
+    status = await driver.status()
+    notify, prepare = (
+        status["calls"].get("NotifyRegistrationStatus"),
+        status["calls"].get("NodePrepareResources"),
+    )
+    for _ in range(3):
+        await verdict(watch)
+    status = await driver.status()
+    assert status["calls"].get("NotifyRegistrationStatus") == notify == 1
+    assert status["calls"].get("NodePrepareResources") == prepare
+    assert (await node.kubelet.call(DRIVER))["ok"], "the kubelet's own call on its connection"
+
+
+async def test_refused_registration_fails_after_grace_then_retry_registers(node: Node) -> None:
+    driver = node.driver()
+    await driver.start()
+    await driver.set("refuse", True)
+    await node.kubelet.start()
+    # The kubelet calls NotifyRegistrationStatus, is refused, deregisters and retries with backoff.
+    await until(lambda: _true(driver.calls("NotifyRegistrationStatus") >= 2), 15, "two refused attempts")
+    watch = node.watch(driver.registration)
+    await settle(node, watch, usable=False)
+    assert not await node.kubelet.endpoints(DRIVER)
+    j = await verdict(watch)
+    assert j.registered.status is Status.PENDING, j
+    node.clock.now += DEFAULT_GRACE + 1
+    j = await verdict(watch)
+    assert j.registered.status is Status.FAILED and j.registered.restarts, j  # fails liveness
+    # The refusal ends: the kubelet's next retry (its backoff is still short here) registers it.
+    await driver.set("refuse", False)
+    j = await settle(node, watch, usable=True, timeout=30)
+    assert j.registered.status is Status.OK
+
+
+async def test_driver_restart_same_socket(node: Node) -> None:
+    await node.kubelet.start()
+    first = node.driver()
+    await first.start()
+    watch = node.watch(first.registration)
+    await settle(node, watch, usable=True)
+    await first.stop()  # orderly: both sockets go, the kubelet deregisters
+    j = await settle(node, watch, usable=False)
+    assert j.registered.status is Status.PENDING and j.plugin.status is Status.PENDING, j
+    second = node.driver()
+    await second.start()
+    assert second.registration == first.registration
+    j = await settle(node, watch, usable=True)
+    assert j.plugin.status is Status.OK
+    assert len(await node.kubelet.endpoints(DRIVER)) == 1
+
+
+async def test_driver_crash_leaves_stale_sockets(node: Node) -> None:
+    await node.kubelet.start()
+    first = node.driver()
+    await first.start()
+    watch = node.watch(first.registration)
+    await settle(node, watch, usable=True)
+    await first.crash()  # SIGKILL: the files stay, nothing listens
+    j = await settle(node, watch, usable=False)
+    # Alive no more: the plugin check fails liveness at once (the container is dead anyway).
+    assert j.plugin.status is Status.FAILED and j.plugin.restarts, j
+    assert j.registered.status is not Status.OK and not j.registered.live_failed, j
+    # The kubelet keeps the endpoint (the registration socket file is still there) and reconnects
+    # to the new instance's service on the same path.
+    assert len(await node.kubelet.endpoints(DRIVER)) == 1
+    second = node.driver()
+    await second.start()
+    j = await settle(node, watch, usable=True)
+    assert j.plugin.status is Status.OK
+
+
+async def test_driver_restart_with_a_new_socket(node: Node) -> None:
+    """Rolling update: each instance its own registration and service socket (pod UID)."""
+    await node.kubelet.start()
+    old = node.driver(rolling_uid="uid-a")
+    await old.start()
+    old_watch = node.watch(old.registration)
+    await settle(node, old_watch, usable=True)
+    new = node.driver(rolling_uid="uid-b")
+    await new.start()
+    assert new.registration != old.registration and new.service != old.service
+    new_watch = node.watch(new.registration)
+
+    async def both() -> bool:
+        return len(await node.kubelet.endpoints(DRIVER)) == 2
+
+    await until(both, 15)
+    j = await settle(node, new_watch, usable=True)
+    assert j.registered.status is Status.OK
+    assert (await verdict(old_watch)).registered.status is Status.OK
+    await old.stop()
+
+    async def one() -> bool:
+        return [e["endpoint"] for e in await node.kubelet.endpoints(DRIVER)] == [new.service]
+
+    await until(one, 15)
+    assert (await verdict(new_watch)).registered.status is Status.OK
+    j = await verdict(old_watch)
+    assert j.registered.status is Status.PENDING and j.plugin.status is Status.PENDING, j
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["stop", "crash"])
+async def test_kubelet_restart_never_fails_liveness(node: Node, crash: bool) -> None:
+    await node.kubelet.start()
+    driver = node.driver()
+    await driver.start()
+    watch = node.watch(driver.registration)
+    await settle(node, watch, usable=True)
+    seen: list[Judgement] = []
+    stop = asyncio.Event()
+
+    async def observe() -> None:
+        while not stop.is_set():
+            seen.append(await verdict(watch))
+            await asyncio.sleep(0.02)
+
+    task = asyncio.create_task(observe())
+    try:
+        await node.kubelet.restart(crash=crash)
+        await settle(node, watch, usable=True)
+    finally:
+        stop.set()
+        await task
+    assert seen and not any(j.registered.live_failed or j.plugin.live_failed for j in seen), seen
+    assert any(j.registered.status is not Status.OK for j in seen), "the restart was not seen"
+
+
+async def test_connection_loss_reconnects_and_service_loss_fails_after_grace(node: Node) -> None:
+    await node.kubelet.start()
+    driver = node.driver()
+    await driver.start()
+    watch = node.watch(driver.registration)
+    await settle(node, watch, usable=True)
+    assert await driver.drop() >= 1
+    # The kubelet reconnects at once (its HandleConn asks gRPC to): never a liveness failure.
+    j = await settle(node, watch, usable=True)
+    assert not j.registered.live_failed
+    # The DRA service dies while registration answers: the kubelet cannot reconnect.
+    await driver.service_off()
+    j = await settle(node, watch, usable=False)
+    assert j.plugin.status is Status.OK
+    assert j.registered.status is Status.PENDING, j
+    node.clock.now += DEFAULT_GRACE + 1
+    j = await verdict(watch)
+    assert j.registered.status is Status.FAILED and j.registered.restarts, j
+    assert "does not exist" in j.registered.reason
+
+
+async def test_hung_driver_fails_liveness(node: Node) -> None:
+    await node.kubelet.start()
+    driver = node.driver()
+    await driver.start()
+    watch = node.watch(driver.registration)
+    await settle(node, watch, usable=True)
+    await driver.set("hang", True)
+    j = await verdict(watch)
+    assert j.plugin.status is Status.PENDING, j  # one timeout is not a hang
+    j = await verdict(watch)
+    assert j.plugin.status is Status.FAILED and j.plugin.restarts and "hung" in j.plugin.reason, j
+    await driver.set("hang", False)
+    assert (await verdict(watch)).plugin.status is Status.OK
+
+
+async def test_health_stream_per_release(node: Node) -> None:
+    """1.36 opens NodeWatchResources for every driver and logs an error each 5 s when it is not
+    served; 1.37 opens it only for a driver that advertises DRAResourceHealth."""
+    await node.kubelet.start()
+    driver = node.driver()
+    await driver.start()
+    watch = node.watch(driver.registration)
+    await settle(node, watch, usable=True)
+    mark = node.kubelet.proc.mark()
+    await asyncio.sleep(6)
+    message = "Error receiving from WatchResources stream"
+    errors = node.kubelet.proc.find("log", lambda e: e.get("msg") == message, mark)
+    (ep,) = await node.kubelet.endpoints(DRIVER)
+    if node.release == "old":
+        # The driver does not serve the service: gRPC answers Unimplemented before any handler (no
+        # call reaches the driver's interceptor), and the kubelet logs it as an error, again and again.
+        assert errors, "no health-stream error in 6 s"
+        await node.kubelet.proc.wait_log(
+            message, after=node.kubelet.proc.events.index(errors[-1]) + 1, timeout=7
+        )
+        assert "Unimplemented" in str(errors[0]["line"])
+        assert "health_service" not in ep
+    else:
+        assert driver.calls("NodeWatchResources") == 0
+        assert not errors
+        assert ep["health_service"] == ""
+    # Either way the driver is registered, and the sidecar says so.
+    assert (await verdict(watch)).registered.status is Status.OK
+
+
+@pytest.mark.parametrize("release", ["new"])  # the 1.36 helper's driver here has no health service
+async def test_health_stream_declined_on_the_new_release(node: Node) -> None:
+    await node.kubelet.start()
+    driver = node.driver(health="unsupported")
+    await driver.start()
+    watch = node.watch(driver.registration)
+    await settle(node, watch, usable=True)
+    await until(lambda: _true(driver.calls("NodeWatchResources") >= 1), 10)
+    (ep,) = await node.kubelet.endpoints(DRIVER)
+    assert ep["health_service"] == "v1.DRAResourceHealth"
+    await asyncio.sleep(6)
+    assert driver.calls("NodeWatchResources") == 1  # Unimplemented: the 1.37 kubelet stops watching
+    assert (await verdict(watch)).registered.status is Status.OK
+
+
+async def test_getinfo_names_another_driver(node: Node) -> None:
+    driver = node.driver("other.example.com")
+    await driver.start()
+    watch = node.watch(driver.registration, name=DRIVER)
+    j = await verdict(watch)
+    assert j.plugin.status is Status.FAILED and not j.plugin.restarts, j
+    assert not j.registered.live_failed
+
+
+async def test_getinfo_reading_is_total(short_tmp: str) -> None:
+    """Absent, a plain file, a stale socket: each a reason, never an exception."""
+    path = os.path.join(short_tmp, "x-reg.sock")
+    assert (await get_info(path, 0.5)).kind == "absent"
+    with open(path, "w") as f:
+        f.write("not a socket")
+    assert (await get_info(path, 0.5)).kind == "not-socket"
+    os.unlink(path)
+    import socket
+
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(path)
+    s.close()
+    assert (await get_info(path, 0.5)).kind == "refused"
+    assert (await get_info("\0bad", 0.5)).kind == "absent"
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+__all__ = ["FixtureError"]

@@ -1,0 +1,329 @@
+"""The kernel's tables of Unix sockets as `sidecar.unixdiag` reads them: total decoders, and lines or
+messages that a hostile neighbour makes up never counted as the kubelet's connections.
+
+Real sockets in network namespaces of the test's own (`sidecar.testing.netns`, root as in CI); the
+decoders also get every prefix and damaged copies of replies and tables the kernel wrote here."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from initcheck.netunix import (
+    ESTABLISHED,
+    LISTEN,
+    NAME_MAX,
+    PROC_HEADER,
+    parse_proc_net_unix,
+    read_proc_net_unix,
+)
+from sidecar.testing import netns
+from sidecar.testing.netns import Netns
+from sidecar.unixdiag import (
+    NLMSG_DONE,
+    NLMSG_ERROR,
+    SOCK_DIAG_BY_FAMILY,
+    Connections,
+    decode_reply,
+    kubelet_connections,
+)
+from tests.forged import (
+    NOBODY,
+    ROOT_NO_CAPS,
+    Holder,
+    comm,
+    connect,
+    forged_names,
+    kernel_line,
+    listen,
+    names,
+    serve,
+)
+
+# Runs in a namespace: binds the names it is given (hex), with a connection to each, then prints the raw
+# datagrams of one sock_diag dump and the namespace's /proc/self/net/unix, as hex, in JSON.
+CAPTURE = r"""
+import json, socket, sys
+from sidecar.unixdiag import diag_request
+held = []
+for name in map(bytes.fromhex, sys.argv[1:]):
+    s = socket.socket(socket.AF_UNIX); s.bind(name); s.listen()
+    c = socket.socket(socket.AF_UNIX); c.connect(name)
+    held += [s, c, s.accept()[0]]
+a = socket.socket(socket.AF_UNIX); a.bind(b"\0hami-guard-test"); a.listen(); held.append(a)
+n = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4)
+n.settimeout(2); n.send(diag_request())
+grams = []
+while True:
+    data = n.recv(1 << 16); grams.append(data.hex())
+    if int.from_bytes(data[4:6], "little") in (2, 3):
+        break
+table = open("/proc/self/net/unix", "rb").read().hex()
+print(json.dumps({"grams": grams, "table": table}))
+"""
+
+
+def capture(ns: Netns, *paths: str) -> tuple[list[bytes], bytes]:
+    argv = [sys.executable, "-c", CAPTURE, *(p.encode().hex() for p in paths)]
+    done = ns.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    return [bytes.fromhex(g) for g in out["grams"]], bytes.fromhex(out["table"])
+
+
+@pytest.fixture
+def ns() -> Iterator[Netns]:
+    netns.require()
+    with Netns() as n:
+        yield n
+
+
+def message(kind: int, payload: bytes) -> bytes:
+    return struct.pack("=IHHII", 16 + len(payload), kind, 0, 1, 0) + payload + b"\0" * (-len(payload) % 4)
+
+
+# -- sock_diag -----------------------------------------------------------------------------------------
+def test_the_replies_the_fuzzer_found_are_typed_results() -> None:
+    """Each of these raised (struct.error, OverflowError) before the decoder was made total."""
+    short = decode_reply(message(SOCK_DIAG_BY_FAMILY, b"\x01" * 15))
+    assert (short.sockets, short.skipped, short.error, short.done) == ((), 1, "", False)
+    assert decode_reply(message(NLMSG_ERROR, b"")).error == "an error message of 0 bytes"
+    assert decode_reply(message(NLMSG_ERROR, struct.pack("=i", -(2**31)))).error == "error 2147483648"
+    assert decode_reply(message(NLMSG_ERROR, struct.pack("=i", -13))).error == os.strerror(13)
+    assert decode_reply(message(NLMSG_ERROR, struct.pack("=i", 0))).error == os.strerror(5)
+    assert decode_reply(message(NLMSG_DONE, b"")).done
+    # A length past the datagram, below a header, and an attribute running past its message.
+    assert decode_reply(struct.pack("=IHHII", 100, NLMSG_DONE, 0, 0, 0) + b"\xff" * 40).error
+    assert decode_reply(struct.pack("=IHHII", 3, NLMSG_DONE, 0, 0, 0)).error
+    msg = struct.pack("=BBBBI2I", socket.AF_UNIX, 1, LISTEN, 0, 77, 0, 0) + struct.pack("=HH", 200, 0)
+    assert decode_reply(message(SOCK_DIAG_BY_FAMILY, msg)).skipped == 1
+    other = struct.pack("=BBBBI2I", socket.AF_INET, 1, LISTEN, 0, 77, 0, 0)
+    assert decode_reply(message(SOCK_DIAG_BY_FAMILY, other)).skipped == 1
+    assert decode_reply(b"\0" * 7).skipped == 1
+
+
+def test_a_kernel_reply_decodes_and_every_damaged_copy_is_a_typed_result(ns: Netns, short_tmp: str) -> None:
+    path = os.path.join(short_tmp, "nvidia-gpu.sock")
+    grams, _ = capture(ns, path)
+    replies = [decode_reply(g) for g in grams]
+    assert replies[-1].done and not any(r.error or r.skipped for r in replies)
+    sockets = [s for r in replies for s in r.sockets]
+    st = os.stat(path)
+    accepted = [s for s in sockets if s.vfs == (st.st_dev, st.st_ino) and s.state == ESTABLISHED]
+    assert len(accepted) == 1 and accepted[0].path == path
+    client = next(s for s in sockets if s.ino == accepted[0].peer)
+    assert client.peer == accepted[0].ino and client.vfs is None
+    assert any(s.path == "" and s.state == LISTEN and s.vfs is None for s in sockets)  # the abstract one
+    data = grams[0]
+    for cut in range(len(data) + 1):
+        decode_reply(data[:cut])
+    for at in range(len(data)):
+        for byte in (0x00, 0x03, 0x7F, 0xFF):
+            decode_reply(data[:at] + bytes([byte]) + data[at + 1 :])
+
+
+# -- /proc/<pid>/net/unix ------------------------------------------------------------------------------
+def test_a_kernel_table_parses_and_every_damaged_copy_is_a_typed_result(ns: Netns, short_tmp: str) -> None:
+    path = os.path.join(short_tmp, "nvidia-gpu.sock")
+    _, table = capture(ns, path)
+    parsed = parse_proc_net_unix(table.splitlines(keepends=True))
+    assert parsed.skipped == 0
+    # A short line after a name may be a part of it (here an unnamed socket's, after the abstract name);
+    # a line with a path this long never is.
+    assert all(s.path == "" for s in parsed.doubtful)
+    assert sorted(s.state for s in parsed.sockets if s.path == path) == [ESTABLISHED, LISTEN]
+    for cut in range(0, len(table) + 1, 7):
+        parse_proc_net_unix(table[:cut].splitlines(keepends=True))
+    for at in range(len(table)):
+        damaged = table[:at] + b"\n" + table[at + 1 :]
+        parse_proc_net_unix(damaged.splitlines(keepends=True))
+
+
+def test_lines_inside_a_name_are_never_sockets(ns: Netns, short_tmp: str) -> None:
+    """The names of the report, and the same lies in the kernel's own format, bound for real: none of
+    their lines is a socket; a real connection's line, whatever precedes it, is one."""
+    dp = os.path.join(short_tmp, "device-plugins")
+    os.mkdir(dp)
+    kubelet, plugin = os.path.join(dp, "kubelet.sock"), os.path.join(dp, "nvidia-gpu.sock")
+    lies = forged_names(kubelet, plugin, "/var/lib/kubelet/device-plugins")
+    assert len(lies) == 9
+    with Holder([*names(*lies), *names(plugin.encode())], ns.command([])) as h:
+        with open(f"/proc/{h.pid}/net/unix", "rb") as f:
+            raw = f.read()
+        # The lie is printed, as a part of the name of the listener and of its accepted end.
+        assert raw.count(b" 03 12347 " + plugin.encode()) == 2
+        table = read_proc_net_unix(f"/proc/{h.pid}")
+    paths = {kubelet, plugin, "/var/lib/kubelet/device-plugins/kubelet.sock"}
+    paths.add("/var/lib/kubelet/device-plugins/nvidia-gpu.sock")
+    real = [s for s in table.sockets if s.path in paths]
+    assert sorted((s.state, s.path) for s in real) == [(ESTABLISHED, plugin), (LISTEN, plugin)]
+    assert all(s.ino > 20000 for s in real)
+    made_up = {s.ino for s in table.doubtful if s.path in paths}
+    assert made_up == {12345, 12346, 12347, 12348}, table.doubtful
+    assert table.skipped == 2 * 5  # "x x x 0 x 03 ..." (4 names) and "A", each on two sockets
+
+
+def test_the_bounds_of_a_name() -> None:
+    """A line is doubtful exactly when it fits in the longest name printed before it."""
+    header = b"Num       RefCount Protocol Flags    Type St Inode Path\n"
+    host = kernel_line("03", "00000000", 999999, "@") + b"\n"  # the name "@\n<lie>" starts at "@"
+    bare = len(kernel_line("03", "00000000", 12345, ""))
+    for length in (NAME_MAX - 1, NAME_MAX, NAME_MAX + 1):  # of "@" + "\n" + the lie
+        lie = kernel_line("03", "00000000", 12345, "/" + "p" * (length - 2 - bare - 1))
+        assert len(lie) + 2 == length
+        table = parse_proc_net_unix((header + host + lie + b"\n").splitlines(keepends=True))
+        doubtful = length <= NAME_MAX
+        assert ([s.ino for s in table.doubtful], [s.ino for s in table.sockets]) == (
+            ([12345], [999999]) if doubtful else ([], [999999, 12345])
+        )
+    assert parse_proc_net_unix([]).sockets == ()
+    assert parse_proc_net_unix([b"garbage"]).skipped == 1
+    narrow = b"0000000000000000: 00000002 00000000 00000000 0001 03 1234 /x\n"  # "%5lu" is five wide
+    assert parse_proc_net_unix([header, narrow]).skipped == 1
+
+
+# -- whose connections ---------------------------------------------------------------------------------
+def test_a_process_named_kubelet_counts_only_run_by_root(ns: Netns, short_tmp: str) -> None:
+    """A listener on the kubelet's path and a connection to the plugin's, real sockets in a namespace
+    of their own, held by a process named as the kubelet: by nobody, it is not the kubelet; by root it is
+    (root may do anything on the node)."""
+    folder = os.path.join(short_tmp, "fake")
+    os.mkdir(folder)
+    os.chmod(short_tmp, 0o755)
+    os.chmod(folder, 0o777)
+    kubelet, plugin = os.path.join(folder, "kubelet.sock"), os.path.join(folder, "nvidia-gpu.sock")
+    name = f"kubelet-{os.path.basename(short_tmp)[-6:]}"
+    ops = [comm(name), listen(kubelet), *names(plugin.encode())]
+    for enter, seen in ((NOBODY, False), ([], True)):
+        with Holder(ops, ns.command(enter)) as h:
+            found = kubelet_connections(kubelet, names={name}, mine="no sock_diag here")
+            # Not seen, it is not read (pid 1's namespace may be, where no kubelet process is named).
+            ours = f"the kubelet's network namespace (/proc/{h.pid}/net/unix)"
+            assert (isinstance(found, Connections) and found.source == ours) is seen, found
+            if seen:
+                assert isinstance(found, Connections)
+                why = "a listener is bound at nvidia-gpu.sock's path in the kubelet's network namespace, not "
+                assert (
+                    found.held(plugin)
+                    == why + "this pod's: whose connections are whose cannot be told by path"
+                )
+        for p in (kubelet, plugin):
+            os.unlink(p)
+
+
+READ = (
+    "import json, sys; from sidecar.unixdiag import kubelet_connections as k; "
+    "c = k(sys.argv[1], names={sys.argv[2]}); "
+    "print(json.dumps(c if isinstance(c, str) else [c.source, c.held(sys.argv[3]), c.owned is not None]))"
+)
+
+
+def test_sock_diag_counts_the_kubelets_own_connections_where_its_descriptors_can_be_read(
+    ns: Netns, short_tmp: str
+) -> None:
+    """In the kubelet's namespace: the kubelet's connection to the plugin, and another process's. With
+    the kubelet's descriptors readable (root with its capabilities) only the kubelet's counts; as
+    nobody with no capability (the sidecar in HAMi's pod) both do, by the plugin file's inode."""
+    folder = os.path.join(short_tmp, "dp")
+    os.mkdir(folder)
+    kubelet, plugin = os.path.join(folder, "kubelet.sock"), os.path.join(folder, "nvidia-gpu.sock")
+    name = f"kubelet-{os.path.basename(short_tmp)[-6:]}"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(plugin)
+        server.listen()
+        os.chmod(short_tmp, 0o755)
+        with (
+            Holder([comm(name), listen(kubelet), connect(plugin)], ns.command([])),
+            Holder([connect(plugin)], ns.command([])),
+        ):
+            accepted = [server.accept()[0] for _ in range(2)]  # as the plugin's gRPC server does
+            argv = [sys.executable, "-c", READ, kubelet, name, plugin]
+            env = {**os.environ, "PYTHONPATH": os.getcwd()}
+            for enter, count, owned in (([], 1, True), (ROOT_NO_CAPS, 2, False), (NOBODY, 2, False)):
+                done = ns.run([*enter, *argv], capture_output=True, text=True, timeout=60, env=env)
+                assert done.returncode == 0, done.stderr
+                assert json.loads(done.stdout) == ["this network namespace (sock_diag)", count, owned]
+            for a in accepted:
+                a.close()
+
+
+def test_nobody_cannot_read_a_root_process_descriptors() -> None:
+    """What the sidecar in HAMi's pod (no capability) can read: net/unix of a root process, not its fd."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become nobody")
+    probe = "import os, sys; os.listdir(f'/proc/{sys.argv[1]}/fd')"
+    denied = subprocess.run([*NOBODY, sys.executable, "-c", probe, "1"], capture_output=True, text=True)
+    assert "PermissionError" in denied.stderr
+    table = "import sys; open(f'/proc/{sys.argv[1]}/net/unix', 'rb').read()"
+    assert subprocess.run([*NOBODY, sys.executable, "-c", table, "1"], capture_output=True).returncode == 0
+
+
+def test_from_a_pod_the_kubelets_namespace_through_proc_whoever_reads_it(short_tmp: str) -> None:
+    """HAMi's layout: the plugin's listener in the pod's namespace, the kubelet (a root process named as
+    one) and a hostile neighbour's names in the kubelet's. Read from the pod through /proc as root, as root
+    with no capability (the manifests' sidecar: the kubelet's descriptors are listed, their links not
+    readable) and as nobody: the kubelet's connection counts once; the names' lines never."""
+    netns.require()
+    os.chmod(short_tmp, 0o755)
+    folder = os.path.join(short_tmp, "device-plugins")
+    os.mkdir(folder)
+    os.chmod(folder, 0o777)
+    kubelet, plugin = os.path.join(folder, "kubelet.sock"), os.path.join(folder, "nvidia-gpu.sock")
+    name = f"kubelet-{os.path.basename(short_tmp)[-6:]}"
+    lies = forged_names(kubelet, plugin, "/var/lib/kubelet/device-plugins")
+    argv = [sys.executable, "-c", READ, kubelet, name, plugin]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    kubelet_ops = [comm(name), listen(kubelet), connect(plugin), *names(*lies)]
+    with (
+        Netns() as pod,
+        Netns() as node,
+        Holder([serve(plugin)], pod.command([])),
+        Holder(kubelet_ops, node.command([])) as k,  # it connects once the plugin serves
+    ):
+        for enter in ([], ROOT_NO_CAPS, NOBODY):
+            done = pod.run([*enter, *argv], capture_output=True, text=True, timeout=60, env=env)
+            assert done.returncode == 0, done.stderr
+            source, held, _ = json.loads(done.stdout)
+            assert (source, held) == (f"the kubelet's network namespace (/proc/{k.pid}/net/unix)", 1)
+
+
+def test_where_the_kubelet_listens_is_not_told_by_a_name(ns: Netns, short_tmp: str) -> None:
+    """hami-initcheck's PATH_MISMATCH reads the listeners among the kubelet's descriptors in the kubelet's
+    own table, from another network namespace (HAMi's pod has no hostNetwork; psutil read the reader's
+    table there and found no listener at all): a line made up with the inode of the kubelet's real
+    listener adds no path, and a line of two words stops nothing (psutil's parser raised RuntimeError)."""
+    from initcheck.kubelet import listeners, listening_paths
+
+    folder = os.path.join(short_tmp, "var-lib-kubelet-device-plugins-of-a-long-name")  # see below
+    os.mkdir(folder)
+    kubelet = os.path.join(folder, "kubelet.sock")
+    name = f"kubelet-{os.path.basename(short_tmp)[-6:]}"
+    with Holder([comm(name), listen(kubelet)], ns.command([])) as k:
+        (listener,) = read_proc_net_unix(f"/proc/{k.pid}", {kubelet}).sockets
+        lies = [
+            b"\0\nx y",
+            b"\0\n"
+            + kernel_line("01", "00010000", listener.ino, "/var/lib/kubelet/device-plugins/kubelet.sock"),
+        ]
+        with Holder(names(*lies), ns.command([])):
+            found = listening_paths(name)
+    assert (found.pid, found.paths) == (k.pid, (kubelet,))
+    # The real line is long enough never to be taken for a part of a name printed before it. A short one
+    # may be, wherever the kernel prints it: then where the kubelet listens cannot be told, and the check
+    # is skipped, never failed.
+    header = PROC_HEADER + b"\n"
+    real = kernel_line("01", "00010000", 12345, "/k.sock") + b"\n"
+    host = kernel_line("03", "00000000", 999999, "@") + b"\n" + b"x y\n"
+    lines = (header + host + real).splitlines(keepends=True)
+    assert "cannot be told" in str(listeners(parse_proc_net_unix(lines), {12345}))
+    assert listeners(parse_proc_net_unix((header + real + host).splitlines(keepends=True)), {12345}) == (
+        "/k.sock",
+    )
+    assert listeners(parse_proc_net_unix(lines), {1}) == ()
