@@ -39,7 +39,7 @@ CONTROL = Path("/run/hami-standin")
 PLUGIN_SOCKET = Path("/var/lib/kubelet/device-plugins/nvidia-gpu.sock")
 KUBELET_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")
 SELECTOR = "app.kubernetes.io/component=hami-device-plugin"
-SIDECAR_IMAGE = "ghcr.io/hami-guard/hami-sidecar:0.1.0"
+SIDECAR_IMAGE = "registry.invalid/hami-sidecar:0.1.0"  # as manifests/hami-patch names it
 
 T = TypeVar("T")
 
