@@ -81,9 +81,36 @@ dra-fixtures-check:
 kubelet-fixtures-check:
 	cd $(REALKUBELET) && files="$$(gofmt -l .)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
 	cd $(REALKUBELET) && $(GO) vet ./... && $(GO) vet -modfile=go.old.mod -tags oldkubelet ./...
+	cd tests/node && files="$$(gofmt -l pause)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
+	cd tests/node && $(GO) vet ./pause
 
 demo: $(STAMP)
 	$(PY) -m sidecar.demo
+
+# A real node in a box (tests/node, README.md#a-real-node): etcd, kube-apiserver, kube-controller-manager,
+# kube-scheduler and the kubelet from k8s.io/kubernetes (tests/node/go.mod), Debian's containerd and runc,
+# the project's images built by buildah, in namespaces of their own. The binaries are rebuilt when
+# tests/node/go.mod changes; the kubelet's binary is named kubelet-e2e (no process named kubelet on the
+# machine). NODE_E2E_KEEP=1 keeps the cluster up after the tests.
+NODE_DIR     := tests/node
+NODE_VERSION := $(KUBELET_NEW)
+NODE_BINS    := $(addprefix $(NODE_DIR)/bin/,kubelet-e2e kube-apiserver kube-controller-manager kube-scheduler)
+NODE_LDFLAGS := -s -w $(foreach p,k8s.io/component-base/version k8s.io/client-go/pkg/version,\
+	-X $(p).gitVersion=$(NODE_VERSION) -X $(p).gitMajor=1 -X $(p).gitMinor=37 -X $(p).gitTreeState=clean)
+.PHONY: node-e2e node-bins node-images
+node-e2e: $(STAMP) node-bins node-images
+	$(NODE_DIR)/node.sh
+
+node-bins: $(NODE_BINS)
+
+$(NODE_DIR)/bin/kubelet-e2e: $(NODE_DIR)/go.mod $(NODE_DIR)/go.sum
+	cd $(NODE_DIR) && $(GO) build -buildvcs=false -ldflags '$(NODE_LDFLAGS)' -o bin/kubelet-e2e k8s.io/kubernetes/cmd/kubelet
+
+$(NODE_DIR)/bin/kube-%: $(NODE_DIR)/go.mod $(NODE_DIR)/go.sum
+	cd $(NODE_DIR) && $(GO) build -buildvcs=false -ldflags '$(NODE_LDFLAGS)' -o bin/kube-$* k8s.io/kubernetes/cmd/kube-$*
+
+node-images:
+	$(NODE_DIR)/images.sh
 
 # A DRA driver's tour against the kubelet's own plugin manager and DRA manager (tests/realdra).
 .PHONY: demo-dra
@@ -187,4 +214,6 @@ lock:
 	rm -rf .venv-lock
 
 clean:
+	rm -rf $(VENV) .venv-tools .venv-aiohttp-oldest .venv-aiohttp-newest build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(REALKUBELET)/bin $(NODE_DIR)/bin
+
 	rm -rf $(VENV) .venv-tools .venv-aiohttp-oldest .venv-aiohttp-newest build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(REALKUBELET)/bin $(REALDRA)/bin
