@@ -214,6 +214,4 @@ lock:
 	rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) .venv-tools .venv-aiohttp-oldest .venv-aiohttp-newest build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(REALKUBELET)/bin $(NODE_DIR)/bin
-
-	rm -rf $(VENV) .venv-tools .venv-aiohttp-oldest .venv-aiohttp-newest build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(REALKUBELET)/bin $(REALDRA)/bin
+	rm -rf $(VENV) .venv-tools .venv-aiohttp-oldest .venv-aiohttp-newest build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(REALKUBELET)/bin $(REALDRA)/bin $(NODE_DIR)/bin
