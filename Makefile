@@ -136,19 +136,25 @@ FUZZ_SECONDS ?= 60
 fuzz: $(STAMP)
 	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS)
 
-# Slow real-kubelet checks (about 30 minutes): the kubelet's 5-minute stop grace against both releases
-# and the simulator, the oracles' 200 random events with three seeds on each release (device plugins,
-# then DRA drivers, the two releases side by side: about 20 minutes of it), the DRA fixture's
-# scenarios, and the demo's
-# tour against the real device manager.
+# Slow real-kubelet checks: the kubelet's 5-minute stop grace against both releases and the simulator,
+# the oracles' 200 random events with three seeds on each release (device plugins and DRA drivers), all
+# four side by side (the DRA oracles' 18 minutes bound it); then the DRA fixture's scenarios and the
+# demos' tours against the real device manager and DRA manager.
 .PHONY: real-slow
 real-slow: $(STAMP) kubelet-fixtures dra-fixtures
-	$(PY) -m pytest -q -m slow tests/e2e/test_stop_grace.py
-	ORACLE_EVENTS=200 ORACLE_SEEDS=1,2,3 $(PY) -m pytest -q -s tests/e2e/test_oracle.py
+	$(MAKE) -j4 stop-grace device-oracle dra-oracle-new dra-oracle-old
 	$(PY) -m pytest -q -m slow tests/test_realdra.py
-	$(MAKE) -j2 dra-oracle-new dra-oracle-old
 	DEMO_KUBELET=real DEMO_TOUR_ONLY=1 $(PY) -m sidecar.demo > /dev/null
 	DEMO_KUBELET=dra DEMO_TOUR_ONLY=1 $(PY) -m sidecar.demo > /dev/null
+
+# Side by side in real-slow (they mostly wait on the kubelets): the 5-minute stop grace, and the
+# device-plugin oracle's 200 events x 3 seeds on both releases.
+.PHONY: stop-grace device-oracle
+stop-grace: $(STAMP) kubelet-fixtures
+	$(PY) -m pytest -q -m slow tests/e2e/test_stop_grace.py
+
+device-oracle: $(STAMP) kubelet-fixtures
+	ORACLE_EVENTS=200 ORACLE_SEEDS=1,2,3 $(PY) -m pytest -q -s tests/e2e/test_oracle.py
 
 # The DRA oracle (tests/e2e/test_dra_oracle.py), one release per job: 200 events x 3 seeds, about 18 minutes.
 .PHONY: dra-oracle-new dra-oracle-old
