@@ -81,6 +81,8 @@ dra-fixtures-check:
 kubelet-fixtures-check:
 	cd $(REALKUBELET) && files="$$(gofmt -l .)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
 	cd $(REALKUBELET) && $(GO) vet ./... && $(GO) vet -modfile=go.old.mod -tags oldkubelet ./...
+	cd tests/fixturekit && files="$$(gofmt -l .)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
+	cd tests/fixturekit && $(GO) vet ./...
 	cd tests/node && files="$$(gofmt -l pause)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
 	cd tests/node && $(GO) vet ./pause
 

@@ -12,6 +12,8 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"hami-guard/tests/fixturekit"
+
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -111,7 +113,7 @@ func driverMain(args []string) int {
 	defer klog.Flush()
 	d := &driver{o: o, calls: map[string]int{}, unhang: make(chan struct{})}
 	if err := d.start(); err != nil {
-		event("start-failed", map[string]any{"error": err.Error()})
+		fixturekit.Event("start-failed", map[string]any{"error": err.Error()})
 		fmt.Fprintln(os.Stderr, "realdra driver:", err)
 		return 1
 	}
@@ -123,11 +125,11 @@ func driverMain(args []string) int {
 	if o.rollingUID != "" {
 		draFile = "dra-" + o.rollingUID + ".sock"
 	}
-	event("ready", map[string]any{
+	fixturekit.Event("ready", map[string]any{
 		"pid": os.Getpid(), "release": kubernetesRelease,
 		"registration": filepath.Join(o.registry, regFile), "service": path.Join(o.pluginDir, draFile),
 	})
-	serveCommands(d.handle)
+	fixturekit.ServeCommands(d.handle)
 	d.helper.Stop()
 	return 0
 }
@@ -180,7 +182,7 @@ func (d *driver) count(method string) {
 	d.mu.Lock()
 	d.calls[path.Base(method)]++
 	d.mu.Unlock()
-	event("call", map[string]any{"method": path.Base(method)})
+	fixturekit.Event("call", map[string]any{"method": path.Base(method)})
 }
 
 // wait blocks while the driver is hung (a driver whose gRPC server accepts but never answers).
@@ -215,23 +217,23 @@ func (d *driver) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerIn
 	return handler(srv, ss)
 }
 
-func (d *driver) handle(c command) bool {
-	on := len(c.args) == 1 && c.args[0] == "on"
-	switch c.name {
+func (d *driver) handle(c fixturekit.Command) bool {
+	on := len(c.Args) == 1 && c.Args[0] == "on"
+	switch c.Name {
 	case "refuse":
 		var err error
 		if on {
 			err = status.Error(codes.FailedPrecondition, "refused by the test")
 		}
 		d.helper.SetNotifyRegistrationStatusError(err)
-		c.reply(nil, nil)
+		c.Reply(nil, nil)
 	case "getinfo-error":
 		var err error
 		if on {
 			err = status.Error(codes.Internal, "GetInfo fails by the test")
 		}
 		d.helper.SetGetInfoError(err)
-		c.reply(nil, nil)
+		c.Reply(nil, nil)
 	case "hang":
 		d.mu.Lock()
 		if on && !d.hung.Load() {
@@ -242,15 +244,15 @@ func (d *driver) handle(c command) bool {
 			close(d.unhang)
 		}
 		d.mu.Unlock()
-		c.reply(nil, nil)
+		c.Reply(nil, nil)
 	case "drop":
 		// The kubelet's connections to the DRA service end; the listener stays.
-		c.reply(map[string]any{"dropped": d.svc.drop()}, nil)
+		c.Reply(map[string]any{"dropped": d.svc.drop()}, nil)
 	case "service-off":
 		// The DRA service's listener closes (its socket file goes) and its connections end; the
 		// registration socket keeps answering: a driver whose DRA server died.
 		err := d.svc.Listener.Close()
-		c.reply(map[string]any{"dropped": d.svc.drop()}, err)
+		c.Reply(map[string]any{"dropped": d.svc.drop()}, err)
 	case "status":
 		calls := map[string]int{}
 		d.mu.Lock()
@@ -262,12 +264,12 @@ func (d *driver) handle(c command) bool {
 		if s := d.helper.RegistrationStatus(); s != nil {
 			out["registration"] = map[string]any{"registered": s.PluginRegistered, "error": s.Error}
 		}
-		c.reply(out, nil)
+		c.Reply(out, nil)
 	case "stop", "quit":
-		c.reply(nil, nil)
+		c.Reply(nil, nil)
 		return true
 	default:
-		c.reply(nil, fmt.Errorf("unknown command %q", c.name))
+		c.Reply(nil, fmt.Errorf("unknown command %q", c.Name))
 	}
 	return false
 }
@@ -292,5 +294,5 @@ func (basePlugin) UnprepareResourceClaims(_ context.Context, claims []kubeletplu
 }
 
 func (basePlugin) HandleError(_ context.Context, err error, msg string) {
-	event("driver-error", map[string]any{"error": err.Error(), "msg": msg})
+	fixturekit.Event("driver-error", map[string]any{"error": err.Error(), "msg": msg})
 }

@@ -3,6 +3,7 @@ module hami-guard/tests/realdra
 go 1.26.0
 
 require (
+	hami-guard/tests/fixturekit v0.0.0
 	google.golang.org/grpc v1.82.1
 	google.golang.org/protobuf v1.36.12-0.20260120151049-f2248ac996af
 	k8s.io/api v0.37.2
@@ -142,3 +143,6 @@ replace (
 	k8s.io/sample-controller => k8s.io/sample-controller v0.37.2
 	k8s.io/streaming => k8s.io/streaming v0.37.2
 )
+
+// The fixtures' shared protocol, subcommand dispatch and klog events (klog only).
+replace hami-guard/tests/fixturekit => ../fixturekit

@@ -3,6 +3,7 @@ module hami-guard/tests/realdra
 go 1.26.0
 
 require (
+	hami-guard/tests/fixturekit v0.0.0
 	google.golang.org/grpc v1.79.3
 	google.golang.org/protobuf v1.36.12-0.20260120151049-f2248ac996af
 	k8s.io/api v0.36.5
@@ -132,3 +133,6 @@ replace (
 	k8s.io/sample-controller => k8s.io/sample-controller v0.36.5
 	k8s.io/streaming => k8s.io/streaming v0.36.5
 )
+
+// The fixtures' shared protocol, subcommand dispatch and klog events (klog only).
+replace hami-guard/tests/fixturekit => ../fixturekit

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"flag"
@@ -10,10 +9,11 @@ import (
 	"os"
 	"reflect"
 	"sort"
-	"strings"
 	"sync"
 	"time"
 	"unsafe"
+
+	"hami-guard/tests/fixturekit"
 
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -75,16 +75,16 @@ func kubeletMain(args []string) int {
 		fmt.Fprintln(os.Stderr, "realdra kubelet:", err)
 		return 2
 	}
-	setupKlog(o.verbosity)
+	fixturekit.SetupKlog(o.verbosity)
 	defer klog.Flush()
 	k := &kubelet{opts: o, logger: klog.Background()}
 	if err := k.start(); err != nil {
-		event("start-failed", map[string]any{"error": err.Error()})
+		fixturekit.Event("start-failed", map[string]any{"error": err.Error()})
 		fmt.Fprintln(os.Stderr, "realdra kubelet:", err)
 		return 1
 	}
-	event("ready", map[string]any{"pid": os.Getpid(), "release": kubernetesRelease, "registry": o.registry, "socket": o.socket})
-	serveCommands(k.handle)
+	fixturekit.Event("ready", map[string]any{"pid": os.Getpid(), "release": kubernetesRelease, "registry": o.registry, "socket": o.socket})
+	fixturekit.ServeCommands(k.handle)
 	k.stop()
 	return 0
 }
@@ -103,7 +103,7 @@ func (k *kubelet) start() error {
 		if dc, ok := a.(k8stesting.DeleteCollectionAction); ok {
 			selector = dc.GetListRestrictions().Fields.String()
 		}
-		event("wipe", map[string]any{"selector": selector})
+		fixturekit.Event("wipe", map[string]any{"selector": selector})
 		return true, nil, nil
 	})
 	m, err := dra.NewManager(k.logger, k.client, k.opts.state)
@@ -116,7 +116,7 @@ func (k *kubelet) start() error {
 	getNode := func(ctx context.Context) (*v1.Node, error) {
 		return k.client.CoreV1().Nodes().Get(ctx, k.opts.node, metav1.GetOptions{})
 	}
-	if err := m.Start(ctx, func() []*v1.Pod { return nil }, getNode, sourcesReady{}); err != nil {
+	if err := m.Start(ctx, func() []*v1.Pod { return nil }, getNode, fixturekit.SourcesReady{}); err != nil {
 		return fmt.Errorf("dra manager Start: %w", err)
 	}
 	k.plugins = pluginmanager.NewPluginManager(k.opts.registry, &record.FakeRecorder{})
@@ -144,7 +144,7 @@ func (k *kubelet) start() error {
 	k.wg.Add(1)
 	go func() {
 		defer k.wg.Done()
-		k.plugins.Run(ctx, sourcesReady{}, k.stopCh)
+		k.plugins.Run(ctx, fixturekit.SourcesReady{}, k.stopCh)
 	}()
 	return nil
 }
@@ -159,21 +159,21 @@ func (k *kubelet) stop() {
 	}
 }
 
-func (k *kubelet) handle(c command) bool {
-	switch c.name {
+func (k *kubelet) handle(c fixturekit.Command) bool {
+	switch c.Name {
 	case "state":
-		c.reply(k.state(), nil)
+		c.Reply(k.state(), nil)
 	case "call":
-		if len(c.args) != 1 {
-			c.reply(nil, errors.New("usage: call DRIVER"))
+		if len(c.Args) != 1 {
+			c.Reply(nil, errors.New("usage: call DRIVER"))
 			return false
 		}
-		c.reply(k.call(c.args[0]))
+		c.Reply(k.call(c.Args[0]))
 	case "stop", "quit":
-		c.reply(nil, nil)
+		c.Reply(nil, nil)
 		return true
 	default:
-		c.reply(nil, fmt.Errorf("unknown command %q", c.name))
+		c.Reply(nil, fmt.Errorf("unknown command %q", c.Name))
 	}
 	return false
 }
@@ -235,40 +235,4 @@ func (k *kubelet) state() map[string]any {
 	}
 	mu.RUnlock()
 	return map[string]any{"asw": asw, "drivers": drivers}
-}
-
-// sourcesReady: the kubelet's pod sources are all ready (steady state).
-type sourcesReady struct{}
-
-func (sourcesReady) AddSource(string) {}
-func (sourcesReady) AllReady() bool   { return true }
-
-func setupKlog(verbosity string) {
-	fs := flag.NewFlagSet("klog", flag.ContinueOnError)
-	klog.InitFlags(fs)
-	_ = fs.Set("v", verbosity)
-	_ = fs.Set("logtostderr", "false")
-	_ = fs.Set("alsologtostderr", "false")
-	_ = fs.Set("stderrthreshold", "FATAL")
-	klog.SetOutput(klogTee{})
-}
-
-// klogTee writes klog to stderr and each line as a "log" event: the kubelet's own words.
-type klogTee struct{}
-
-func (klogTee) Write(p []byte) (int, error) {
-	_, _ = os.Stderr.Write(p)
-	for _, line := range bytes.Split(bytes.TrimRight(p, "\n"), []byte("\n")) {
-		s := string(line)
-		i := strings.Index(s, "] \"")
-		if i < 0 {
-			continue
-		}
-		msg := s[i+3:]
-		if j := strings.Index(msg, "\""); j >= 0 {
-			msg = msg[:j]
-		}
-		event("log", map[string]any{"msg": msg, "line": strings.TrimSpace(s[i+2:])})
-	}
-	return len(p), nil
 }

@@ -15,27 +15,18 @@ package main
 
 import (
 	"fmt"
-	"os"
+
+	"hami-guard/tests/fixturekit"
 )
 
 func main() {
-	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: realdra kubelet|driver|version [flags]")
-		os.Exit(2)
-	}
-	var code int
-	switch os.Args[1] {
-	case "kubelet":
-		code = kubeletMain(os.Args[2:])
-	case "driver":
-		code = driverMain(os.Args[2:])
-	case "vectors":
-		code = vectorsMain()
-	case "version":
-		fmt.Println(kubernetesRelease)
-	default:
-		fmt.Fprintf(os.Stderr, "unknown subcommand %q\n", os.Args[1])
-		code = 2
-	}
-	os.Exit(code)
+	fixturekit.Main("usage: realdra kubelet|driver|version [flags]", map[string]func(args []string) int{
+		"kubelet": kubeletMain,
+		"driver":  driverMain,
+		"vectors": func([]string) int { return vectorsMain() },
+		"version": func([]string) int {
+			fmt.Println(kubernetesRelease)
+			return 0
+		},
+	})
 }

@@ -3,6 +3,7 @@ module hami-guard/tests/realkubelet
 go 1.26.0
 
 require (
+	hami-guard/tests/fixturekit v0.0.0
 	github.com/fsnotify/fsnotify v1.9.0
 	golang.org/x/sys v0.47.0
 	google.golang.org/grpc v1.82.1
@@ -144,3 +145,6 @@ replace (
 	k8s.io/sample-controller => k8s.io/sample-controller v0.37.2
 	k8s.io/streaming => k8s.io/streaming v0.37.2
 )
+
+// The fixtures' shared protocol, subcommand dispatch and klog events (klog only).
+replace hami-guard/tests/fixturekit => ../fixturekit

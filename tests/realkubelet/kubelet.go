@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -16,6 +15,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"hami-guard/tests/fixturekit"
 
 	"github.com/fsnotify/fsnotify"
 	"google.golang.org/grpc"
@@ -95,20 +96,20 @@ func kubeletChildMain(args []string) int {
 		fmt.Fprintln(os.Stderr, "realkubelet kubelet:", err)
 		return 2
 	}
-	setupKlog(o.verbosity)
+	fixturekit.SetupKlog(o.verbosity)
 	defer klog.Flush()
 	if err := bindDevicePluginDir(o.dir); err != nil {
-		event("start-failed", map[string]any{"error": err.Error()})
+		fixturekit.Event("start-failed", map[string]any{"error": err.Error()})
 		fmt.Fprintln(os.Stderr, "realkubelet kubelet:", err)
 		return 1
 	}
 	k := &kubelet{opts: o, logger: klog.Background(), pods: map[types.UID]*v1.Pod{}}
 	if err := k.start(); err != nil {
-		event("start-failed", map[string]any{"error": err.Error()})
+		fixturekit.Event("start-failed", map[string]any{"error": err.Error()})
 		fmt.Fprintln(os.Stderr, "realkubelet kubelet:", err)
 		return 1
 	}
-	event("ready", map[string]any{
+	fixturekit.Event("ready", map[string]any{
 		"pid": os.Getpid(), "release": kubernetesRelease,
 		"socket": filepath.Join(o.dir, "kubelet.sock"), "pod_resources": o.podResources,
 	})
@@ -119,7 +120,7 @@ func kubeletChildMain(args []string) int {
 			}
 		}()
 	}
-	serveCommands(k.handle)
+	fixturekit.ServeCommands(k.handle)
 	// A stop command or the end of stdin (the driver went away): stop gracefully.
 	k.stop()
 	return 0
@@ -136,7 +137,7 @@ func (k *kubelet) start() error {
 		return err
 	}
 	// The manager's own Start: reads the checkpoint, cleans the folder, listens on kubelet.sock.
-	if err := m.Start(k.logger, k.activePods, sourcesReady{}, containermap.NewContainerMap(), sets.New[string]()); err != nil {
+	if err := m.Start(k.logger, k.activePods, fixturekit.SourcesReady{}, containermap.NewContainerMap(), sets.New[string]()); err != nil {
 		return fmt.Errorf("device manager Start: %w", err)
 	}
 	if k.opts.podResources != "" {
@@ -205,7 +206,7 @@ func (k *kubelet) watchCheckpoint() error {
 					k.checkpoints++
 					n := k.checkpoints
 					k.cpMu.Unlock()
-					event("checkpoint", map[string]any{"count": n})
+					fixturekit.Event("checkpoint", map[string]any{"count": n})
 				}
 			case _, ok := <-w.Errors:
 				if !ok {
@@ -279,31 +280,31 @@ func (k *kubelet) activePods() []*v1.Pod {
 	return pods
 }
 
-func (k *kubelet) handle(c command) bool {
-	switch c.name {
+func (k *kubelet) handle(c fixturekit.Command) bool {
+	switch c.Name {
 	case "ping":
-		c.reply(nil, nil)
+		c.Reply(nil, nil)
 	case "capacity":
 		capacity, allocatable, removed := getCapacity(k.manager, k.logger)
 		sort.Strings(removed)
-		c.reply(map[string]any{
+		c.Reply(map[string]any{
 			"capacity": quantities(capacity), "allocatable": quantities(allocatable), "removed": removed,
 		}, nil)
 	case "allocate":
-		if len(c.args) != 4 {
-			c.reply(nil, errors.New("usage: allocate POD CONTAINER RESOURCE N"))
+		if len(c.Args) != 4 {
+			c.Reply(nil, errors.New("usage: allocate POD CONTAINER RESOURCE N"))
 			return false
 		}
-		n, err := strconv.ParseInt(c.args[3], 10, 64)
+		n, err := strconv.ParseInt(c.Args[3], 10, 64)
 		if err != nil || n <= 0 {
-			c.reply(nil, fmt.Errorf("bad device count %q", c.args[3]))
+			c.Reply(nil, fmt.Errorf("bad device count %q", c.Args[3]))
 			return false
 		}
-		pod, container := k.pod(c.args[0], c.args[1], c.args[2], n)
+		pod, container := k.pod(c.Args[0], c.Args[1], c.Args[2], n)
 		ctx := klog.NewContext(context.Background(), k.logger)
 		err = allocate(ctx, k.manager, pod, container)
-		ids := sortedKeys(k.manager.GetDevices(string(pod.UID), container.Name)[c.args[2]])
-		c.reply(map[string]any{"devices": ids}, err)
+		ids := sortedKeys(k.manager.GetDevices(string(pod.UID), container.Name)[c.Args[2]])
+		c.Reply(map[string]any{"devices": ids}, err)
 	case "state":
 		k.cpMu.Lock()
 		written := k.checkpoints
@@ -322,15 +323,15 @@ func (k *kubelet) handle(c command) bool {
 				}
 			}
 		}
-		c.reply(map[string]any{
+		c.Reply(map[string]any{
 			"devices": deviceView(allocatableDevices(k.manager, k.logger)), "pods": pods,
 			"checkpoints_written": written, "release": kubernetesRelease,
 		}, nil)
 	case "stop":
-		c.reply(nil, nil)
+		c.Reply(nil, nil)
 		return true
 	default:
-		c.reply(nil, fmt.Errorf("unknown command %q", c.name))
+		c.Reply(nil, fmt.Errorf("unknown command %q", c.Name))
 	}
 	return false
 }
@@ -400,12 +401,6 @@ func machineTopology[N any](numa int) []N {
 	return nodes
 }
 
-// sourcesReady: the kubelet's pod sources are all ready (steady state).
-type sourcesReady struct{}
-
-func (sourcesReady) AddSource(string) {}
-func (sourcesReady) AllReady() bool   { return true }
-
 // podsProvider answers the PodResources server from the pods the fixture allocated for.
 type podsProvider struct{ k *kubelet }
 
@@ -418,35 +413,4 @@ func (p podsProvider) GetPodByName(namespace, name string) (*v1.Pod, bool) {
 		}
 	}
 	return nil, false
-}
-
-// setupKlog sends klog to stderr and turns each log line into an event, so a driver can wait
-// for what the kubelet logged ("Device plugin connected", "ListAndWatch ended unexpectedly", ...).
-func setupKlog(verbosity string) {
-	fs := flag.NewFlagSet("klog", flag.ContinueOnError)
-	klog.InitFlags(fs)
-	_ = fs.Set("v", verbosity)
-	_ = fs.Set("logtostderr", "false")
-	_ = fs.Set("alsologtostderr", "false")
-	_ = fs.Set("stderrthreshold", "FATAL")
-	klog.SetOutput(klogTee{})
-}
-
-type klogTee struct{}
-
-func (klogTee) Write(p []byte) (int, error) {
-	_, _ = os.Stderr.Write(p)
-	for _, line := range bytes.Split(bytes.TrimRight(p, "\n"), []byte("\n")) {
-		s := string(line)
-		i := strings.Index(s, "] \"")
-		if i < 0 {
-			continue
-		}
-		msg := s[i+3:]
-		if j := strings.Index(msg, "\""); j >= 0 {
-			msg = msg[:j]
-		}
-		event("log", map[string]any{"msg": msg, "line": strings.TrimSpace(s[i+2:])})
-	}
-	return len(p), nil
 }

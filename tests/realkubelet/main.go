@@ -12,27 +12,18 @@ package main
 
 import (
 	"fmt"
-	"os"
+
+	"hami-guard/tests/fixturekit"
 )
 
 func main() {
-	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: realkubelet kubelet|plugin|version [flags]")
-		os.Exit(2)
-	}
-	var code int
-	switch os.Args[1] {
-	case "kubelet":
-		code = kubeletMain(os.Args[2:])
-	case nsChildCommand:
-		code = kubeletChildMain(os.Args[2:])
-	case "plugin":
-		code = pluginMain(os.Args[2:])
-	case "version":
-		fmt.Println(kubernetesRelease)
-	default:
-		fmt.Fprintf(os.Stderr, "unknown subcommand %q\n", os.Args[1])
-		code = 2
-	}
-	os.Exit(code)
+	fixturekit.Main("usage: realkubelet kubelet|plugin|version [flags]", map[string]func(args []string) int{
+		"kubelet":      kubeletMain,
+		nsChildCommand: kubeletChildMain,
+		"plugin":       pluginMain,
+		"version": func([]string) int {
+			fmt.Println(kubernetesRelease)
+			return 0
+		},
+	})
 }

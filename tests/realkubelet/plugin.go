@@ -15,6 +15,8 @@ import (
 	"syscall"
 	"time"
 
+	"hami-guard/tests/fixturekit"
+
 	"github.com/fsnotify/fsnotify"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -125,7 +127,7 @@ func pluginMain(args []string) int {
 	}
 	var opMu sync.Mutex // one lifecycle operation at a time: a command or a kubelet.sock event
 	if err := p.serve(); err != nil {
-		event("start-failed", map[string]any{"error": err.Error()})
+		fixturekit.Event("start-failed", map[string]any{"error": err.Error()})
 		return 1
 	}
 	if sp, ok := p.(*stubPlugin); ok && o.watchKubelet {
@@ -133,63 +135,63 @@ func pluginMain(args []string) int {
 		go sp.stub.Watch(sp.ctx, sp.kubeletSocket(), o.resource, "")
 	} else if o.watchKubelet {
 		if err := watchKubeletSocket(o.dir, func() { opMu.Lock(); defer opMu.Unlock(); p.onKubeletCreated() }); err != nil {
-			event("start-failed", map[string]any{"error": err.Error()})
+			fixturekit.Event("start-failed", map[string]any{"error": err.Error()})
 			return 1
 		}
 	}
-	event("ready", map[string]any{"pid": os.Getpid(), "release": kubernetesRelease, "impl": o.impl,
+	fixturekit.Event("ready", map[string]any{"pid": os.Getpid(), "release": kubernetesRelease, "impl": o.impl,
 		"socket": filepath.Join(o.dir, o.socket)})
 	if o.register {
 		opMu.Lock()
 		_ = p.register()
 		opMu.Unlock()
 	}
-	serveCommands(func(c command) bool {
+	fixturekit.ServeCommands(func(c fixturekit.Command) bool {
 		opMu.Lock()
 		defer opMu.Unlock()
-		switch c.name {
+		switch c.Name {
 		case "ping":
-			c.reply(nil, nil)
+			c.Reply(nil, nil)
 		case "register":
-			c.reply(nil, p.register())
+			c.Reply(nil, p.register())
 		case "serve":
-			c.reply(nil, p.serve())
+			c.Reply(nil, p.serve())
 		case "stop":
-			c.reply(nil, p.stopServing())
+			c.Reply(nil, p.stopServing())
 		case "restart":
-			c.reply(nil, p.restart(true))
+			c.Reply(nil, p.restart(true))
 		case "restart-server-only":
-			c.reply(nil, p.restart(false))
+			c.Reply(nil, p.restart(false))
 		case "end-stream":
 			which := "oldest"
-			if len(c.args) == 1 {
-				which = c.args[0]
-			} else if len(c.args) > 1 {
-				c.reply(nil, errors.New("usage: end-stream [oldest|newest|ID]"))
+			if len(c.Args) == 1 {
+				which = c.Args[0]
+			} else if len(c.Args) > 1 {
+				c.Reply(nil, errors.New("usage: end-stream [oldest|newest|ID]"))
 				return false
 			}
-			c.reply(p.endStream(which))
+			c.Reply(p.endStream(which))
 		case "devices":
-			devs, err := parseDevices(c.args)
+			devs, err := parseDevices(c.Args)
 			if err != nil {
-				c.reply(nil, err)
+				c.Reply(nil, err)
 				return false
 			}
-			c.reply(p.setDevices(devs))
+			c.Reply(p.setDevices(devs))
 		case "health":
-			if len(c.args) != 2 || (c.args[1] != pluginapi.Healthy && c.args[1] != pluginapi.Unhealthy) {
-				c.reply(nil, errors.New("usage: health ID Healthy|Unhealthy"))
+			if len(c.Args) != 2 || (c.Args[1] != pluginapi.Healthy && c.Args[1] != pluginapi.Unhealthy) {
+				c.Reply(nil, errors.New("usage: health ID Healthy|Unhealthy"))
 				return false
 			}
-			c.reply(p.setHealth(c.args[0], c.args[1]))
+			c.Reply(p.setHealth(c.Args[0], c.Args[1]))
 		case "state":
-			c.reply(p.state(), nil)
+			c.Reply(p.state(), nil)
 		case "quit":
 			_ = p.stopServing()
-			c.reply(nil, nil)
+			c.Reply(nil, nil)
 			return true
 		default:
-			c.reply(nil, fmt.Errorf("unknown command %q", c.name))
+			c.Reply(nil, fmt.Errorf("unknown command %q", c.Name))
 		}
 		return false
 	})
@@ -218,7 +220,7 @@ func watchKubeletSocket(dir string, created func()) error {
 					return
 				}
 				if e.Name == target && e.Op&fsnotify.Create != 0 {
-					event("kubelet-sock-created", nil)
+					fixturekit.Event("kubelet-sock-created", nil)
 					go created()
 				}
 			case _, ok := <-w.Errors:
@@ -303,7 +305,7 @@ func (p *ownPlugin) serve() error {
 	p.server = grpc.NewServer()
 	pluginapi.RegisterDevicePluginServer(p.server, p)
 	go func(s *grpc.Server) { _ = s.Serve(l) }(p.server)
-	event("serving", map[string]any{"inode": p.inode})
+	fixturekit.Event("serving", map[string]any{"inode": p.inode})
 	return nil
 }
 
@@ -323,7 +325,7 @@ func (p *ownPlugin) stopServing() error {
 	if syscall.Stat(p.path, &st) == nil && st.Ino == inode {
 		_ = os.Remove(p.path)
 	}
-	event("stopped", nil)
+	fixturekit.Event("stopped", nil)
 	return nil
 }
 
@@ -354,14 +356,14 @@ func (p *ownPlugin) register() error {
 	if err != nil {
 		p.registerFailures++
 		p.lastError = err.Error()
-		event("register-failed", map[string]any{"error": err.Error(), "failures": p.registerFailures})
+		fixturekit.Event("register-failed", map[string]any{"error": err.Error(), "failures": p.registerFailures})
 		if p.o.retryInterval > 0 && p.server != nil {
 			p.retry = time.AfterFunc(p.o.retryInterval, func() { _ = p.register() })
 		}
 		return err
 	}
 	p.registrations++
-	event("registered", map[string]any{"registrations": p.registrations})
+	fixturekit.Event("registered", map[string]any{"registrations": p.registrations})
 	return nil
 }
 
@@ -471,14 +473,14 @@ func (p *ownPlugin) ListAndWatch(_ *pluginapi.Empty, s pluginapi.DevicePlugin_Li
 	open := len(p.streams)
 	devs := p.devices
 	p.mu.Unlock()
-	event("stream-open", map[string]any{"stream": id, "open": open})
+	fixturekit.Event("stream-open", map[string]any{"stream": id, "open": open})
 	defer func() {
 		p.mu.Lock()
 		delete(p.streams, id)
 		delete(p.ends, id)
 		open := len(p.streams)
 		p.mu.Unlock()
-		event("stream-closed", map[string]any{"stream": id, "open": open})
+		fixturekit.Event("stream-closed", map[string]any{"stream": id, "open": open})
 	}()
 	for {
 		if err := s.Send(&pluginapi.ListAndWatchResponse{Devices: devs}); err != nil {

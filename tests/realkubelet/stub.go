@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"time"
 
+	"hami-guard/tests/fixturekit"
+
 	"k8s.io/klog/v2"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 	plugin "k8s.io/kubernetes/pkg/kubelet/cm/devicemanager/plugin/v1beta1"
@@ -59,10 +61,10 @@ func (p *stubPlugin) stopServing() error {
 func (p *stubPlugin) register() error {
 	err := p.stub.Register(p.ctx, p.kubeletSocket(), p.o.resource, "")
 	if err != nil {
-		event("register-failed", map[string]any{"error": err.Error()})
+		fixturekit.Event("register-failed", map[string]any{"error": err.Error()})
 		return err
 	}
-	event("registered", nil)
+	fixturekit.Event("registered", nil)
 	return nil
 }
 

@@ -1,4 +1,7 @@
-package main
+// Package fixturekit is what the Go fixtures (tests/realkubelet, tests/realdra) share: their
+// stdin/stdout protocol, their subcommand dispatch and klog's output turned into events. It
+// depends on klog only, so each fixture's go.mod and go.old.mod pick their own kubernetes release.
+package fixturekit
 
 import (
 	"bufio"
@@ -27,8 +30,8 @@ func (o *out) write(v map[string]any) {
 	_, _ = o.w.Write(append(b, '\n'))
 }
 
-// event writes {"event": name, ...fields}.
-func event(name string, fields map[string]any) {
+// Event writes {"event": name, ...fields}.
+func Event(name string, fields map[string]any) {
 	v := map[string]any{"event": name}
 	for k, x := range fields {
 		v[k] = x
@@ -36,32 +39,32 @@ func event(name string, fields map[string]any) {
 	stdout.write(v)
 }
 
-// command is one line of stdin: an optional "@id", a name and its arguments.
-type command struct {
-	id   string
-	name string
-	args []string
+// Command is one line of stdin: an optional "@id", a name and its arguments.
+type Command struct {
+	ID   string
+	Name string
+	Args []string
 }
 
-func parseCommand(line string) (command, bool) {
+func parseCommand(line string) (Command, bool) {
 	words := strings.Fields(line)
-	var c command
+	var c Command
 	if len(words) > 0 && strings.HasPrefix(words[0], "@") {
-		c.id = words[0][1:]
+		c.ID = words[0][1:]
 		words = words[1:]
 	}
 	if len(words) == 0 {
 		return c, false
 	}
-	c.name, c.args = words[0], words[1:]
+	c.Name, c.Args = words[0], words[1:]
 	return c, true
 }
 
-// reply answers a command: result fields plus ok (err == nil) or error.
-func (c command) reply(fields map[string]any, err error) {
-	v := map[string]any{"cmd": c.name, "ok": err == nil}
-	if c.id != "" {
-		v["id"] = c.id
+// Reply answers a command: result fields plus ok (err == nil) or error.
+func (c Command) Reply(fields map[string]any, err error) {
+	v := map[string]any{"cmd": c.Name, "ok": err == nil}
+	if c.ID != "" {
+		v["id"] = c.ID
 	}
 	for k, x := range fields {
 		v[k] = x
@@ -72,9 +75,9 @@ func (c command) reply(fields map[string]any, err error) {
 	stdout.write(v)
 }
 
-// serveCommands reads stdin until EOF or until handle returns true (quit), one command at a time.
+// ServeCommands reads stdin until EOF or until handle returns true (quit), one command at a time.
 // It returns true when stdin closed.
-func serveCommands(handle func(command) (quit bool)) bool {
+func ServeCommands(handle func(Command) (quit bool)) bool {
 	sc := bufio.NewScanner(os.Stdin)
 	sc.Buffer(make([]byte, 64*1024), 1024*1024)
 	for sc.Scan() {
