@@ -103,13 +103,20 @@ NODE_LDFLAGS := -s -w $(foreach p,k8s.io/component-base/version k8s.io/client-go
 node-e2e: $(STAMP) node-bins node-images
 	$(NODE_DIR)/node.sh
 
-node-bins: $(NODE_BINS)
+node-bins: $(NODE_BINS) $(NODE_DIR)/bin/kube-state-metrics
 
 $(NODE_DIR)/bin/kubelet-e2e: $(NODE_DIR)/go.mod $(NODE_DIR)/go.sum
 	cd $(NODE_DIR) && $(GO) build -buildvcs=false -ldflags '$(NODE_LDFLAGS)' -o bin/kubelet-e2e k8s.io/kubernetes/cmd/kubelet
 
 $(NODE_DIR)/bin/kube-%: $(NODE_DIR)/go.mod $(NODE_DIR)/go.sum
 	cd $(NODE_DIR) && $(GO) build -buildvcs=false -ldflags '$(NODE_LDFLAGS)' -o bin/kube-$* k8s.io/kubernetes/cmd/kube-$*
+
+# kube-state-metrics for tests/node/e2e_fleet.py, built from its Go module at the version
+# tests/node/kube-state-metrics/go.mod requires (a `tool` line; `go install …@version` cannot be used: the
+# module proxy refuses the module's version list, which go install reads for deprecations).
+$(NODE_DIR)/bin/kube-state-metrics: $(NODE_DIR)/kube-state-metrics/go.mod $(NODE_DIR)/kube-state-metrics/go.sum
+	cd $(NODE_DIR)/kube-state-metrics && $(GO) build -buildvcs=false -ldflags '-s -w' -o ../bin/kube-state-metrics \
+		k8s.io/kube-state-metrics/v2
 
 node-images:
 	$(NODE_DIR)/images.sh
