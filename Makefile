@@ -114,9 +114,10 @@ $(NODE_DIR)/bin/kube-%: $(NODE_DIR)/go.mod $(NODE_DIR)/go.sum
 # kube-state-metrics for tests/node/e2e_fleet.py, built from its Go module at the version
 # tests/node/kube-state-metrics/go.mod requires (a `tool` line; `go install …@version` cannot be used: the
 # module proxy refuses the module's version list, which go install reads for deprecations).
+KSM_VERSION := $(shell awk '$$1 == "k8s.io/kube-state-metrics/v2" {print $$2}' $(NODE_DIR)/kube-state-metrics/go.mod)
 $(NODE_DIR)/bin/kube-state-metrics: $(NODE_DIR)/kube-state-metrics/go.mod $(NODE_DIR)/kube-state-metrics/go.sum
-	cd $(NODE_DIR)/kube-state-metrics && $(GO) build -buildvcs=false -ldflags '-s -w' -o ../bin/kube-state-metrics \
-		k8s.io/kube-state-metrics/v2
+	cd $(NODE_DIR)/kube-state-metrics && $(GO) build -buildvcs=false -o ../bin/kube-state-metrics \
+		-ldflags '-s -w -X github.com/prometheus/common/version.Version=$(KSM_VERSION)' k8s.io/kube-state-metrics/v2
 
 node-images:
 	$(NODE_DIR)/images.sh

@@ -7,8 +7,9 @@ Both processes are started by this file's fixture, listen on the node's loopback
 a folder of the run, and are ended by it. Prometheus evaluates a copy of the rule file in which every
 `for:` is FOR (seconds, not the shipped minutes), so that an alert fires within the test; every expression
 is the file's own (test_the_rules_are_the_shipped_ones). Prometheus also scrapes hami-sidecar's /metrics in
-the plugin's pod, found by Kubernetes discovery with the PodMonitor's relabelings as the Prometheus Operator
-generates them (tests/test_monitoring.py's scrape job), so the node's own alerts show beside the cluster's.
+the plugin's pod with the PodMonitor's job as the Prometheus Operator generates it (tests/test_monitoring.py's
+scrape job), so the node's own alerts show beside the cluster's. Debian's Prometheus is built without
+Kubernetes discovery: the target is the pod's IP in a file (file_sd), with the meta labels discovery gives.
 
 The kubelet's device manager as this node runs it: a kubelet restarted restores each checkpointed resource
 with no devices (capacity 0) until its plugin registers again; a plugin whose ListAndWatch stream ends has
@@ -42,12 +43,12 @@ from tests.node.kit import (
     DEVICES,
     HERE,
     NODE,
-    NS,
     RUN,
     figure,
     healthy_plugin,
     node_ctl,
     node_resources,
+    plugin_pod,
     restarts,
     set_fault,
     wait,
@@ -59,6 +60,7 @@ if not RUN:
 
 RULES = HERE.parent.parent / "manifests" / "monitoring" / "prometheusrule.yaml"
 KUBE_STATE_METRICS = HERE / "bin" / "kube-state-metrics"
+SIDECAR_PORT = 9395  # manifests/hami-patch's guard-http
 ALERT = "HamiGPUNodeWithoutGPUCapacity"
 # The test copy's `for:` for every alert (the shipped cluster rule waits 15m; the node's alerts 1m-10m).
 FOR = "10s"
@@ -94,6 +96,14 @@ def test_the_rules_are_the_shipped_ones() -> None:
 class Monitor:
     url: str
     folder: Path
+
+    def point_at_the_plugin(self) -> None:
+        """The sidecar's target: the plugin pod's IP, with the labels Kubernetes discovery would give it."""
+        pod = plugin_pod()
+        (group,) = scrape_config({NODE: (pod["metadata"]["name"], SIDECAR_PORT)})["static_configs"]
+        group["targets"] = [f"{pod['status']['podIP']}:{SIDECAR_PORT}"]
+        (self.folder / "sidecar.json.new").write_text(json.dumps([group]))
+        (self.folder / "sidecar.json.new").rename(self.folder / "sidecar.json")
 
     def api(self, path: str, **params: str) -> Any:
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
@@ -161,12 +171,12 @@ def monitor() -> Iterator[Monitor]:
                 folder / "kube-state-metrics.log",
             )
         )
-        # The PodMonitor's job over Kubernetes discovery of the node's pods (the operator's relabelings).
+        mon = Monitor(f"http://127.0.0.1:{prom_port}", folder)
+        # The PodMonitor's job (the operator's relabelings), its target in a file.
         sidecars = scrape_config({})
         del sidecars["static_configs"]
-        sidecars["kubernetes_sd_configs"] = [
-            {"role": "pod", "kubeconfig_file": f"{RUN}/admin.kubeconfig", "namespaces": {"names": [NS]}}
-        ]
+        sidecars["file_sd_configs"] = [{"files": [str(folder / "sidecar.json")], "refresh_interval": "1s"}]
+        mon.point_at_the_plugin()
         (folder / "rules.yaml").write_text(yaml.safe_dump(rules_for_the_node()))
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
@@ -192,7 +202,6 @@ def monitor() -> Iterator[Monitor]:
                 folder / "prometheus.log",
             )
         )
-        mon = Monitor(f"http://127.0.0.1:{prom_port}", folder)
 
         def up() -> bool:
             for p in procs:
@@ -276,6 +285,7 @@ def test_healthy_node_has_no_alert(monitor: Monitor) -> None:
     """A GPU node (gpu=on, Ready, schedulable) with its capacity: every part of the rule's expression has
     its series for the node, and the alert stays inactive past its `for:`."""
     healthy_plugin()
+    monitor.point_at_the_plugin()
     assert (
         monitor.value(f'max(kube_node_status_condition{{node="{NODE}", condition="Ready", status="true"}})')
         == "1"
@@ -294,6 +304,7 @@ def test_fires_while_the_plugin_is_unregistered_and_resolves(monitor: Monitor) -
     The fault removed, the kubelet's next restart of the plugin container (for the sidecar's 503) registers
     it again: capacity back, the alert resolved."""
     healthy_plugin()
+    monitor.point_at_the_plugin()
     plugin_restarts = restarts("device-plugin")
     set_fault("noregister", True)
     try:
@@ -335,6 +346,7 @@ def test_drop_keeps_capacity_until_the_stop_grace_ends(monitor: Monitor) -> None
     grace, then sets the capacity to 0. The capacity-based rule stays inactive through the grace (the
     state an all-unhealthy GPU node has too: capacity kept, allocatable 0) and fires after it."""
     healthy_plugin()
+    monitor.point_at_the_plugin()
     set_fault("noregister", True)
     try:
         watch = Watch(monitor)
