@@ -205,15 +205,18 @@ def monitor() -> Iterator[Monitor]:
 
         def up() -> bool:
             for p in procs:
-                assert p.poll() is None, mon.logs()
+                if p.poll() is not None:
+                    pytest.fail(f"{p.args!r} exited {p.returncode}:\n{mon.logs()}")
             try:
-                return (
-                    mon.value(f'kube_node_labels{{node="{NODE}", label_gpu="on"}}') == "1"
-                    and mon.value(capacity_query()) == DEVICES
-                    and mon.value(f'max(up{{job=~"podMonitor/.*", node="{NODE}"}})') == "1"
-                )
-            except (OSError, urllib.error.URLError):
-                return False
+                seen = {
+                    "gpu=on": mon.value(f'kube_node_labels{{node="{NODE}", label_gpu="on"}}'),
+                    "capacity": mon.value(capacity_query()),
+                    "sidecar up": mon.value(f'max(up{{node="{NODE}"}})'),  # the PodMonitor's job
+                }
+            except OSError as e:  # Prometheus not listening yet
+                seen = {"error": str(e)}
+            assert seen == {"gpu=on": "1", "capacity": DEVICES, "sidecar up": "1"}, seen
+            return True
 
         wait("Prometheus scraping kube-state-metrics and the node's sidecar", up, 120, 1)
         yield mon
@@ -239,6 +242,17 @@ class Watch:
     t0: float = field(default_factory=time.monotonic)
     changes: list[tuple[float, str, str, str, str]] = field(default_factory=list)
     fired: dict[str, float] = field(default_factory=dict)
+    already: set[str] = field(default_factory=set)  # the node's alerts firing before the fault
+
+    def __post_init__(self) -> None:
+        self.already = {self.key(a) for a in self.mon.alerts() if a["state"] == "firing"}
+
+    @staticmethod
+    def key(alert: dict[str, Any]) -> str:
+        labels = alert["labels"]
+        return (
+            f"{labels['alertname']}{{{labels['check']}}}" if labels.get("check") else str(labels["alertname"])
+        )
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -251,9 +265,8 @@ class Watch:
             name = a["labels"]["alertname"]
             if name == ALERT:
                 state = a["state"]
-            elif a["state"] == "firing":
-                key = f"{name}{{{a['labels'].get('check', '')}}}" if a["labels"].get("check") else name
-                self.fired.setdefault(key, self.now())
+            elif a["state"] == "firing" and self.key(a) not in self.already:
+                self.fired.setdefault(self.key(a), self.now())
         now = (capacity, alloc, exported, state)
         if not self.changes or self.changes[-1][1:] != now:
             self.changes.append((self.now(), *now))
@@ -270,10 +283,9 @@ class Watch:
         )
 
     def node_alerts(self) -> str:
-        return (
-            ", ".join(f"{k} at {t:.0f} s" for k, t in sorted(self.fired.items(), key=lambda kv: kv[1]))
-            or "none"
-        )
+        fired = ", ".join(f"{k} at {t:.0f} s" for k, t in sorted(self.fired.items(), key=lambda kv: kv[1]))
+        before = f" (already firing: {', '.join(sorted(self.already))})" if self.already else ""
+        return (fired or "none") + before
 
 
 def firing_alert(mon: Monitor) -> dict[str, Any]:
