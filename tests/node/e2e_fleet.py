@@ -360,6 +360,8 @@ def test_drop_keeps_capacity_until_the_stop_grace_ends(monitor: Monitor) -> None
     healthy_plugin()
     monitor.point_at_the_plugin()
     set_fault("noregister", True)
+    log = Path(RUN, "log", "kubelet.log")
+    seen = log.stat().st_size
     try:
         watch = Watch(monitor)
         set_fault("drop", True)
@@ -370,6 +372,15 @@ def test_drop_keeps_capacity_until_the_stop_grace_ends(monitor: Monitor) -> None
         # Through the grace: capacity kept, allocatable 0 (after the first update), the alert inactive.
         during = [(c, s) for t, c, a, e, s in watch.changes if t < zero]
         assert all(c == DEVICES and s == "" for c, s in during), watch.story()
+        # The kubelet's own account (pkg/kubelet/cm/devicemanager, pkg/kubelet/nodestatus).
+        with log.open("rb") as f:
+            f.seek(seen)
+            said = f.read().decode(errors="replace")
+        for line in (
+            "Last device plugin for this resource disconnected",
+            "Set capacity for removed resource to 0",
+        ):
+            assert line in said, line
         set_fault("noregister", False)
         node_ctl("kubelet-restart")  # the plugin registers again when kubelet.sock is created
         fixed = watch.now()
