@@ -35,7 +35,7 @@ CHART = ROOT / "tests" / "fixtures" / "hami-chart"
 TOOLS = ROOT / ".venv-tools" / "bin"
 KUBERNETES_VERSIONS = ("1.30.0", "1.33.0", "1.37.0")  # native sidecars on from 1.29; the newest
 CRD_KINDS = {"PodMonitor", "PrometheusRule"}  # not in the Kubernetes schemas; promtool checks the rules
-RUNBOOK = "https://github.com/hami-guard/hami-guard/blob/main/README.md"  # every alert's runbook_url
+RUNBOOK = "README.md"  # every alert's runbook_url base: manifests/monitoring/runbook.yaml's default
 REGISTRY = "registry.example.org/platform"  # as manifests/example-hami has it (example.org is reserved)
 GUARD = ("hami-initcheck", "hami-sidecar")
 Obj = dict[str, Any]
@@ -746,6 +746,33 @@ def test_every_alert_names_its_node_and_links_its_fix_in_the_readme() -> None:
                 rule.get("alert", rule.get("record")),
                 by,
             )
+
+
+def test_the_runbook_base_is_one_setting_that_reaches_every_alert(tmp_path: Path) -> None:
+    """kubectl kustomize of manifests/monitoring: runbook.yaml's base starts every alert's runbook_url (and
+    is left out of the output); set to another base, every runbook_url follows, its section unchanged."""
+    shipped = [o for o in kustomize(MANIFESTS / "monitoring")]
+    assert "hami-guard-runbook" not in {o["metadata"]["name"] for o in shipped}  # local-config: not applied
+
+    def urls(objects: list[Obj]) -> list[str]:
+        (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
+        return [r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+
+    alerts = [r for r in shipped_rules() if "alert" in r]
+    assert urls(shipped) == [r["annotations"]["runbook_url"] for r in alerts]
+    assert all(u.startswith(f"{RUNBOOK}#") for u in urls(shipped))
+    copy_ = tmp_path / "monitoring"
+    shutil.copytree(MANIFESTS / "monitoring", copy_)
+    base = "https://git.example.org/platform/hami-guard/-/blob/main/README.md"  # example.org: reserved
+    runbook = yaml.safe_load((copy_ / "runbook.yaml").read_text())
+    runbook["data"]["base"] = base
+    (copy_ / "runbook.yaml").write_text(yaml.safe_dump(runbook))
+    result = run([require_tool("kubectl"), "kustomize", str(copy_)])
+    assert result.returncode == 0, result.stderr
+    changed = urls(docs(result.stdout))
+    assert len(changed) == len(alerts) == len(urls(shipped))
+    for before, after in zip(urls(shipped), changed, strict=True):
+        assert after == base + "#" + before.split("#", 1)[1]
 
 
 def test_promtool_unit_tests_fire_and_stay_silent(tmp_path: Path) -> None:
