@@ -129,7 +129,7 @@ def scrape_config(targets: dict[str, tuple[str, int]]) -> dict[str, Any]:
         {"source_labels": ["job"], "target_label": "__tmp_prometheus_job_name"},
         {"source_labels": ["__meta_kubernetes_pod_phase"], "regex": "(Failed|Succeeded)", "action": "drop"},
     ]
-    for k, v in sorted(monitor["spec"]["selector"]["matchLabels"].items()):
+    for k, v in sorted(monitor["spec"]["selector"].get("matchLabels", {}).items()):
         relabel.append(
             {
                 "action": "keep",
