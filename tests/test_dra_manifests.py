@@ -19,7 +19,6 @@ import pytest
 import yaml
 
 from tests.test_manifests import (
-    KUBERNETES_VERSIONS,
     MANIFESTS,
     PATCH,
     REGISTRY,
@@ -30,10 +29,12 @@ from tests.test_manifests import (
     docs,
     free_port,
     helm_home,
+    http_get,
     http_status,
     key,
+    readme_commands,
     run,
-    tool,
+    validate_files,
 )
 
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -209,11 +210,7 @@ def test_every_dra_render_validates_strictly(tmp_path: Path) -> None:
     assert gpus["livenessProbe"]["httpGet"]["path"].startswith("/healthz?exclude=dra-plugin:compute-domain")
     paths.append(tmp_path / "other-forms.yaml")
     paths[-1].write_text(result.stdout)
-    count += len(docs(result.stdout))
-    for version in KUBERNETES_VERSIONS:
-        result = run([tool("kubernetes-validate"), "--strict", "--no-warn", "-k", version, *map(str, paths)])
-        assert result.returncode == 0, result.stdout + result.stderr
-        assert result.stdout.count("passed for resource") == count
+    validate_files(paths, count + len(docs(result.stdout)))
 
 
 def test_the_dra_liveness_command_is_the_device_plugins_asking_its_own_path() -> None:
@@ -302,7 +299,7 @@ def test_a_real_sidecar_takes_the_rendered_settings(tmp_path: Path) -> None:
             time.sleep(0.1)
         assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
         assert http_status(port, "/sidecarz") == 200  # the settings were taken, a round has run
-        status = json.loads(fetch(port, "/status"))
+        status = json.loads(http_get(port, "/status")[1])
         assert set(status["dra"]["drivers"]) == {NVIDIA_GPU, NVIDIA_CD}
         assert status["dra"]["grace"] == float(env["HAMI_GUARD_DRA_GRACE"])
         for driver in (NVIDIA_GPU, NVIDIA_CD):
@@ -322,37 +319,14 @@ def test_a_real_sidecar_takes_the_rendered_settings(tmp_path: Path) -> None:
         proc.wait()
 
 
-def fetch(port: int, path: str) -> str:
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        conn.request("GET", path)
-        return conn.getresponse().read().decode()
-    finally:
-        conn.close()
-
-
 # --- The README's DRA section ------------------------------------------------------------------------
-
-
-def readme_dra_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n## DRA drivers\n", 1)[1].split("\n## ", 1)[0]
-    lines: list[str] = []
-    for block in re.findall(r"```sh\n(.*?)```", section, re.DOTALL):
-        for raw in block.replace("\\\n", " ").splitlines():
-            line = raw.strip()
-            if line and not line.startswith("#"):
-                lines.append(re.sub(r"\s+", " ", line))
-    return lines
 
 
 def test_readme_dra_install_lines_are_the_tested_ones() -> None:
     """Each `helm upgrade --install` line of the README's DRA section, run as `helm template` on the
     fixture of its chart (with the cluster's version, which an install takes from the cluster) gives a
     render the tests above check."""
-    installs = [c for c in readme_dra_commands() if c.startswith("helm upgrade --install")]
+    installs = [c for c in readme_commands("DRA drivers") if c.startswith("helm upgrade --install")]
     charts = {
         "$HAMI_DRA/chart/hami-dra-driver": ("hami", {"gpus": HAMI_DRIVER}),
         "nvidia/nvidia-dra-driver-gpu": ("nvidia", {"compute-domains": NVIDIA_CD, "gpus": NVIDIA_GPU}),
@@ -370,4 +344,4 @@ def test_readme_dra_install_lines_are_the_tested_ones() -> None:
         assert result.returncode == 0, result.stderr
         check_patched(daemonset(docs(result.stdout)), drivers, "/var/lib/kubelet")
     assert len(seen) == 4
-    assert "helm repo add nvidia https://helm.ngc.nvidia.com/nvidia" in readme_dra_commands()
+    assert "helm repo add nvidia https://helm.ngc.nvidia.com/nvidia" in readme_commands("DRA drivers")

@@ -306,7 +306,11 @@ def test_every_render_validates_strictly(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     paths.append(tmp_path / "other-forms.yaml")
     paths[-1].write_text(result.stdout)
-    count += len(docs(result.stdout))
+    validate_files(paths, count + len(docs(result.stdout)))
+
+
+def validate_files(paths: list[Path], count: int) -> None:
+    """kubernetes-validate --strict on files holding `count` objects, against each version in one run."""
     for version in KUBERNETES_VERSIONS:
         result = run([tool("kubernetes-validate"), "--strict", "--no-warn", "-k", version, *map(str, paths)])
         assert result.returncode == 0, result.stdout + result.stderr
@@ -466,14 +470,18 @@ def test_kustomize_route_equals_the_post_renderer() -> None:
 
 
 def readme_deploying() -> str:
+    return readme_section("Deploying")
+
+
+def readme_section(title: str) -> str:
     text = (ROOT / "README.md").read_text()
-    return text.split("\n## Deploying\n", 1)[1].split("\n## ", 1)[0]
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
-def readme_commands() -> list[str]:
-    """The shell lines of the Deploying section's code blocks (continuations joined)."""
+def readme_commands(title: str = "Deploying") -> list[str]:
+    """The shell lines of a section's code blocks (continuations joined)."""
     lines: list[str] = []
-    for block in re.findall(r"```sh\n(.*?)```", readme_deploying(), re.DOTALL):
+    for block in re.findall(r"```sh\n(.*?)```", readme_section(title), re.DOTALL):
         for raw in block.replace("\\\n", " ").splitlines():
             line = raw.strip()
             if line and not line.startswith("#"):
@@ -620,10 +628,15 @@ def test_a_sidecar_with_a_bad_flag_never_fails_the_plugins_liveness() -> None:
 
 
 def http_status(port: int, path: str) -> int:
+    return http_get(port, path)[0]
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
         conn.request("GET", path)
-        return conn.getresponse().status
+        answer = conn.getresponse()
+        return answer.status, answer.read().decode()
     finally:
         conn.close()
 
@@ -750,12 +763,13 @@ def test_every_alert_names_its_node_and_links_its_fix_in_the_readme() -> None:
 def test_the_runbook_base_is_one_setting_that_reaches_every_alert(tmp_path: Path) -> None:
     """kubectl kustomize of manifests/monitoring: runbook.yaml's base starts every alert's runbook_url (and
     is left out of the output); set to another base, every runbook_url follows, its section unchanged."""
-    shipped = [o for o in kustomize(MANIFESTS / "monitoring")]
+    shipped = kustomize(MANIFESTS / "monitoring")
     assert "hami-guard-runbook" not in {o["metadata"]["name"] for o in shipped}  # local-config: not applied
 
     def urls(objects: list[Obj]) -> list[str]:
         (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
-        return [r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+        rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+        return [r["annotations"]["runbook_url"] for r in rules if "alert" in r]
 
     alerts = [r for r in shipped_rules() if "alert" in r]
     assert urls(shipped) == [r["annotations"]["runbook_url"] for r in alerts]
