@@ -2,10 +2,12 @@
 fixtures of HAMi's and NVIDIA's DRA driver charts (tests/fixtures/hami-dra-chart, nvidia-dra-chart;
 docs/deploy.md lists the facts they mirror) through the post-renderer (manifests/hami-patch, its
 dra.yaml applied by kubectl kustomize); kubernetes-validate checks what comes out, and a real
-hami-sidecar runs with the rendered settings."""
+hami-sidecar runs with the rendered settings, once against the kubelet's real plugin manager and DRA
+manager (tests/realdra)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import re
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import require_dra_fixture
 from tests.test_manifests import (
     KUBERNETES_VERSIONS,
     MANIFESTS,
@@ -317,6 +320,80 @@ def test_a_real_sidecar_takes_the_rendered_settings(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_the_rendered_probes_against_the_kubelets_real_dra_manager(short_tmp: str) -> None:
+    """The rendered NVIDIA DaemonSet's sidecar settings and probes, with NVIDIA's two drivers on the
+    kubelet plugin helper registered with the kubelet's real plugin manager and DRA manager
+    (tests/realdra, v1.37.2; folders moved under a temporary folder, a 3 s grace and 0.5 s rounds).
+    Both registered: each container's liveness command passes and its readiness path answers 200.
+    The compute-domain driver crashes: its container's liveness command fails on the sidecar's 503,
+    while the gpus container's passes and stays ready: one driver's failure restarts no other."""
+    require_dra_fixture("new")
+    from sidecar.testing.realdra import RealDraDriver, RealDraKubelet
+
+    ds = daemonset(render("helm3", "nvidia"))
+    registry, dp_dir = Path(short_tmp, "plugins_registry"), Path(short_tmp, "device-plugins")
+    registry.mkdir()
+    dp_dir.mkdir()
+    port = free_port()
+    env = {
+        **sidecar_env(ds),
+        "HAMI_GUARD_DRA_REGISTRY_DIR": str(registry),
+        "HAMI_GUARD_DEVICE_PLUGIN_DIR": str(dp_dir),
+        "HAMI_GUARD_POD_RESOURCES_SOCKET": str(Path(short_tmp, "pod-resources.sock")),
+        "HAMI_GUARD_LISTEN": f"127.0.0.1:{port}",
+        "HAMI_GUARD_DRA_GRACE": "3",
+        "HAMI_GUARD_PROBE_INTERVAL": "0.5",
+        "HAMI_GUARD_PROBE_TIMEOUT": "0.4",
+    }
+    kubelet = RealDraKubelet(str(registry), f"{short_tmp}/state", str(dp_dir / "kubelet.sock"))
+    drivers = {
+        d: RealDraDriver(d, str(registry), f"{short_tmp}/plugins/{d}") for d in (NVIDIA_GPU, NVIDIA_CD)
+    }
+    containers = by_name(ds["spec"]["template"]["spec"]["containers"])
+
+    def probes(name: str) -> tuple[int, int]:
+        """A container's liveness command's exit and its readiness path's status, as the kubelet runs them."""
+        c = containers[name]
+        command = c["livenessProbe"]["exec"]["command"][-1].replace("127.0.0.1/9395", f"127.0.0.1/{port}")
+        try:
+            ready = http_status(port, probe_path(c["readinessProbe"]))
+        except OSError:  # not listening yet
+            ready = 0
+        return run(["bash", "-c", command]).returncode, ready
+
+    async def until(name: str, want: tuple[int, int]) -> None:
+        async with asyncio.timeout(30):
+            while await asyncio.to_thread(probes, name) != want:
+                await asyncio.sleep(0.2)
+
+    proc = None
+    try:
+        for d in drivers.values():
+            await d.start()
+        await kubelet.start()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "sidecar",
+            env={**clean_env(), **env},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+        )
+        for name in ("gpus", "compute-domains"):
+            await until(name, (0, 200))  # registered: alive and ready
+        await drivers[NVIDIA_CD].crash()
+        await until("compute-domains", (1, 503))  # its liveness fails: the kubelet would restart it
+        assert await asyncio.to_thread(probes, "gpus") == (0, 200)  # the other driver's: untouched
+    finally:
+        if proc is not None:
+            proc.kill()
+            await proc.wait()
+        for d in drivers.values():
+            await d.close()
+        await kubelet.close()
 
 
 # --- The README's DRA section ------------------------------------------------------------------------
