@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -38,6 +39,7 @@ from tests.test_manifests import (
     key,
     readme_commands,
     run,
+    tool,
     validate_files,
 )
 
@@ -394,6 +396,35 @@ async def test_the_rendered_probes_against_the_kubelets_real_dra_manager(short_t
         for d in drivers.values():
             await d.close()
         await kubelet.close()
+
+
+def test_checkov_finds_only_hostpid_added_to_the_dra_charts(tmp_path: Path) -> None:
+    """One checkov run on both charts' renders, unpatched and patched: the patch adds exactly one finding
+    to each chart's own, CKV_K8S_17 (hostPID, which the sidecar needs to read the kubelet's connections,
+    docs/deploy.md), and clears CKV_K8S_9 (the drivers get a readinessProbe)."""
+    paths = []
+    for case in ("hami", "nvidia"):
+        for patched in (False, True):
+            paths.append(tmp_path / f"{case}-{'patched' if patched else 'chart'}.yaml")
+            paths[-1].write_text(yaml.safe_dump_all(render("helm3", case, patched=patched)))
+    result = run(
+        [tool("checkov"), "--skip-download", "--framework", "kubernetes", "-o", "json"]
+        + [a for p in paths for a in ("-f", str(p))],
+        env={**os.environ, "BC_SKIP_MAPPING": "TRUE", "CHECKOV_RUN_SCA_PACKAGE_SCAN_V2": "false"},
+        timeout=300,
+    )
+    report = json.loads(result.stdout)
+    failed: dict[str, set[tuple[str, str]]] = {p.name: set() for p in paths}
+    for r in report if isinstance(report, list) else [report]:
+        for c in r["results"]["failed_checks"]:
+            failed[Path(c["file_path"]).name].add((c["check_id"], c["resource"]))
+    for case in ("hami", "nvidia"):
+        theirs, ours = failed[f"{case}-chart.yaml"], failed[f"{case}-patched.yaml"]
+        assert theirs  # privileged drivers fail checks: the comparison means something
+        (added,) = ours - theirs
+        (cleared,) = theirs - ours
+        assert (added[0], cleared[0]) == ("CKV_K8S_17", "CKV_K8S_9"), (added, cleared)
+        assert added[1] == cleared[1] and added[1].endswith("-kubelet-plugin")
 
 
 # --- The README's DRA section ------------------------------------------------------------------------
