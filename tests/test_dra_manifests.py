@@ -240,12 +240,19 @@ def test_a_dra_driver_named_by_a_setting_and_one_the_setting_does_not_find() -> 
     has is a bad setting: exit 2, one line."""
     rendered = yaml.safe_dump_all(render("helm3", "hami", patched=False))
     socket = "hami-core-gpu.project-hami.io-reg.sock"
-    args = [f"registry={REGISTRY}", f"dra-driver=gpus={HAMI_DRIVER}={socket}", "dra-grace=200"]
+    args = [f"registry={REGISTRY}", f"dra-driver=gpus={HAMI_DRIVER}={socket}", "dra-grace=200", "tag=0.1.1"]
+    args += ["probe-interval=5", "probe-timeout=1", "liveness-period=10", "liveness-failures=4"]
     result = run([str(PATCH / "post-renderer.sh"), *args], input=rendered, env=clean_env())
     assert result.returncode == 0, result.stderr
-    env = sidecar_env(daemonset(docs(result.stdout)))
+    ds = daemonset(docs(result.stdout))
+    env = sidecar_env(ds)
     assert env["HAMI_GUARD_DRA_DRIVER"] == f"{HAMI_DRIVER}={socket}"
-    assert env["HAMI_GUARD_DRA_GRACE"] == "200"
+    timing = ("HAMI_GUARD_DRA_GRACE", "HAMI_GUARD_PROBE_INTERVAL", "HAMI_GUARD_PROBE_TIMEOUT")
+    assert [env[k] for k in timing] == ["200", "5", "1"]
+    pod = ds["spec"]["template"]["spec"]
+    assert by_name(pod["initContainers"])["hami-sidecar"]["image"] == f"{REGISTRY}/hami-sidecar:0.1.1"
+    live = by_name(pod["containers"])["gpus"]["livenessProbe"]
+    assert (live["periodSeconds"], live["failureThreshold"]) == (10, 4)
     bad = [f"registry={REGISTRY}", "dra-driver=gpu=gpu.nvidia.com"]
     result = run([str(PATCH / "post-renderer.sh"), *bad], input=rendered, env=clean_env())
     assert result.returncode == 2
