@@ -277,24 +277,6 @@ def test_a_kubelet_plugin_of_an_unknown_driver_is_left_alone_and_named_it_is_pat
     assert sidecar_env(daemonset(docs(result.stdout)))["HAMI_GUARD_DRA_DRIVER"] == "gpu.example.com"
 
 
-@pytest.mark.parametrize(
-    "rendered",
-    [
-        "kind: DaemonSet\nmetadata: {name: x-kubelet-plugin}\nspec: {template: {spec: {containers: 7}}}\n",
-        "kind: DaemonSet\nmetadata: {name: x-kubelet-plugin}\n"
-        "spec: {template: {spec: {containers: [{name: gpus, command: [hami-kubelet-plugin]}]}}}\n",
-        "kind: DaemonSet\nmetadata: {name: x-kubelet-plugin}\nspec: {template: {spec: {containers: "
-        "[{name: gpus, args: [gpu-kubelet-plugin]}], volumes: [{name: plugins-registry, emptyDir: {}}]}}}\n",
-    ],
-)
-def test_a_rendered_input_not_shaped_as_a_drivers_chart_is_one_line(rendered: str) -> None:
-    result = run([str(PATCH / "post-renderer.sh"), f"registry={REGISTRY}"], input=rendered, env=clean_env())
-    assert result.returncode == 1
-    assert result.stdout == ""
-    (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("hami-guard post-renderer: ")
-
-
 def test_a_real_sidecar_takes_the_rendered_settings(tmp_path: Path) -> None:
     """hami-sidecar started with the rendered NVIDIA DaemonSet's environment (its folders moved under a
     temporary folder, nothing listening there): it accepts the settings (/sidecarz 200, no

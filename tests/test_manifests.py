@@ -929,6 +929,11 @@ def test_the_stress_goal_is_the_sidecars_memory_limit() -> None:
         "spec: {template: {spec: {volumes: [{name: device-plugin, emptyDir: {}}], containers: []}}}\n",
         "kind: DaemonSet\nmetadata: {name: x, labels: {app.kubernetes.io/component: hami-device-plugin}}\n"
         "spec: {template: {spec: {volumes: [{name: device-plugin, hostPath: {path: /x}}], containers: 7}}}\n",
+        # A DRA driver's kubelet plugin (tests/test_dra_manifests.py) not shaped as the charts' one.
+        "kind: DaemonSet\nmetadata: {name: x-kubelet-plugin}\n"
+        "spec: {template: {spec: {containers: [{name: gpus, command: [hami-kubelet-plugin]}]}}}\n",
+        "kind: DaemonSet\nmetadata: {name: x-kubelet-plugin}\nspec: {template: {spec: {containers: "
+        "[{name: gpus, args: [gpu-kubelet-plugin]}], volumes: [{name: plugins-registry, emptyDir: {}}]}}}\n",
     ],
 )
 def test_a_rendered_input_not_shaped_as_hamis_is_one_line(rendered: str) -> None:
