@@ -331,15 +331,21 @@ def test_a_real_sidecar_takes_the_rendered_settings(tmp_path: Path) -> None:
         proc.wait()
 
 
-async def test_the_rendered_probes_against_the_kubelets_real_dra_manager(short_tmp: str) -> None:
+@pytest.mark.parametrize("release", ["new", "old"])
+async def test_the_rendered_probes_against_the_kubelets_real_dra_manager(
+    short_tmp: str, release: str
+) -> None:
     """The rendered NVIDIA DaemonSet's sidecar settings and probes, with NVIDIA's two drivers on the
     kubelet plugin helper registered with the kubelet's real plugin manager and DRA manager
-    (tests/realdra, v1.37.2; folders moved under a temporary folder, a 3 s grace and 0.5 s rounds).
+    (tests/realdra, v1.37.2 and v1.36.5; folders moved under a temporary folder, a 3 s grace and 0.5 s
+    rounds).
     Both registered: each container's liveness command passes and its readiness path answers 200.
     The compute-domain driver crashes: its container's liveness command fails on the sidecar's 503,
     while the gpus container's passes and stays ready: one driver's failure restarts no other."""
-    require_dra_fixture("new")
-    from sidecar.testing.realdra import RealDraDriver, RealDraKubelet
+    require_dra_fixture(release)
+    from sidecar.testing.realdra import RealDraDriver, RealDraKubelet, Release
+
+    rel: Release = "new" if release == "new" else "old"
 
     ds = daemonset(render("helm3", "nvidia"))
     registry, dp_dir = Path(short_tmp, "plugins_registry"), Path(short_tmp, "device-plugins")
@@ -356,9 +362,10 @@ async def test_the_rendered_probes_against_the_kubelets_real_dra_manager(short_t
         "HAMI_GUARD_PROBE_INTERVAL": "0.5",
         "HAMI_GUARD_PROBE_TIMEOUT": "0.4",
     }
-    kubelet = RealDraKubelet(str(registry), f"{short_tmp}/state", str(dp_dir / "kubelet.sock"))
+    kubelet = RealDraKubelet(str(registry), f"{short_tmp}/state", str(dp_dir / "kubelet.sock"), release=rel)
     drivers = {
-        d: RealDraDriver(d, str(registry), f"{short_tmp}/plugins/{d}") for d in (NVIDIA_GPU, NVIDIA_CD)
+        d: RealDraDriver(d, str(registry), f"{short_tmp}/plugins/{d}", release=rel)
+        for d in (NVIDIA_GPU, NVIDIA_CD)
     }
     containers = by_name(ds["spec"]["template"]["spec"]["containers"])
 
