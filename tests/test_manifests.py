@@ -35,7 +35,7 @@ CHART = ROOT / "tests" / "fixtures" / "hami-chart"
 TOOLS = ROOT / ".venv-tools" / "bin"
 KUBERNETES_VERSIONS = ("1.30.0", "1.33.0", "1.37.0")  # native sidecars on from 1.29; the newest
 CRD_KINDS = {"PodMonitor", "PrometheusRule"}  # not in the Kubernetes schemas; promtool checks the rules
-RUNBOOK = "https://github.com/hami-guard/hami-guard/blob/main/README.md"  # every alert's runbook_url
+RUNBOOK = "README.md"  # every alert's runbook_url base: manifests/monitoring/runbook.yaml's default
 REGISTRY = "registry.example.org/platform"  # as manifests/example-hami has it (example.org is reserved)
 GUARD = ("hami-initcheck", "hami-sidecar")
 Obj = dict[str, Any]
@@ -306,8 +306,12 @@ def test_every_render_validates_strictly(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     paths.append(tmp_path / "other-forms.yaml")
     paths[-1].write_text(result.stdout)
-    count += len(docs(result.stdout))
-    for version in KUBERNETES_VERSIONS:
+    validate_files(paths, count + len(docs(result.stdout)))
+
+
+def validate_files(paths: list[Path], count: int, versions: tuple[str, ...] = KUBERNETES_VERSIONS) -> None:
+    """kubernetes-validate --strict on files holding `count` objects, against each version in one run."""
+    for version in versions:
         result = run([tool("kubernetes-validate"), "--strict", "--no-warn", "-k", version, *map(str, paths)])
         assert result.returncode == 0, result.stdout + result.stderr
         assert result.stdout.count("passed for resource") == count
@@ -466,14 +470,18 @@ def test_kustomize_route_equals_the_post_renderer() -> None:
 
 
 def readme_deploying() -> str:
+    return readme_section("Deploying")
+
+
+def readme_section(title: str) -> str:
     text = (ROOT / "README.md").read_text()
-    return text.split("\n## Deploying\n", 1)[1].split("\n## ", 1)[0]
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
-def readme_commands() -> list[str]:
-    """The shell lines of the Deploying section's code blocks (continuations joined)."""
+def readme_commands(title: str = "Deploying") -> list[str]:
+    """The shell lines of a section's code blocks (continuations joined)."""
     lines: list[str] = []
-    for block in re.findall(r"```sh\n(.*?)```", readme_deploying(), re.DOTALL):
+    for block in re.findall(r"```sh\n(.*?)```", readme_section(title), re.DOTALL):
         for raw in block.replace("\\\n", " ").splitlines():
             line = raw.strip()
             if line and not line.startswith("#"):
@@ -620,10 +628,15 @@ def test_a_sidecar_with_a_bad_flag_never_fails_the_plugins_liveness() -> None:
 
 
 def http_status(port: int, path: str) -> int:
+    return http_get(port, path)[0]
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
         conn.request("GET", path)
-        return conn.getresponse().status
+        answer = conn.getresponse()
+        return answer.status, answer.read().decode()
     finally:
         conn.close()
 
@@ -712,7 +725,7 @@ def test_promtool_checks_the_rules(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(shipped_rules())} rules found" in result.stdout
-    assert len(shipped_rules()) == 9
+    assert len(shipped_rules()) == 11
 
 
 def test_every_alert_names_its_node_and_links_its_fix_in_the_readme() -> None:
@@ -728,12 +741,11 @@ def test_every_alert_names_its_node_and_links_its_fix_in_the_readme() -> None:
         assert "$labels.node" in notes["summary"], rule["alert"]
         url, _, anchor = notes["runbook_url"].partition("#")
         assert url == RUNBOOK, rule["alert"]
-        # A per-check link (HamiDevicePluginCheckFailing) names every check the rule can report.
+        # A per-check link (HamiDevicePluginCheckFailing, HamiDRADriverCheckFailing) names every check the
+        # rule can report: those its expression selects, less the kubelet check that silences it.
+        reported = {c for m in re.findall(r'check=~?"([^"]+)"', rule["expr"]) for c in m.split("|")}
         wanted = (
-            [
-                anchor.replace("{{ $labels.check }}", c)
-                for c in ("plugin", "registered", "devices", "checkpoint")
-            ]
+            [anchor.replace("{{ $labels.check }}", c) for c in sorted(reported - {"kubelet"})]
             if "{{" in anchor
             else [anchor]
         )
@@ -746,6 +758,34 @@ def test_every_alert_names_its_node_and_links_its_fix_in_the_readme() -> None:
                 rule.get("alert", rule.get("record")),
                 by,
             )
+
+
+def test_the_runbook_base_is_one_setting_that_reaches_every_alert(tmp_path: Path) -> None:
+    """kubectl kustomize of manifests/monitoring: runbook.yaml's base starts every alert's runbook_url (and
+    is left out of the output); set to another base, every runbook_url follows, its section unchanged."""
+    shipped = kustomize(MANIFESTS / "monitoring")
+    assert "hami-guard-runbook" not in {o["metadata"]["name"] for o in shipped}  # local-config: not applied
+
+    def urls(objects: list[Obj]) -> list[str]:
+        (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
+        rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+        return [r["annotations"]["runbook_url"] for r in rules if "alert" in r]
+
+    alerts = [r for r in shipped_rules() if "alert" in r]
+    assert urls(shipped) == [r["annotations"]["runbook_url"] for r in alerts]
+    assert all(u.startswith(f"{RUNBOOK}#") for u in urls(shipped))
+    copy_ = tmp_path / "monitoring"
+    shutil.copytree(MANIFESTS / "monitoring", copy_)
+    base = "https://git.example.org/platform/hami-guard/-/blob/main/README.md"  # example.org: reserved
+    runbook = yaml.safe_load((copy_ / "runbook.yaml").read_text())
+    runbook["data"]["base"] = base
+    (copy_ / "runbook.yaml").write_text(yaml.safe_dump(runbook))
+    result = run([require_tool("kubectl"), "kustomize", str(copy_)])
+    assert result.returncode == 0, result.stderr
+    changed = urls(docs(result.stdout))
+    assert len(changed) == len(alerts) == len(urls(shipped))
+    for before, after in zip(urls(shipped), changed, strict=True):
+        assert after == base + "#" + before.split("#", 1)[1]
 
 
 def test_promtool_unit_tests_fire_and_stay_silent(tmp_path: Path) -> None:
@@ -889,6 +929,11 @@ def test_the_stress_goal_is_the_sidecars_memory_limit() -> None:
         "spec: {template: {spec: {volumes: [{name: device-plugin, emptyDir: {}}], containers: []}}}\n",
         "kind: DaemonSet\nmetadata: {name: x, labels: {app.kubernetes.io/component: hami-device-plugin}}\n"
         "spec: {template: {spec: {volumes: [{name: device-plugin, hostPath: {path: /x}}], containers: 7}}}\n",
+        # A DRA driver's kubelet plugin (tests/test_dra_manifests.py) not shaped as the charts' one.
+        "kind: DaemonSet\nmetadata: {name: x-kubelet-plugin}\n"
+        "spec: {template: {spec: {containers: [{name: gpus, command: [hami-kubelet-plugin]}]}}}\n",
+        "kind: DaemonSet\nmetadata: {name: x-kubelet-plugin}\nspec: {template: {spec: {containers: "
+        "[{name: gpus, args: [gpu-kubelet-plugin]}], volumes: [{name: plugins-registry, emptyDir: {}}]}}}\n",
     ],
 )
 def test_a_rendered_input_not_shaped_as_hamis_is_one_line(rendered: str) -> None:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Helm 3 post-renderer: hami-guard's patch on HAMi's chart output (render.py says what it does).
+# Helm 3 post-renderer: hami-guard's patch on the output of HAMi's chart, or of a DRA driver's chart
+# (render.py says what it does).
 #   helm upgrade --install hami hami-charts/hami -n kube-system \
 #     --post-renderer ./manifests/hami-patch/post-renderer.sh \
 #     --post-renderer-args registry=<your registry>

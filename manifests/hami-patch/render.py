@@ -1,12 +1,16 @@
-"""Helm post-renderer: hami-guard's component applied to HAMi's rendered chart, with its settings.
+"""Helm post-renderer: hami-guard's patches applied to a rendered chart, with their settings.
 
-Reads the rendered manifests on stdin and writes them on stdout with every DaemonSet labelled
-app.kubernetes.io/component=hami-device-plugin patched (kustomization.yaml and patch.yaml beside
-this file, through `kubectl kustomize`), then adapted to the chart it was given and to the settings:
+Reads the rendered manifests on stdin and writes them on stdout with, through `kubectl kustomize`:
 
-- the resource and its socket from the device config HAMi's plugin reads (its `device-config`
-  ConfigMap: nvidia.resourceCountName; HAMi names the socket nvidia-<name>.sock);
-- the pod-resources folder beside HAMi's devicePlugin.pluginPath;
+- every DaemonSet labelled app.kubernetes.io/component=hami-device-plugin (HAMi's device plugin)
+  patched with the component beside this file (kustomization.yaml, patch.yaml), then adapted to the
+  chart: the resource and its socket from the device config HAMi's plugin reads (its `device-config`
+  ConfigMap: nvidia.resourceCountName; HAMi names the socket nvidia-<name>.sock), the pod-resources
+  folder beside HAMi's devicePlugin.pluginPath;
+- every DaemonSet whose containers run a DRA driver's kubelet plugin (DRA_BINARIES: HAMi's and
+  NVIDIA's charts; `dra-driver=` names others) patched with dra.yaml, then adapted: the drivers of
+  its containers, the plugin folders the chart mounts, and on each driver container the device
+  plugins' probes asking only about its own driver;
 - the settings, each `KEY=VALUE` as an argument (helm --post-renderer-args) or HAMI_GUARD_<KEY>
   in the environment (an argument wins): see SETTINGS.
 
@@ -36,6 +40,12 @@ PLACEHOLDER_REGISTRY = "registry.invalid"
 VERSION = "0.1.0"
 PORT = 9395
 DEFAULT_RESOURCE = "nvidia.com/gpu"
+# The kubelet plugins of the DRA drivers' charts, by the program their container runs: the driver's name.
+DRA_BINARIES = {
+    "hami-kubelet-plugin": "hami-core-gpu.project-hami.io",  # HAMi's k8s-dra-driver (hami-dra-driver)
+    "gpu-kubelet-plugin": "gpu.nvidia.com",  # NVIDIA's nvidia-dra-driver-gpu, container gpus
+    "compute-domain-kubelet-plugin": "compute-domain.nvidia.com",  # the same, container compute-domains
+}
 
 # key: (default, what it sets). None: required.
 SETTINGS: dict[str, tuple[str | None, str]] = {
@@ -54,6 +64,12 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
         "native (an init container with restartPolicy Always, Kubernetes >= 1.29) or container",
     ),
     "liveness": ("exec", "exec (an unreachable sidecar is no verdict) or http (httpGet /healthz)"),
+    "dra-driver": (
+        "",
+        "CONTAINER=DRIVER[=SOCKET][,...]: a DRA kubelet plugin's container, its driver and registration "
+        "socket; default: the drivers of the kubelet plugins the containers run",
+    ),
+    "dra-grace": ("150", "seconds a DRA driver may stay unregistered"),
 }
 
 
@@ -97,6 +113,8 @@ def settings(argv: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
         "liveness-failures": r"[1-9][0-9]?",
         "sidecar": r"native|container",
         "liveness": r"exec|http",
+        "dra-driver": r"([a-z0-9-]+=[a-z0-9.-]+(=[A-Za-z0-9._/-]+)?(,|$))*",
+        "dra-grace": r"[0-9]+(\.[0-9]+)?",
     }
     for key, pattern in checks.items():
         if not re.fullmatch(pattern, values[key]):
@@ -159,8 +177,7 @@ def adapt(ds: dict[str, Any], original: Mapping[str, Any], s: Mapping[str, str],
     inits = by_name(pod.get("initContainers"))
     sidecar = inits["hami-sidecar"]
     for c in (inits["hami-initcheck"], sidecar):
-        name = c["image"].rsplit("/", 1)[1].split(":", 1)[0]
-        c["image"] = f"{s['registry']}/{name}:{s['tag']}"
+        set_image(c, s)
     if "deviceconfig" not in hami_volumes:  # HAMi's node configuration: not in every chart version
         sidecar["volumeMounts"] = [m for m in sidecar["volumeMounts"] if m["name"] != "deviceconfig"]
     env = {
@@ -182,29 +199,140 @@ def adapt(ds: dict[str, Any], original: Mapping[str, Any], s: Mapping[str, str],
 
     containers = by_name(pod["containers"])
     plugin = containers["device-plugin"]
-    live = plugin["livenessProbe"]
+    set_liveness(plugin["livenessProbe"], s, "/healthz")
+    plugin["readinessProbe"]["httpGet"]["path"] = readiness_path(plugins)
+    place_sidecar(pod, sidecar, s)
+
+
+def set_image(c: dict[str, Any], s: Mapping[str, str]) -> None:
+    name = c["image"].rsplit("/", 1)[1].split(":", 1)[0]
+    c["image"] = f"{s['registry']}/{name}:{s['tag']}"
+
+
+def set_liveness(live: dict[str, Any], s: Mapping[str, str], path: str) -> None:
+    """patch.yaml's livenessProbe (in place), asking `path`, with the settings."""
     live["periodSeconds"] = int(s["liveness-period"])
     live["failureThreshold"] = int(s["liveness-failures"])
     if s["liveness"] == "http":
         del live["exec"]
-        live["httpGet"] = {"path": "/healthz", "port": PORT}
+        live["httpGet"] = {"path": path, "port": PORT}
         live["timeoutSeconds"] = 2
-    plugin["readinessProbe"]["httpGet"]["path"] = readiness_path(plugins)
+    else:
+        command = live["exec"]["command"]
+        command[-1] = command[-1].replace("GET /healthz ", f"GET {path} ")
 
+
+def place_sidecar(pod: dict[str, Any], sidecar: dict[str, Any], s: Mapping[str, str]) -> None:
     if s["sidecar"] == "container":  # before Kubernetes 1.29: a plain container beside the plugin
         pod["initContainers"] = [c for c in pod["initContainers"] if c["name"] != "hami-sidecar"]
         del sidecar["restartPolicy"]
         pod["containers"].append(sidecar)
 
 
+# --- DRA drivers' kubelet plugins --------------------------------------------------------------------
+
+
+def words(c: Mapping[str, Any]) -> list[str]:
+    """The words of a container's command and args (a shell script's too), as program names."""
+    parts = [*(c.get("command") or []), *(c.get("args") or [])]
+    return [posixpath.basename(w) for p in parts if isinstance(p, str) for w in p.split()]
+
+
+def named_drivers(s: Mapping[str, str]) -> dict[str, str]:
+    """The `dra-driver` setting: {container: DRIVER[=SOCKET]}."""
+    return dict(item.split("=", 1) for item in s["dra-driver"].split(",") if item)
+
+
+def dra_drivers(ds: Mapping[str, Any], s: Mapping[str, str]) -> dict[str, str]:
+    """{container: DRIVER[=SOCKET]}: the DaemonSet's containers `dra-driver` names, and those that run a
+    kubelet plugin of DRA_BINARIES. Empty: not a DRA driver's kubelet plugin."""
+    if ds.get("kind") != "DaemonSet" or is_target(ds):
+        return {}
+    pod = ((ds.get("spec") or {}).get("template") or {}).get("spec") or {}
+    named = named_drivers(s)
+    found = {}
+    for name, c in by_name(pod.get("containers") if isinstance(pod, Mapping) else None).items():
+        known = [DRA_BINARIES[w] for w in words(c) if w in DRA_BINARIES]
+        if name in named or known:
+            found[name] = named.get(name) or known[0]
+    return found
+
+
+DRA_CHECKS = ("dra-plugin", "dra-registered")
+
+
+def others_excluded(drivers: Mapping[str, str], mine: str) -> str:
+    """`exclude=` of every check of the other containers' drivers: a container's probes ask about its
+    own driver only, so that one driver's failure never restarts another's container."""
+    return "&".join(
+        f"exclude={kind}:{driver.split('=', 1)[0]}"
+        for container, driver in drivers.items()
+        if container != mine
+        for kind in DRA_CHECKS
+    )
+
+
+def adapt_dra(
+    ds: dict[str, Any], original: Mapping[str, Any], s: Mapping[str, str], drivers: Mapping[str, str]
+) -> None:
+    """Apply the settings to one patched kubelet-plugin DaemonSet (in place)."""
+    pod = ds["spec"]["template"]["spec"]
+    chart_volumes = by_name(original["spec"]["template"]["spec"].get("volumes"))
+    folders: dict[str, str] = {}
+    for volume in ("plugins-registry", "plugins"):
+        path = ((chart_volumes.get(volume) or {}).get("hostPath") or {}).get("path")
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise Refused(f"DaemonSet {ds['metadata']['name']}: no hostPath volume {volume} (the kubelet's)")
+        folders[volume] = path
+    sidecar = by_name(pod["initContainers"])["hami-sidecar"]
+    # After the chart's init containers (NVIDIA's waits for the driver's files): started last, just
+    # before the drivers.
+    pod["initContainers"] = [c for c in pod["initContainers"] if c is not sidecar] + [sidecar]
+    set_image(sidecar, s)
+    for m in sidecar["volumeMounts"]:
+        m["mountPath"] = folders.get(m["name"], m["mountPath"])
+    kubelet_dir = posixpath.dirname(folders["plugins"].rstrip("/"))
+    by_name(pod["volumes"])["hami-guard-device-plugins"]["hostPath"]["path"] = kubelet_dir + "/device-plugins"
+    env = {
+        "HAMI_GUARD_DRA_DRIVER": ",".join(drivers.values()),
+        "HAMI_GUARD_DRA_REGISTRY_DIR": folders["plugins-registry"],
+        "HAMI_GUARD_DRA_GRACE": s["dra-grace"],
+        "HAMI_GUARD_PROBE_INTERVAL": s["probe-interval"],
+        "HAMI_GUARD_PROBE_TIMEOUT": s["probe-timeout"],
+    }
+    for e in sidecar["env"]:
+        e["value"] = env.get(e["name"], e.get("value"))
+
+    # Each driver container: the device plugins' probes (patch.yaml), about its own driver; the chart's
+    # livenessProbe (a self-probe) is replaced, its startupProbe kept.
+    patch = yaml.safe_load((HERE / "patch.yaml").read_text())
+    template = by_name(patch["spec"]["template"]["spec"]["containers"])["device-plugin"]
+    containers = by_name(pod["containers"])
+    for name in drivers:
+        others = others_excluded(drivers, name)
+        live = copy.deepcopy(template["livenessProbe"])
+        set_liveness(live, s, "/healthz" + (f"?{others}" if others else ""))
+        ready = copy.deepcopy(template["readinessProbe"])
+        gate = "/readyz?exclude=kubelet&exclude=checkpoint"  # the rollout gate, as for the device plugins
+        ready["httpGet"]["path"] = gate + (f"&{others}" if others else "")
+        containers[name]["livenessProbe"] = live
+        containers[name]["readinessProbe"] = ready
+    place_sidecar(pod, sidecar, s)
+
+
 def render(text: str, s: Mapping[str, str]) -> str:
     objects = load(text)
     targets = [o for o in objects if is_target(o)]
-    if not targets:
+    dra = {id(o): d for o in objects if (d := dra_drivers(o, s))}
+    if not targets and not dra:
         raise Refused(
-            "no DaemonSet labelled app.kubernetes.io/component=hami-device-plugin in the rendered chart: "
-            "nothing patched (is devicePlugin.enabled false, or is this not HAMi's chart?)"
+            "no DaemonSet labelled app.kubernetes.io/component=hami-device-plugin and no DRA kubelet plugin "
+            "in the rendered chart: nothing patched (is devicePlugin.enabled false, or is this not HAMi's "
+            "chart nor a DRA driver's? dra-driver=CONTAINER=DRIVER names a kubelet plugin)"
         )
+    named = set(named_drivers(s))
+    if unknown := named - {c for d in dra.values() for c in d}:
+        raise Refused(f"dra-driver: no DaemonSet has a container named {', '.join(sorted(unknown))}", 2)
     for ds in targets:
         volumes = by_name(((ds.get("spec") or {}).get("template") or {}).get("spec", {}).get("volumes"))
         if "device-plugin" not in volumes:
@@ -212,15 +340,31 @@ def render(text: str, s: Mapping[str, str]) -> str:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         raise Refused("kubectl is not on PATH (its built-in kustomize applies the patch)")
+    drivers = {key(o): dra[id(o)] for o in objects if id(o) in dra}
     with tempfile.TemporaryDirectory(prefix="hami-guard-") as tmp:
         work = Path(tmp)
         (work / "rendered.yaml").write_text(yaml.safe_dump_all(objects, sort_keys=False))
         (work / "hami-patch").mkdir()
         for name in ("kustomization.yaml", "patch.yaml"):
             shutil.copy(HERE / name, work / "hami-patch" / name)
+        components = ["hami-patch"]
+        if drivers:  # dra.yaml on exactly these DaemonSets (names are anchored regular expressions)
+            (work / "dra").mkdir()
+            shutil.copy(HERE / "dra.yaml", work / "dra" / "dra.yaml")
+            patches = [
+                {"path": "dra.yaml", "target": {"kind": "DaemonSet", "name": re.escape(str(name))}}
+                for _, _, name in drivers
+            ]
+            component = {
+                "apiVersion": "kustomize.config.k8s.io/v1alpha1",
+                "kind": "Component",
+                "patches": patches,
+            }
+            (work / "dra" / "kustomization.yaml").write_text(yaml.safe_dump(component))
+            components.append("dra")
         (work / "kustomization.yaml").write_text(
             "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-            "resources: [rendered.yaml]\ncomponents: [hami-patch]\n"
+            f"resources: [rendered.yaml]\ncomponents: [{', '.join(components)}]\n"
         )
         built = subprocess.run([kubectl, "kustomize", str(work)], capture_output=True, text=True, check=False)
     if built.returncode != 0:
@@ -228,11 +372,8 @@ def render(text: str, s: Mapping[str, str]) -> str:
         raise Refused(f"kubectl kustomize failed: {lines[-1]}")
     patched = load(built.stdout)
 
-    def key(o: Mapping[str, Any]) -> tuple[str, str | None, str | None]:
-        meta = o.get("metadata") or {}
-        return (o.get("kind", ""), meta.get("namespace"), meta.get("name"))
-
     originals = {key(o): o for o in targets}
+    chart = {key(o): o for o in objects}
     done = 0
     for ds in patched:
         if key(ds) in originals:
@@ -240,9 +381,17 @@ def render(text: str, s: Mapping[str, str]) -> str:
             plugins = s["plugin"] or chart_plugins(original, objects)
             adapt(ds, copy.deepcopy(original), s, plugins)
             done += 1
-    if done != len(targets):
-        raise Refused(f"patched {done} of {len(targets)} hami-device-plugin DaemonSets")
+        elif key(ds) in drivers:
+            adapt_dra(ds, copy.deepcopy(chart[key(ds)]), s, drivers[key(ds)])
+            done += 1
+    if done != len(targets) + len(drivers):
+        raise Refused(f"patched {done} of {len(targets) + len(drivers)} DaemonSets")
     return yaml.safe_dump_all(patched, sort_keys=False)
+
+
+def key(o: Mapping[str, Any]) -> tuple[str, str | None, str | None]:
+    meta = o.get("metadata") or {}
+    return (o.get("kind", ""), meta.get("namespace"), meta.get("name"))
 
 
 def main(argv: Sequence[str]) -> int:
