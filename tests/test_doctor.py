@@ -88,6 +88,11 @@ GPU = "nvidia.com/gpu"
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[1]
 
+# These tests start processes named kubelet, k3s-server and kubelite, which every check on the machine
+# can see, and read the process table: one pytest-xdist worker runs both files (make test: --dist
+# loadgroup), so no test here sees another's stand-in kubelet.
+pytestmark = pytest.mark.xdist_group("process-table")
+
 
 @dataclass
 class Doctor:

@@ -24,6 +24,11 @@ from initcheck.cli import TRANSIENT, check_with_wait, main
 
 PY = sys.executable
 
+# These tests start processes named kubelet, k3s-server and kubelite, which every check on the machine
+# can see, and read the process table: one pytest-xdist worker runs both files (make test: --dist
+# loadgroup), so no test here sees another's stand-in kubelet.
+pytestmark = pytest.mark.xdist_group("process-table")
+
 
 @pytest.fixture
 def folder(short_tmp: str) -> str:
