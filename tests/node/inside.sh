@@ -166,6 +166,7 @@ YAML
 cat > "$run/node-ctl" << SH
 #!/bin/sh
 # node-ctl kubelet-start | kubelet-stop | kubelet-restart: the kubelet as a process of this namespace.
+# node-ctl node2-start | node2-stop: the second node, node-e2e-2, joined and Ready, or gone (second.sh).
 case "\$1" in
 kubelet-stop)
   [ -s "$run/kubelet.pid" ] || exit 0
@@ -182,7 +183,10 @@ kubelet-start)
 kubelet-restart)
   "\$0" kubelet-stop && exec "\$0" kubelet-start
   ;;
-*) echo "usage: node-ctl kubelet-start|kubelet-stop|kubelet-restart" >&2; exit 2 ;;
+node2-start | node2-stop)
+  exec "$here/second.sh" "\${1#node2-}" "$run" "$cgroup"
+  ;;
+*) echo "usage: node-ctl kubelet-start|kubelet-stop|kubelet-restart|node2-start|node2-stop" >&2; exit 2 ;;
 esac
 SH
 chmod +x "$run/node-ctl"
