@@ -5,6 +5,7 @@
 #   second.sh start RUN CGROUP   up, joined and Ready (labelled gpu=on like the first node)
 #   second.sh stop RUN CGROUP    the Node and its pods deleted, every process of it ended, its cgroups removed
 #   second.sh inner RUN CGROUP   (the node's first process, in its own namespaces)
+#   second.sh holder RUN CGROUP  (the first node's PID namespace's first process: inside.sh)
 #
 # Its own PID namespace nested in the first node's (its processes end with it, and with the box), its
 # own mount namespace (its own /var/lib, /var/log and /run on folders of RUN/node-e2e-2: its own
@@ -36,6 +37,18 @@ wait_for() { # seconds description command...
   done
   echo "node-e2e: $what not up after ${t}s" >&2
   return 1
+}
+
+# A new /proc (a PID namespace of its own): the kernel settings the kubelet reads are bound over it
+# again (the files inside.sh made), so that it changes none on the machine.
+sysctl_binds() {
+  local f k
+  for f in "$run"/sysctl/*; do
+    [ -e "$f" ] || continue
+    k=$(basename "$f")
+    mount --bind "$f" "/proc/sys/${k//.//}"
+    mount -o remount,bind,ro "/proc/sys/${k//.//}"
+  done
 }
 
 case $cmd in
@@ -109,20 +122,25 @@ stop)
   echo "node-e2e: node $NODE stopped ($(date -u +%T))"
   ;;
 
+holder)
+  # PID 1 of the first node's PID namespace: its processes are started into it with nsenter; it reaps
+  # the orphans among them, and its end ends them all.
+  sysctl_binds
+  touch "$run/holder.ready"
+  trap 'exit 0' TERM
+  while :; do
+    sleep 3600 &
+    wait || true
+  done
+  ;;
+
 inner)
   hostname "$NODE"
   mount --bind "$dir/var-lib" /var/lib
   mount --bind "$dir/var-log" /var/log
   mount --bind "$dir/run" /run
   mount --make-rshared /
-  # This namespace's /proc is new: the kernel settings the kubelet reads are bound over it again (the
-  # files the first node made), so that it changes none on the machine.
-  for f in "$run"/sysctl/*; do
-    [ -e "$f" ] || continue
-    k=$(basename "$f")
-    mount --bind "$f" "/proc/sys/${k//.//}"
-    mount -o remount,bind,ro "/proc/sys/${k//.//}"
-  done
+  sysctl_binds
   ip link set lo up
   wait_for 10 "the veth's end" ip link show n2-eth
   ip addr add "$NODE_IP/24" dev n2-eth
