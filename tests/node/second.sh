@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The second node, node-e2e-2: `node-ctl node2-start` and `node-ctl node2-stop` (tests/node/inside.sh)
-# run this inside the first node's namespaces, for the tests that need two nodes (a DaemonSet rollout).
+# run this inside the namespaces node.sh makes, for the tests that need two nodes (a DaemonSet rollout).
 #
 #   second.sh start RUN CGROUP   up, joined and Ready (labelled gpu=on like the first node)
 #   second.sh stop RUN CGROUP    the Node and its pods deleted, every process of it ended, its cgroups removed
 #   second.sh inner RUN CGROUP   (the node's first process, in its own namespaces)
 #   second.sh holder RUN CGROUP  (the first node's PID namespace's first process: inside.sh)
 #
-# Its own PID namespace nested in the first node's (its processes end with it, and with the box), its
+# Its own PID namespace nested in node.sh's (its processes end with it, and with the whole run), beside
+# the first node's (`holder`: a hostPID pod of either node sees its own node's processes only), its
 # own mount namespace (its own /var/lib, /var/log and /run on folders of RUN/node-e2e-2: its own
 # device-plugins folder, containerd and /run/hami-standin), its own network and UTS namespaces (a veth
 # pair into the first node's namespace, 192.0.2.2; it reaches the API server at 192.0.2.1:6443; its pods
