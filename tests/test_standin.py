@@ -6,9 +6,20 @@ from __future__ import annotations
 import asyncio
 import os
 
+import pytest
+
 from sidecar.testing import FakeKubelet
 from sidecar.testing.plugin import hami_device_ids
-from sidecar.testing.standin import DROP, IGNORE_KUBELET_RESTART, NOREGISTER, StandInPlugin, apply_control
+from sidecar.testing.standin import (
+    DEAD_GPU,
+    DROP,
+    IGNORE_KUBELET_RESTART,
+    NOREGISTER,
+    StandInPlugin,
+    apply_control,
+    main,
+    parse_faults,
+)
 from tests.conftest import wait_for
 
 RESOURCE = "nvidia.com/gpu"
@@ -51,3 +62,47 @@ async def test_standin_faults(kubelet: FakeKubelet, dp_dir: str, short_tmp: str)
         attempts = plugin.register_attempts
         assert not await plugin.register()
         assert plugin.register_attempts == attempts
+
+
+async def test_standin_dead_gpu_and_held_faults(kubelet: FakeKubelet, dp_dir: str, short_tmp: str) -> None:
+    """dead-gpu reports the first GPU's split devices Unhealthy (and Healthy once the file is gone); a
+    fault held on by --faults holds whatever the folder says."""
+    control = os.path.join(short_tmp, "control")
+    os.mkdir(control)
+    devices = hami_device_ids(["GPU-a", "GPU-b"])
+    plugin = StandInPlugin(dp_dir, RESOURCE, devices=devices, register_timeout=5)
+    plugin.first_gpu = tuple(devices[:10])
+    async with plugin:
+        await wait_for(lambda: sorted(kubelet.healthy_devices(RESOURCE)) == sorted(devices))
+        open(os.path.join(control, DEAD_GPU), "w").close()
+        apply_control(plugin, control)
+        await wait_for(lambda: kubelet.unhealthy_devices(RESOURCE) == sorted(devices[:10]), what="GPU-a dead")
+        assert kubelet.healthy_devices(RESOURCE) == sorted(devices[10:])
+        assert all(d.startswith("GPU-a-") for d in kubelet.unhealthy_devices(RESOURCE))
+        os.unlink(os.path.join(control, DEAD_GPU))
+        apply_control(plugin, control)
+        await wait_for(lambda: sorted(kubelet.healthy_devices(RESOURCE)) == sorted(devices), what="healthy")
+        assert kubelet.unhealthy_devices(RESOURCE) == []
+
+        # Held on: no file in the folder, and still in force.
+        held = parse_faults(f" {NOREGISTER}, {DEAD_GPU} ")
+        apply_control(plugin, control, held)
+        assert not plugin.register_enabled and plugin.gpu_dead
+        await wait_for(lambda: len(kubelet.unhealthy_devices(RESOURCE)) == 10, what="GPU-a dead, held")
+        attempts = plugin.register_attempts
+        assert not await plugin.register()
+        assert plugin.register_attempts == attempts
+        apply_control(plugin, control)
+        assert plugin.register_enabled and not plugin.gpu_dead
+
+
+def test_standin_faults_flag() -> None:
+    """--faults takes lasting faults only: a one-shot drop or an unknown name is refused."""
+    assert parse_faults("") == frozenset()
+    assert parse_faults(IGNORE_KUBELET_RESTART) == {IGNORE_KUBELET_RESTART}
+    for bad in (DROP, "noregistr", f"{NOREGISTER},x"):
+        with pytest.raises(ValueError, match="unknown fault"):
+            parse_faults(bad)
+        with pytest.raises(SystemExit) as e:
+            main(["--faults", bad])
+        assert e.value.code == 2

@@ -9,7 +9,13 @@ second, so they outlive a container restart the way a plugin's bug does:
 - `ignore-kubelet-restart`: `kubelet.sock` re-created is ignored (the plugin stays unregistered after
   a kubelet restart until its container restarts);
 - `noregister`: the plugin never registers (a plugin version that cannot register);
-- `drop`: every open ListAndWatch stream ends once while the plugin keeps serving (the file is removed).
+- `drop`: every open ListAndWatch stream ends once while the plugin keeps serving (the file is removed);
+- `dead-gpu`: the first GPU's devices (its split IDs) are reported Unhealthy, healthy again once the file
+  is removed.
+
+`--faults` (default: the environment's HAMI_STANDIN_FAULTS), comma-separated names of the lasting faults
+above, holds them on whatever the folder says: a pod template that carries a fault (a plugin version
+that cannot register, rolled out to a DaemonSet).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ logger = logging.getLogger(__name__)
 IGNORE_KUBELET_RESTART = "ignore-kubelet-restart"
 NOREGISTER = "noregister"
 DROP = "drop"
+DEAD_GPU = "dead-gpu"
+LASTING = frozenset({IGNORE_KUBELET_RESTART, NOREGISTER, DEAD_GPU})
 CONTROL_INTERVAL = 0.5
 
 
@@ -36,6 +44,17 @@ class StandInPlugin(FakeDevicePlugin):
     """FakeDevicePlugin whose reaction to `kubelet.sock` re-creation can be switched off."""
 
     ignore_kubelet_restart = False
+    first_gpu: tuple[str, ...] = ()  # the devices `dead-gpu` reports Unhealthy
+    gpu_dead = False
+
+    def set_gpu_dead(self, dead: bool) -> None:
+        """The first GPU's devices Unhealthy (or Healthy again), pushed on the streams on a change only."""
+        if dead == self.gpu_dead:
+            return
+        self.gpu_dead = dead
+        logger.info("%s: %d devices %s", DEAD_GPU, len(self.first_gpu), "Unhealthy" if dead else "Healthy")
+        for device in self.first_gpu:
+            self.set_health(device, not dead)
 
     def _on_event(self, event: FsEvent) -> None:
         if self.ignore_kubelet_restart:
@@ -45,14 +64,27 @@ class StandInPlugin(FakeDevicePlugin):
         super()._on_event(event)
 
 
-def apply_control(plugin: StandInPlugin, control: str) -> None:
-    """Reads the fault files in `control` into the plugin's switches (a missing folder means none)."""
+def parse_faults(text: str) -> frozenset[str]:
+    """`--faults`: comma-separated lasting fault names; any other name is an error."""
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    unknown = names - LASTING
+    if unknown:
+        raise ValueError(
+            f"unknown fault(s) {', '.join(sorted(unknown))} (lasting faults: {', '.join(sorted(LASTING))})"
+        )
+    return names
+
+
+def apply_control(plugin: StandInPlugin, control: str, held: frozenset[str] = frozenset()) -> None:
+    """Reads the fault files in `control`, and the faults `held` on, into the plugin's switches (a missing
+    folder means no file)."""
     try:
-        names = set(os.listdir(control))
+        names = set(os.listdir(control)) | held
     except OSError:
-        names = set()
+        names = set(held)
     plugin.ignore_kubelet_restart = IGNORE_KUBELET_RESTART in names
     plugin.register_enabled = NOREGISTER not in names
+    plugin.set_gpu_dead(DEAD_GPU in names)
     if DROP in names:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(control, DROP))
@@ -64,7 +96,11 @@ def apply_control(plugin: StandInPlugin, control: str) -> None:
 async def serve(args: argparse.Namespace) -> None:
     devices = hami_device_ids((f"GPU-{args.uuid_prefix}{n:04d}" for n in range(args.gpus)), args.split)
     plugin = StandInPlugin(args.device_plugin_dir, args.resource, args.socket, devices)
-    apply_control(plugin, args.control)
+    plugin.first_gpu = tuple(devices[: args.split])
+    held = parse_faults(args.faults)
+    if held:
+        logger.info("faults held on: %s", ", ".join(sorted(held)))
+    apply_control(plugin, args.control, held)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -74,7 +110,7 @@ async def serve(args: argparse.Namespace) -> None:
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), CONTROL_INTERVAL)
-            apply_control(plugin, args.control)
+            apply_control(plugin, args.control, held)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", type=int, default=HAMI_SPLIT_COUNT)
     parser.add_argument("--uuid-prefix", default="e2e0000-0000-0000-0000-00000000")
     parser.add_argument("--control", default="/run/hami-standin", help="folder of fault files")
+    parser.add_argument(
+        "--faults",
+        default=os.environ.get("HAMI_STANDIN_FAULTS", ""),
+        help="lasting faults held on, comma-separated (default: $HAMI_STANDIN_FAULTS)",
+    )
     args = parser.parse_args(argv)
+    try:
+        parse_faults(args.faults)
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     asyncio.run(serve(args))
     return 0

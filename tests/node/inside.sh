@@ -134,7 +134,16 @@ cat > "$run/cni/10-node-e2e.conflist" << 'JSON'
    "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.88.0.0/16"}]], "routes": [{"dst": "0.0.0.0/0"}]}}
 ]}
 JSON
-containerd --config "$run/containerd.toml" > "$log/containerd.log" 2>&1 &
+# The node's own processes (containerd, its pods, the kubelet) in a PID and mount namespace nested in
+# this one (second.sh holder): a hostPID pod sees this node's processes only, not a second node's
+# (tests/node/second.sh) nor the control plane's; this namespace sees them all.
+unshare --pid --mount --fork --mount-proc --propagation slave --kill-child \
+  "$here/second.sh" holder "$run" "$cgroup" > "$log/holder.log" 2>&1 < /dev/null &
+pids+=($!)
+wait_for 10 "the node's PID namespace" test -e "$run/holder.ready"
+awk '{print $1}' "/proc/$!/task/$!/children" > "$run/holder.pid"
+in_node() { nsenter -t "$(cat "$run/holder.pid")" -p -m -- "$@"; }
+in_node containerd --config "$run/containerd.toml" > "$log/containerd.log" 2>&1 &
 pids+=($!)
 wait_for 60 containerd ctr --address /run/containerd/containerd.sock version
 for i in pause init sidecar; do
@@ -166,6 +175,7 @@ YAML
 cat > "$run/node-ctl" << SH
 #!/bin/sh
 # node-ctl kubelet-start | kubelet-stop | kubelet-restart: the kubelet as a process of this namespace.
+# node-ctl node2-start | node2-stop: the second node, node-e2e-2, joined and Ready, or gone (second.sh).
 case "\$1" in
 kubelet-stop)
   [ -s "$run/kubelet.pid" ] || exit 0
@@ -175,14 +185,25 @@ kubelet-stop)
   : > "$run/kubelet.pid"
   ;;
 kubelet-start)
-  "$bin/kubelet-e2e" --config="$run/kubelet.yaml" --kubeconfig="$KUBECONFIG" --hostname-override=$NODE \
-    --node-ip=$NODE_IP --v=2 >> "$log/kubelet.log" 2>&1 < /dev/null &
-  echo \$! > "$run/kubelet.pid"
+  # In the node's namespaces (nsenter's child): its pid as this namespace sees it.
+  nsenter -t "\$(cat "$run/holder.pid")" -p -m -- "$bin/kubelet-e2e" --config="$run/kubelet.yaml" \
+    --kubeconfig="$KUBECONFIG" --hostname-override=$NODE --node-ip=$NODE_IP --v=2 >> "$log/kubelet.log" 2>&1 < /dev/null &
+  n=\$!
+  for _ in \$(seq 100); do
+    c=\$(cat "/proc/\$n/task/\$n/children" 2> /dev/null) || break
+    [ -n "\$c" ] && break
+    sleep 0.05
+  done
+  [ -n "\$c" ] || { echo "node-ctl: the kubelet did not start" >&2; exit 1; }
+  echo \$c > "$run/kubelet.pid"
   ;;
 kubelet-restart)
   "\$0" kubelet-stop && exec "\$0" kubelet-start
   ;;
-*) echo "usage: node-ctl kubelet-start|kubelet-stop|kubelet-restart" >&2; exit 2 ;;
+node2-start | node2-stop)
+  exec "$here/second.sh" "\${1#node2-}" "$run" "$cgroup"
+  ;;
+*) echo "usage: node-ctl kubelet-start|kubelet-stop|kubelet-restart|node2-start|node2-stop" >&2; exit 2 ;;
 esac
 SH
 chmod +x "$run/node-ctl"

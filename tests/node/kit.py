@@ -66,13 +66,13 @@ def wait(what: str, check: Callable[[], T | None], timeout: float, interval: flo
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
-def node_resources() -> tuple[str, str]:
-    status = get("node", NODE, "")["status"]
+def node_resources(node: str = NODE) -> tuple[str, str]:
+    status = get("node", node, "")["status"]
     return status["capacity"].get(RESOURCE, ""), status["allocatable"].get(RESOURCE, "")
 
 
-def allocatable() -> str:
-    return node_resources()[1]
+def allocatable(node: str = NODE) -> str:
+    return node_resources(node)[1]
 
 
 def plugin_pod(node: str = NODE) -> dict[str, Any]:
@@ -130,8 +130,8 @@ def events(pod: str) -> list[dict[str, Any]]:
     return [e for e in items if e["involvedObject"].get("name") == pod]
 
 
-def node_ctl(command: str) -> None:
-    subprocess.run([os.path.join(RUN, "node-ctl"), command], check=True, timeout=120)
+def node_ctl(command: str, timeout: float = 120) -> None:
+    subprocess.run([os.path.join(RUN, "node-ctl"), command], check=True, timeout=timeout)
 
 
 def figure(line: str) -> None:
@@ -151,8 +151,8 @@ def kubelet_metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def probe_metrics() -> str:
-    return kubectl("get", "--raw", f"/api/v1/nodes/{NODE}/proxy/metrics/probes")
+def probe_metrics(node: str = NODE) -> str:
+    return kubectl("get", "--raw", f"/api/v1/nodes/{node}/proxy/metrics/probes")
 
 
 def set_fault(name: str, on: bool) -> None:
