@@ -52,16 +52,8 @@ stop_all() {
 }
 trap stop_all EXIT
 
-wait_for() { # seconds description command...
-  local t=$1 what=$2
-  shift 2
-  for ((i = 0; i < t * 2; i++)); do
-    "$@" > /dev/null 2>&1 && return 0
-    sleep 0.5
-  done
-  echo "node-e2e: $what not up after ${t}s"
-  return 1
-}
+# wait_for, remove_cgroups
+. "$here/lib.sh"
 
 # PKI: a CA, the API server's serving certificate, one client certificate for every component.
 cd "$pki"

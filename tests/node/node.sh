@@ -16,6 +16,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
+. "$here/lib.sh" # wait_for, remove_cgroups
 
 missing=()
 [ "$(id -u)" = 0 ] || missing+=("root (namespaces, mounts, cgroups)")
@@ -47,15 +48,7 @@ cleanup() {
     sed 's/^/  /' "$run/figures.txt"
   fi
   # The namespace's processes are gone with unshare; only the cgroups remain on the host's cgroupfs.
-  for h in /sys/fs/cgroup/*/; do
-    [ -d "$h$cgroup" ] || continue
-    for _ in 1 2 3 4 5 6 7 8 9 10; do
-      find "$h$cgroup" -depth -type d -exec rmdir {} + 2> /dev/null || true
-      [ -d "$h$cgroup" ] || break
-      sleep 0.5
-    done
-    [ -d "$h$cgroup" ] && echo "node-e2e: could not remove $h$cgroup"
-  done
+  remove_cgroups "$cgroup"
   if [ "${NODE_E2E_KEEP_FILES:-}" = 1 ]; then
     echo "node-e2e: files kept in $run"
   else

@@ -29,16 +29,8 @@ log=$dir/log
 croot=$cgroup/$NODE
 export KUBECONFIG=$run/admin.kubeconfig
 
-wait_for() { # seconds description command...
-  local t=$1 what=$2
-  shift 2
-  for ((i = 0; i < t * 2; i++)); do
-    "$@" > /dev/null 2>&1 && return 0
-    sleep 0.5
-  done
-  echo "node-e2e: $what not up after ${t}s" >&2
-  return 1
-}
+# wait_for, remove_cgroups
+. "$here/lib.sh"
 
 # A new /proc (a PID namespace of its own): the kernel settings the kubelet reads are bound over it
 # again (the files inside.sh made), so that it changes none on the machine.
@@ -112,14 +104,7 @@ stop)
   kubectl delete node "$NODE" --ignore-not-found --wait=true > /dev/null || true
   kubectl delete pods -A --field-selector "spec.nodeName=$NODE" --force --grace-period=0 > /dev/null 2>&1 || true
   ip link del n2 2> /dev/null || true # gone with the namespace already, with its routes
-  for h in /sys/fs/cgroup/*/; do
-    [ -d "$h$croot" ] || continue
-    for _ in 1 2 3 4 5 6 7 8 9 10; do
-      find "$h$croot" -depth -type d -exec rmdir {} + 2> /dev/null || true
-      [ -d "$h$croot" ] || break
-      sleep 0.5
-    done
-  done
+  remove_cgroups "$croot"
   echo "node-e2e: node $NODE stopped ($(date -u +%T))"
   ;;
 
