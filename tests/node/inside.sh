@@ -168,26 +168,38 @@ cat > "$run/node-ctl" << SH
 #!/bin/sh
 # node-ctl kubelet-start | kubelet-stop | kubelet-restart: the kubelet as a process of this namespace.
 # node-ctl node2-start | node2-stop: the second node, node-e2e-2, joined and Ready, or gone (second.sh).
+# The kubelet is found by what it runs (kubelet-e2e with this node's config), never by a remembered pid:
+# a stop that missed it would start a second kubelet beside the first.
+kubelet_pids() {
+  for p in /proc/[0-9]*; do
+    [ "\$(cat "\$p/comm" 2> /dev/null)" = kubelet-e2e ] || continue
+    tr '\\0' ' ' < "\$p/cmdline" 2> /dev/null | grep -q -- "--config=$run/kubelet.yaml " && echo "\${p#/proc/}"
+  done
+}
 case "\$1" in
 kubelet-stop)
-  [ -s "$run/kubelet.pid" ] || exit 0
-  pid=\$(cat "$run/kubelet.pid")
-  kill "\$pid" 2> /dev/null || exit 0
-  while kill -0 "\$pid" 2> /dev/null; do sleep 0.1; done
-  : > "$run/kubelet.pid"
+  pids=\$(kubelet_pids)
+  [ -n "\$pids" ] || exit 0
+  kill \$pids 2> /dev/null
+  for _ in \$(seq 600); do
+    [ -z "\$(kubelet_pids)" ] && { : > "$run/kubelet.pid"; exit 0; }
+    sleep 0.1
+  done
+  echo "node-ctl: the kubelet (\$pids) did not stop in 60 s" >&2
+  exit 1
   ;;
 kubelet-start)
-  # In the node's namespaces (nsenter's child): its pid as this namespace sees it.
+  [ -z "\$(kubelet_pids)" ] || { echo "node-ctl: a kubelet runs already: \$(kubelet_pids)" >&2; exit 1; }
+  # In the node's namespaces (nsenter's child).
   nsenter -t "\$(cat "$run/holder.pid")" -p -m -- "$bin/kubelet-e2e" --config="$run/kubelet.yaml" \
     --kubeconfig="$KUBECONFIG" --hostname-override=$NODE --node-ip=$NODE_IP --v=2 >> "$log/kubelet.log" 2>&1 < /dev/null &
-  n=\$!
   for _ in \$(seq 100); do
-    c=\$(cat "/proc/\$n/task/\$n/children" 2> /dev/null) || break
-    [ -n "\$c" ] && break
+    pid=\$(kubelet_pids)
+    [ -n "\$pid" ] && { echo "\$pid" > "$run/kubelet.pid"; exit 0; }
     sleep 0.05
   done
-  [ -n "\$c" ] || { echo "node-ctl: the kubelet did not start" >&2; exit 1; }
-  echo \$c > "$run/kubelet.pid"
+  echo "node-ctl: the kubelet did not start" >&2
+  exit 1
   ;;
 kubelet-restart)
   "\$0" kubelet-stop && exec "\$0" kubelet-start
