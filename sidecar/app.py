@@ -207,6 +207,8 @@ class Sidecar:
         if self._watcher is not None:
             self._watcher.stop()
         await self._tasks.cancel()
+        if self.dra is not None:
+            self.dra.close()
         if self._reader is not None:
             self._reader.shutdown(wait=True, cancel_futures=True)
 

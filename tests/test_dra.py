@@ -118,6 +118,45 @@ def test_hung_after_two_timeouts_in_a_row(judge: DraJudge) -> None:
     assert judge.judge(DRIVER, HELD).plugin.status is Status.OK
 
 
+def test_a_silent_dra_service_is_pending_then_hung_after_the_grace(judge: DraJudge, clock: Clock) -> None:
+    """GetInfo answers, the DRA service does not: readiness at once, liveness only once the silence
+    lasted the grace and more than one round saw it."""
+    judge.judge(DRIVER, HELD)
+    silent = replace(HELD, service_silent_since=clock.now, service_reason="waits")
+    j = judge.judge(DRIVER, silent)
+    assert j.plugin.status is Status.PENDING and not j.plugin.live_failed, j
+    assert j.registered.status is Status.OK  # the kubelet holds it: its truth, not this check's
+    clock.now += DEFAULT_GRACE
+    j = judge.judge(DRIVER, silent)
+    assert j.plugin.live_failed and "hung DRA service" in j.plugin.reason, j
+    assert judge.judge(DRIVER, HELD).plugin.status is Status.OK  # an answer ends it
+
+
+def test_one_round_after_a_jump_is_not_a_hang(judge: DraJudge, clock: Clock) -> None:
+    """A call in flight when the clock jumps past the grace: one round's reading is not a hang."""
+    judge.judge(DRIVER, HELD)
+    since = clock.now
+    clock.now += DEFAULT_GRACE + 1
+    j = judge.judge(DRIVER, replace(HELD, service_silent_since=since))
+    assert j.plugin.status is Status.PENDING, j
+    assert judge.judge(DRIVER, HELD).plugin.status is Status.OK
+    j = judge.judge(DRIVER, replace(HELD, service_silent_since=since))
+    assert j.plugin.status is Status.PENDING, j  # the count starts again after an answer
+
+
+def test_a_silent_service_without_a_visible_connection_defers_registration(
+    judge: DraJudge, clock: Clock
+) -> None:
+    """A stalled service socket: the kubelet's connection waits in its backlog, invisible in the socket
+    table; registration is not judged while the service is silent (no liveness from it)."""
+    silent = replace(HELD, connections=0, service_silent_since=clock.now)
+    for _ in range(3):
+        clock.now += DEFAULT_GRACE
+        j = judge.judge(DRIVER, silent)
+        assert not j.registered.live_failed, j
+    assert j.plugin.live_failed, j
+
+
 def test_not_answering_at_start_is_pending_then_fails(judge: DraJudge, clock: Clock) -> None:
     ev = replace(HELD, info=Info("absent", "no socket"), registration_id=None, connections=0)
     j = judge.judge(DRIVER, ev)

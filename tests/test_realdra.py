@@ -298,6 +298,47 @@ async def test_hung_driver_fails_liveness(node: Node) -> None:
     assert (await verdict(watch)).plugin.status is Status.OK
 
 
+@pytest.mark.parametrize("how", ["hang-service", "stall-service"])
+async def test_hung_dra_service_fails_liveness_after_the_grace(node: Node, how: str) -> None:
+    """Registration answers, the DRA service does not: its calls block (hang-service), or its listener
+    stops accepting, connections left unread in the backlog (stall-service). The kubelet keeps the
+    driver, reports its connection, wipes nothing; only its calls fail. The sidecar's dra-plugin
+    fails liveness once the silence lasted the grace; dra-registered never does."""
+    await node.kubelet.start()
+    driver = node.driver()
+    await driver.start()
+    watch = node.watch(driver.registration)
+    await settle(node, watch, usable=True)
+    mark = len(node.kubelet.proc.events)
+    await (driver.set(how, True) if how == "hang-service" else driver.stall(True))
+    # The kubelet's truth: still registered, its own call on its own connection fails.
+    answer = await node.kubelet.call(DRIVER)
+    assert answer["registered"] and not answer["ok"] and "DeadlineExceeded" in str(answer["error"]), answer
+    assert len(await node.kubelet.endpoints(DRIVER)) == 1
+    before = driver.calls("NodePrepareResources")
+    j = await verdict(watch)
+    assert j.plugin.status is Status.PENDING and "has not answered" in j.plugin.reason, j
+    assert not j.registered.live_failed, j
+    node.clock.now += DEFAULT_GRACE + 1
+    seen = [await verdict(watch) for _ in range(2)]
+    assert not any(j.registered.live_failed for j in seen), seen
+    j = seen[-1]
+    assert j.plugin.live_failed and "hung DRA service" in j.plugin.reason, j
+    assert await node.kubelet.usable(DRIVER), "the kubelet reports it connected"
+    assert not node.kubelet.wipes(DRIVER, mark)
+    # One call in flight at most: three rounds of a silent service sent it one NodePrepareResources.
+    assert driver.calls("NodePrepareResources") - before <= 1
+    # The service answers again: the verdicts follow, and the kubelet's calls succeed.
+    await (driver.set(how, False) if how == "hang-service" else driver.stall(False))
+    j = await settle(node, watch, usable=True)
+
+    async def answers() -> bool:
+        return (await verdict(watch)).plugin.status is Status.OK
+
+    await until(answers, 15)
+    assert (await node.kubelet.call(DRIVER))["ok"]
+
+
 async def test_health_stream_per_release(node: Node) -> None:
     """1.36 opens NodeWatchResources for every driver and logs an error each 5 s when it is not
     served; 1.37 opens it only for a driver that advertises DRAResourceHealth."""

@@ -165,8 +165,14 @@ class RealDraDriver:
         await self.proc.kill()
 
     async def set(self, switch: str, on: bool) -> None:
-        """refuse (NotifyRegistrationStatus fails), getinfo-error, hang (every call blocks)."""
+        """refuse (NotifyRegistrationStatus fails), getinfo-error, hang (every call blocks),
+        hang-service (the DRA service's calls block; registration answers)."""
         await self.proc.call(switch, "on" if on else "off")
+
+    async def stall(self, on: bool) -> int:
+        """The DRA service's listener stops accepting (its connections end; new ones wait unread in
+        the backlog) or accepts again; registration answers. The connections ended."""
+        return int((await self.proc.call("stall-service", "on" if on else "off")).get("dropped") or 0)
 
     async def drop(self) -> int:
         """End the kubelet's connections to the DRA service (the listener stays): their number."""
