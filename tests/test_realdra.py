@@ -63,6 +63,7 @@ class Node:
             self.registry, os.path.join(root, "state"), self.kubelet_socket, release=release
         )
         self.drivers: list[RealDraDriver] = []
+        self.watches: list[DraWatch] = []
         self.clock = Clock()
 
     def driver(self, name: str = DRIVER, **kw: str) -> RealDraDriver:
@@ -71,11 +72,15 @@ class Node:
         return d
 
     def watch(self, registration: str, name: str = DRIVER, grace: float = DEFAULT_GRACE) -> DraWatch:
-        return DraWatch(
+        watch = DraWatch(
             [DraSpec(name, registration)], self.kubelet_socket, grace=grace, timeout=2.0, clock=self.clock
         )
+        self.watches.append(watch)
+        return watch
 
     async def close(self) -> None:
+        for w in self.watches:
+            w.close()
         for d in self.drivers:
             await d.close()
         await self.kubelet.close()
