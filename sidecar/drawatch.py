@@ -160,20 +160,23 @@ class ServiceProbe:
                 None,
                 "not asked: no service socket" if not method or not path else f"{path} does not exist",
             )
-        if self.task is None:
+        task = self.task
+        if task is None:
             self.started = self.clock()
-            self.task = asyncio.create_task(ask_service(path, method, self.deadline))
-        done, _ = await asyncio.wait({self.task}, timeout=wait)
+            task = self.task = asyncio.create_task(ask_service(path, method, self.deadline))
+        done, _ = await asyncio.wait({task}, timeout=wait)
         if not done:
             if self.silent_since is None:
                 self.silent_since = self.started
             self.reason = f"an empty NodePrepareResources waits since {self.clock() - self.started:.0f}s"
             return self.silent_since, self.reason
-        task, self.task = self.task, None
-        try:
+        if self.task is task:  # (a round that ran beside this one may have taken it already)
+            self.task = None
+        answered: bool | None = None
+        if task.cancelled():
+            self.reason = "cancelled"
+        else:
             answered, self.reason = task.result()
-        except asyncio.CancelledError:
-            answered, self.reason = None, "cancelled"
         if answered is False:
             if self.silent_since is None:
                 self.silent_since = self.started

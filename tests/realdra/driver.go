@@ -368,6 +368,7 @@ func (d *driver) handle(c fixturekit.Command) bool {
 type basePlugin struct{ d *driver }
 
 func (basePlugin) PrepareResourceClaims(_ context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
+	fixturekit.Event("prepare", map[string]any{"claims": len(claims)})
 	out := map[types.UID]kubeletplugin.PrepareResult{}
 	for _, c := range claims {
 		out[c.UID] = kubeletplugin.PrepareResult{}
