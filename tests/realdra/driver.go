@@ -21,8 +21,10 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
 	"k8s.io/klog/v2"
 )
 
@@ -35,6 +37,7 @@ type driverOptions struct {
 	health     string
 	node       string
 	verbosity  string
+	kubeconfig string
 }
 
 func parseDriverFlags(args []string) (driverOptions, error) {
@@ -48,6 +51,7 @@ func parseDriverFlags(args []string) (driverOptions, error) {
 	fs.StringVar(&o.health, "health", "off", "the DRAResourceHealth service: off, unsupported (1.37 helper only), v1 (1.37 helper only)")
 	fs.StringVar(&o.node, "node", "node-1", "the node's name")
 	fs.StringVar(&o.verbosity, "v", "2", "klog verbosity")
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "a real API server (default: a fake client); publish needs it")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -231,7 +235,14 @@ func (d *driver) start() error {
 	if err := os.MkdirAll(d.o.pluginDir, 0o750); err != nil {
 		return err
 	}
-	client := fake.NewSimpleClientset(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: d.o.node}})
+	var client kubernetes.Interface = fake.NewSimpleClientset(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: d.o.node}})
+	if d.o.kubeconfig != "" {
+		real, err := apiClient(d.o.kubeconfig)
+		if err != nil {
+			return err
+		}
+		client = real
+	}
 	opts := []kubeletplugin.Option{
 		kubeletplugin.DriverName(d.o.name),
 		kubeletplugin.RegistrarDirectoryPath(d.o.registry),
@@ -343,6 +354,14 @@ func (d *driver) handle(c fixturekit.Command) bool {
 		// registration socket keeps answering: a driver whose DRA server died.
 		err := d.svc.Close()
 		c.Reply(map[string]any{"dropped": d.svc.drop()}, err)
+	case "publish":
+		// The helper's ResourceSlice controller publishes one slice of N devices for this node
+		// (it keeps them as published: it re-creates what is deleted).
+		n := 0
+		if len(c.Args) == 1 {
+			_, _ = fmt.Sscanf(c.Args[0], "%d", &n)
+		}
+		c.Reply(nil, d.publish(n))
 	case "status":
 		calls := map[string]int{}
 		d.mu.Lock()
@@ -362,6 +381,17 @@ func (d *driver) handle(c fixturekit.Command) bool {
 		c.Reply(nil, fmt.Errorf("unknown command %q", c.Name))
 	}
 	return false
+}
+
+func (d *driver) publish(n int) error {
+	devices := make([]resourceapi.Device, n)
+	for i := range devices {
+		devices[i] = resourceapi.Device{Name: fmt.Sprintf("gpu-%d", i)}
+	}
+	pool := resourceslice.Pool{Slices: []resourceslice.Slice{{Devices: devices}}}
+	return d.helper.PublishResources(context.Background(), resourceslice.DriverResources{
+		Pools: map[string]resourceslice.Pool{d.o.node: pool},
+	})
 }
 
 // basePlugin prepares and unprepares nothing: the tests never allocate a claim.
