@@ -117,6 +117,10 @@ class Evidence:
     # NodePrepareResources is awaited in vain; None when it answered or was not asked.
     service_silent_since: float | None = None
     service_reason: str = ""  # the last service reading, for the verdicts
+    # The node's ResourceSlices of the driver (slices, devices) from the API server, when configured
+    # (sidecar.draslices): reasons only, never a verdict. None: not read; slices_why says why.
+    slices: tuple[int, int] | None = None
+    slices_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,19 @@ class Judgement:
     restarts_in_vain: int
 
 
+def slices_note(ev: Evidence) -> str:
+    """What the node's ResourceSlices add to the registration verdict's reason ("" when not read)."""
+    if ev.slices is None:
+        return f"ResourceSlices: {ev.slices_why}" if ev.slices_why else ""
+    n, devices = ev.slices
+    if n:
+        return f"{n} ResourceSlice{'s' * (n != 1)} of the driver on this node ({devices} devices)"
+    return (
+        "no ResourceSlice of the driver on this node (the kubelet deletes them 30 s after it gives the "
+        "driver up, and at its start; or the driver publishes none)"
+    )
+
+
 class DraJudge:
     """Verdicts for the configured drivers from each round's evidence."""
 
@@ -178,6 +195,8 @@ class DraJudge:
         self._spells(d, ev, now)
         plugin = self._plugin(driver, d, ev, now)
         registered = self._registered(driver, d, ev, now, plugin)
+        if note := slices_note(ev):
+            registered = Verdict(registered.status, f"{registered.reason}; {note}", registered.restarts)
         d.failing_live = d.failing_live or registered.live_failed
         return Judgement(plugin, registered, d.since, d.restarts_in_vain)
 

@@ -29,6 +29,7 @@ from sidecar.dra import (
     Info,
     Judgement,
 )
+from sidecar.draslices import ApiAccess, Slices, read_slices
 from sidecar.proto import pluginregistration_v1_pb2 as reg
 from sidecar.rpc import insecure_channel, unary
 from sidecar.unixdiag import (
@@ -41,6 +42,8 @@ from sidecar.unixdiag import (
 )
 
 REGISTRATION = reg.DESCRIPTOR.services_by_name["Registration"]
+# The ResourceSlices are read at most this often: the kubelet's wiping delay.
+SLICES_EVERY = 30.0
 
 
 def socket_file(path: str) -> FileId | None:
@@ -211,6 +214,8 @@ class DraWatch:
         clock: Callable[[], float] = time.monotonic,
         proc: str = "/proc",
         names: Collection[str] = KUBELET_PROCESS_NAMES,
+        api: ApiAccess | None = None,
+        node: str = "",
     ) -> None:
         self.specs = tuple(specs)
         self.kubelet_socket = kubelet_socket
@@ -225,6 +230,22 @@ class DraWatch:
         self.endpoints: dict[str, str] = {}
         self.methods: dict[str, str] = {}  # the NodePrepareResources GetInfo's services name
         self.services = {s.name: ServiceProbe(clock) for s in self.specs}
+        # The node's ResourceSlices (sidecar.draslices), only with API access configured and a node
+        # name: read at most every SLICES_EVERY seconds.
+        self.api = api if node else None
+        self.node = node
+        self.clock = clock
+        self.slices: Slices | None = None
+        self.slices_read = 0.0
+
+    async def _slices(self) -> Slices | None:
+        if self.api is None:
+            return None
+        now = self.clock()
+        if self.slices is None or now - self.slices_read >= SLICES_EVERY:
+            self.slices_read = now
+            self.slices = await read_slices(self.api, self.node, max(self.timeout, 1.0))
+        return self.slices
 
     async def _ask(self, spec: DraSpec) -> tuple[Info, tuple[float | None, str]]:
         """GetInfo, then (when it answers) the DRA service, each within the round's timeout."""
@@ -244,7 +265,9 @@ class DraWatch:
             probe.close()
 
     async def round(self) -> dict[str, tuple[Evidence, Judgement]]:
-        asked = await asyncio.gather(*(self._ask(s) for s in self.specs))
+        asked, slices = await asyncio.gather(
+            asyncio.gather(*(self._ask(s) for s in self.specs)), self._slices()
+        )
         services = [s.service or self.endpoints.get(s.name, "") for s in self.specs]
         up, kubelet_id = kubelet_alive(self.kubelet_socket)
         paths = {normalise(p) for p in services if p}
@@ -276,6 +299,8 @@ class DraWatch:
                 connections_why=why,
                 service_silent_since=silent,
                 service_reason=service_reason,
+                slices=None if slices is None else slices.of(spec.name),
+                slices_why="" if slices is None else slices.why,
             )
             out[spec.name] = (ev, self.judge.judge(spec.name, ev))
         self.last = out
