@@ -7,13 +7,14 @@ quickly (the 150 s grace, the restart budget).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 
 import grpc
 import pytest
 
-from sidecar import drawatch
+from sidecar import draslices, drawatch
 from sidecar.config import parse_settings
 from sidecar.dra import DEFAULT_GRACE, RESTART_BUDGET, DraJudge, DraSpec, Evidence, Info, dra_spec
 from sidecar.health import HealthState, Status
@@ -288,3 +289,50 @@ async def test_a_hostile_getinfo_answer_is_a_reading_not_an_exception(
     j = DraJudge((DRIVER,), DEFAULT_GRACE, Clock()).judge(DRIVER, replace(HELD, info=info, connections=0))
     if kind == "ok":  # an empty answer names no driver: a setting to look at, not a restart
         assert j.plugin.status is Status.FAILED and not j.plugin.restarts
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"null",
+        b"[]",
+        b'{"items": 3}',
+        b'{"items": [null, 1, "x", {"spec": []}, {"spec": {"driver": 7, "nodeName": "n"}}]}',
+        b"[" * 100000,
+        b"\xff\xfe",
+    ],
+)
+def test_resourceslice_parsing_is_total(body: bytes) -> None:
+    got = draslices.parse_slices(body, "n")
+    assert got.by_driver is None or got.by_driver == {}, got
+
+
+def test_resourceslices_of_the_node_by_driver() -> None:
+    item = {"spec": {"driver": DRIVER, "nodeName": "n", "devices": [{}, {}]}}
+    doc = {
+        "items": [
+            item,
+            item,
+            {"spec": {"driver": DRIVER, "nodeName": "other", "devices": [{}]}},
+            {"metadata": {"deletionTimestamp": "x"}, "spec": {"driver": DRIVER, "nodeName": "n"}},
+            {"spec": {"driver": "b.example.com", "nodeName": "n", "devices": "bad"}},
+        ]
+    }
+    got = draslices.parse_slices(json.dumps(doc).encode(), "n")
+    assert got.of(DRIVER) == (2, 4) and got.of("b.example.com") == (1, 0) and got.of("c") == (0, 0)
+
+
+def test_resourceslices_are_asked_only_when_configured() -> None:
+    base = ["--dra-driver", DRIVER]
+    assert parse_settings(base, {}).dra_api is None
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    assert parse_settings(base, env).dra_api is None  # in a Pod, but not asked for
+    api = parse_settings([*base, "--dra-resourceslices"], env).dra_api
+    assert api is not None and api.server == "https://10.96.0.1:443"
+    assert draslices.in_cluster({"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443"}) == (
+        "https://[fd00::1]:443"
+    )
+    for bad in ([], ["--kube-api-server", "http://10.0.0.1:8080"]):
+        with pytest.raises(SystemExit):
+            parse_settings([*base, "--dra-resourceslices", *bad], {})

@@ -51,7 +51,15 @@ def _binary(release: str) -> str:
 class RealDraKubelet:
     """`pluginmanager.NewPluginManager(registry)` with the DRA manager's handler, a fake API client."""
 
-    def __init__(self, registry: str, state: str, kubelet_socket: str, *, release: Release = "new") -> None:
+    def __init__(
+        self,
+        registry: str,
+        state: str,
+        kubelet_socket: str,
+        *,
+        release: Release = "new",
+        kubeconfig: str = "",
+    ) -> None:
         self.registry = registry
         self.state_dir = state
         self.socket_path = kubelet_socket
@@ -60,6 +68,8 @@ class RealDraKubelet:
         self.restarts = 0
         argv = [_binary(release), "kubelet", "--registry", registry, "--state", state]
         argv += ["--kubelet-socket", kubelet_socket]
+        if kubeconfig:  # a real API server: the DRA manager's wipes are real
+            argv += ["--kubeconfig", kubeconfig]
         self.proc = FixtureProcess(argv, f"dra-kubelet-{self.version}")
 
     async def start(self) -> Event:
@@ -126,6 +136,7 @@ class RealDraDriver:
         reg_socket: str = "",
         rolling_uid: str = "",
         health: str = "off",
+        kubeconfig: str = "",
     ) -> None:
         self.name = name
         self.registry = registry
@@ -146,6 +157,8 @@ class RealDraDriver:
         if rolling_uid:
             argv += ["--rolling-uid", rolling_uid]
         argv += ["--health", health]
+        if kubeconfig:  # a real API server: `publish` makes ResourceSlices there
+            argv += ["--kubeconfig", kubeconfig]
         self.proc = FixtureProcess(argv, f"dra-driver-{name}-{RELEASES[release]}")
         self.registration = ""
         self.service = ""
@@ -181,6 +194,10 @@ class RealDraDriver:
     async def service_off(self) -> None:
         """Close the DRA service's listener and its connections; registration keeps answering."""
         await self.proc.call("service-off")
+
+    async def publish(self, devices: int) -> None:
+        """Publish one ResourceSlice of `devices` devices for the node (needs a kubeconfig)."""
+        await self.proc.call("publish", str(devices))
 
     async def status(self) -> dict[str, Any]:
         return await self.proc.call("status")
