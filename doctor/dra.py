@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from doctor.causes import Cause
 from doctor.logscan import LogFindings, Pattern
 from sidecar.dra import KUBELET_CALL_TIMEOUT, DraSpec, Evidence, Judgement
+from sidecar.draslices import ApiAccess
 from sidecar.health import Status
 
 RESTART_DRIVER = (
@@ -76,13 +77,28 @@ class DraReading:
 
 
 async def gather_dra(
-    specs: Sequence[DraSpec], kubelet_socket: str, timeout: float, names: frozenset[str] | None = None
+    specs: Sequence[DraSpec],
+    kubelet_socket: str,
+    timeout: float,
+    names: frozenset[str] | None = None,
+    *,
+    api: ApiAccess | None = None,
+    node: str = "",
 ) -> list[DraReading]:
-    """One round of the sidecar's DRA evidence, judged with no grace (a snapshot)."""
+    """One round of the sidecar's DRA evidence, judged with no grace (a snapshot); the node's
+    ResourceSlices too when `api` is given."""
     from sidecar.drawatch import DraWatch
     from sidecar.unixdiag import KUBELET_PROCESS_NAMES
 
-    watch = DraWatch(specs, kubelet_socket, grace=0.0, timeout=timeout, names=names or KUBELET_PROCESS_NAMES)
+    watch = DraWatch(
+        specs,
+        kubelet_socket,
+        grace=0.0,
+        timeout=timeout,
+        names=names or KUBELET_PROCESS_NAMES,
+        api=api,
+        node=node,
+    )
     try:
         found = await watch.round()
     finally:

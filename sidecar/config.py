@@ -172,21 +172,21 @@ def dra_flags(p: argparse.ArgumentParser, grace: float | None) -> None:
             help=f"seconds a DRA driver may stay unregistered (default {grace:g}: the kubelet retries "
             "a refused registration up to 2 min 2 s apart)",
         )
-        p.add_argument(
-            "--dra-resourceslices",
-            action=argparse.BooleanOptionalAction,
-            default=False,
-            help="read the node's ResourceSlices of each DRA driver from the API server (needs --node-name "
-            "and a ServiceAccount allowed to list resourceslices): evidence in the reasons, never a "
-            "verdict; off by default, and then the API is never called",
-        )
-        p.add_argument(
-            "--kube-api-server",
-            default="",
-            help="the API server for --dra-resourceslices (default: the Pod's KUBERNETES_SERVICE_HOST/PORT)",
-        )
-        p.add_argument("--kube-token-file", default=DEFAULT_TOKEN_FILE, help=f"default {DEFAULT_TOKEN_FILE}")
-        p.add_argument("--kube-ca-file", default=DEFAULT_CA_FILE, help=f"default {DEFAULT_CA_FILE}")
+    p.add_argument(
+        "--dra-resourceslices",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="read the node's ResourceSlices of each DRA driver from the API server (needs --node-name "
+        "and a ServiceAccount allowed to list resourceslices): evidence in the reasons, never a "
+        "verdict; off by default, and then the API is never called",
+    )
+    p.add_argument(
+        "--kube-api-server",
+        default="",
+        help="the API server for --dra-resourceslices (default: the Pod's KUBERNETES_SERVICE_HOST/PORT)",
+    )
+    p.add_argument("--kube-token-file", default=DEFAULT_TOKEN_FILE, help=f"default {DEFAULT_TOKEN_FILE}")
+    p.add_argument("--kube-ca-file", default=DEFAULT_CA_FILE, help=f"default {DEFAULT_CA_FILE}")
 
 
 def dra_drivers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[DraSpec, ...]:
@@ -249,13 +249,14 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
         kubelet_process_name=args.kubelet_process_name,
         dra_drivers=dra,
         dra_grace=args.dra_grace,
-        dra_api=_dra_api(parser, args, environ),
+        dra_api=dra_api(parser, args, environ),
     )
 
 
-def _dra_api(
+def dra_api(
     parser: argparse.ArgumentParser, args: argparse.Namespace, environ: Mapping[str, str] | None
 ) -> ApiAccess | None:
+    """--dra-resourceslices' API server (a usage error on a bad one); None when not asked for."""
     if not args.dra_resourceslices:
         return None
     server = args.kube_api_server or in_cluster(dict(os.environ if environ is None else environ))
