@@ -15,10 +15,12 @@ import os
 import stat
 import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
 
 import grpc
 
 from initcheck.checks import try_connect
+from initcheck.netunix import socket_inodes
 from sidecar.dra import (
     DEFAULT_GRACE,
     KUBELET_CALL_TIMEOUT,
@@ -278,6 +280,13 @@ class DraWatch:
         except DiagUnavailable as e:
             mine = str(e)
         connections = kubelet_connections(self.kubelet_socket, self.proc, self.names, mine=mine, paths=paths)
+        if not isinstance(connections, str) and connections.exact and (own := socket_inodes("/proc", "self")):
+            # This process's own service calls are connections to the service socket too, in the
+            # kubelet's namespace when the sidecar shares it: never the kubelet's (where the
+            # kubelet's descriptors cannot be read, nothing else tells them apart).
+            connections = replace(
+                connections, sockets=tuple(s for s in connections.sockets if s.ino not in own)
+            )
         self.connections_source = connections if isinstance(connections, str) else connections.source
         out: dict[str, tuple[Evidence, Judgement]] = {}
         for spec, (info, (silent, service_reason)), service in zip(self.specs, asked, services, strict=True):

@@ -352,6 +352,29 @@ async def test_hung_dra_service_fails_liveness_after_the_grace(node: Node, how: 
     assert (await node.kubelet.call(DRIVER))["ok"]
 
 
+async def test_the_sidecars_own_service_call_is_never_the_kubelets_connection(node: Node) -> None:
+    """The sidecar's empty NodePrepareResources, held open by a hung service, is a connection to the
+    service socket in this namespace; where the kubelet's descriptors cannot be read (the fixture's
+    kubelet is no process named kubelet), only the sidecar's own descriptors tell it apart."""
+    await node.kubelet.start()
+    driver = node.driver()
+    await driver.start()
+    watch = node.watch(driver.registration)
+    await settle(node, watch, usable=True)
+    await driver.set("refuse", True)
+    await driver.drop()  # the kubelet's connection ends; refused, it does not come back
+    await node.kubelet.restart()
+    await until(lambda: _true(driver.calls("NotifyRegistrationStatus") >= 2), 15)
+    await settle(node, watch, usable=False)
+    await driver.set("hang-service", True)
+    for _ in range(3):
+        ev, j = (await watch.round())[DRIVER]
+        assert ev.connections == 0, (ev, j)
+        assert j.registered.status is not Status.OK, j
+    assert not await node.kubelet.usable(DRIVER)
+    await driver.set("hang-service", False)
+
+
 async def test_health_stream_per_release(node: Node) -> None:
     """1.36 opens NodeWatchResources for every driver and logs an error each 5 s when it is not
     served; 1.37 opens it only for a driver that advertises DRAResourceHealth."""
