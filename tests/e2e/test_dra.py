@@ -128,6 +128,8 @@ async def test_registered_driver_never_fails_liveness_through_kubelet_restarts(d
     assert seen, "the kubelet restarts were not seen"
     status = node.sidecar.status_document()
     assert status["dra"]["drivers"][DRIVER]["kubelet_connections"] == 1
+    assert status["dra"]["drivers"][DRIVER]["service"]["silent_since_seconds"] is None
+    assert status["dra"]["drivers"][DRIVER]["resourceslices"] is None  # not asked for: the API is not called
     assert status["checks"][f"dra-registered:{DRIVER}"]["state"] == "ok"
 
 
@@ -156,6 +158,8 @@ async def test_silent_dra_service_fails_liveness_within_grace_plus_interval(
         assert answer["registered"] and not answer["ok"], answer
         _, body = await node.get("/healthz?verbose")
         assert "hung DRA service" in body, body
+        service = node.sidecar.status_document()["dra"]["drivers"][DRIVER]["service"]
+        assert service["silent_since_seconds"] >= GRACE, service
         await (node.driver.set(how, False) if how == "hang-service" else node.driver.stall(False))
         await node.until("/healthz", 200, timeout=30)
     finally:
