@@ -81,9 +81,10 @@ build_image() { # dockerfile name tar inputs...
     mv "$out/$tar.tmp" "$out/$tar"
   fi
 }
-build_image Dockerfile.init "$init_name" init.tar "$repo/initcheck" "$repo/images" "$repo/requirements"
+build_image Dockerfile.init "$init_name" init.tar "$repo/initcheck" "$repo/images" "$repo/requirements" \
+  "$repo/.dockerignore"
 build_image Dockerfile.sidecar "$sidecar_name" sidecar.tar "$repo/initcheck" "$repo/sidecar" "$repo/doctor" \
-  "$repo/requirements" "$repo/pyproject.toml"
+  "$repo/requirements" "$repo/pyproject.toml" "$repo/.dockerignore"
 
 # 3. The pause image.
 if stale "$out/pause.tar" "$here/pause"; then

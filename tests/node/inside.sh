@@ -194,7 +194,8 @@ echo "node-e2e: node $NODE Ready ($(date -u +%T))"
 
 set +e
 cd "$repo"
-NODE_E2E_DIR=$run "$repo/.venv/bin/python" -m pytest -q -p no:cacheprovider -o addopts= -o timeout=1200 ${NODE_E2E_TESTS:-tests/node/e2e_node.py}
+NODE_E2E_DIR=$run "$repo/.venv/bin/python" -m pytest -q -p no:cacheprovider -o addopts= -o timeout=1200 \
+  -o python_files="e2e_*.py" ${NODE_E2E_TESTS:-tests/node}
 rc=$?
 set -e
 if [ "${NODE_E2E_KEEP:-}" = 1 ]; then

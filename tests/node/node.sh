@@ -11,7 +11,7 @@
 # tests look for one).
 #
 # NODE_E2E_KEEP=1: keep the cluster up after the tests (the script says how to reach it).
-# NODE_E2E_TESTS: pytest arguments (default: tests/node/e2e_node.py).
+# NODE_E2E_TESTS: pytest arguments (default: tests/node, its files e2e_*.py).
 # Under CI=true a missing component is an error; otherwise the run is skipped with the reason.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

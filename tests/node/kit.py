@@ -1,0 +1,176 @@
+"""What the node end-to-end tests (tests/node/e2e_*.py) share: kubectl, waiting, the plugin pod on the node
+`node-e2e`, the stand-in's fault files, the kubelet's metrics and node-ctl. The tests run inside the node's
+namespaces (tests/node/node.sh, `make node-e2e`); NODE_E2E_DIR is the run's folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+RUN = os.environ.get("NODE_E2E_DIR", "")
+
+HERE = Path(__file__).parent
+NODE = "node-e2e"
+NS = "kube-system"
+RESOURCE = "nvidia.com/gpu"
+DEVICES = "20"  # the stand-in's 2 GPUs, each split 10 times as HAMi advertises them
+CONTROL = Path("/run/hami-standin")
+PLUGIN_SOCKET = Path("/var/lib/kubelet/device-plugins/nvidia-gpu.sock")
+KUBELET_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")
+SELECTOR = "app.kubernetes.io/component=hami-device-plugin"
+SIDECAR_IMAGE = "registry.invalid/hami-sidecar:0.1.0"  # as manifests/hami-patch names it
+
+T = TypeVar("T")
+
+
+def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:
+    done = subprocess.run(
+        ["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=120, check=False
+    )
+    if check and done.returncode != 0:
+        raise AssertionError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def get(kind: str, name: str = "", namespace: str = NS, selector: str = "", field: str = "") -> Any:
+    args = ["get", kind, *([name] if name else []), "-n", namespace, "-o", "json"]
+    if selector:
+        args += ["-l", selector]
+    if field:
+        args += ["--field-selector", field]
+    return json.loads(kubectl(*args))
+
+
+def wait(what: str, check: Callable[[], T | None], timeout: float, interval: float = 0.5) -> T:
+    """Polls until `check` returns something other than None or False (an assertion in it: not yet)."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+        except (AssertionError, KeyError, IndexError) as e:  # not there yet (a pod being replaced)
+            last = e
+        else:
+            if value is not None and value is not False:
+                return value
+            last = value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def node_resources() -> tuple[str, str]:
+    status = get("node", NODE, "")["status"]
+    return status["capacity"].get(RESOURCE, ""), status["allocatable"].get(RESOURCE, "")
+
+
+def allocatable() -> str:
+    return node_resources()[1]
+
+
+def plugin_pod(node: str = NODE) -> dict[str, Any]:
+    """The plugin's pod on `node` (one, not being deleted)."""
+    pods = [
+        p
+        for p in get("pods", selector=SELECTOR, field=f"spec.nodeName={node}")["items"]
+        if not p["metadata"].get("deletionTimestamp")
+    ]
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    pod: dict[str, Any] = pods[0]
+    return pod
+
+
+def container_status(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    for s in pod["status"].get("containerStatuses", []) + pod["status"].get("initContainerStatuses", []):
+        if s["name"] == name:
+            return dict(s)
+    return {}
+
+
+def restarts(name: str) -> int:
+    return int(container_status(plugin_pod(), name).get("restartCount", 0))
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+def healthz(path: str = "/healthz") -> int:
+    """The sidecar's answer, asked directly (as the kubelet's prober does, on the pod's IP)."""
+    ip = plugin_pod()["status"].get("podIP", "")
+    try:
+        with urllib.request.urlopen(f"http://{ip}:9395{path}", timeout=2) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return 0
+
+
+def status_reason() -> str:
+    """Why the sidecar fails liveness, from its /status (the failed checks' reasons)."""
+    ip = plugin_pod()["status"].get("podIP", "")
+    try:
+        with urllib.request.urlopen(f"http://{ip}:9395/status", timeout=2) as r:
+            checks = json.load(r).get("checks", {})
+    except (OSError, ValueError):
+        return "no /status"
+    return "; ".join(f"{k}: {c.get('reason')}" for k, c in checks.items() if c.get("fails_liveness"))
+
+
+def events(pod: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = get("events", selector="")["items"]
+    return [e for e in items if e["involvedObject"].get("name") == pod]
+
+
+def node_ctl(command: str) -> None:
+    subprocess.run([os.path.join(RUN, "node-ctl"), command], check=True, timeout=120)
+
+
+def figure(line: str) -> None:
+    with open(os.path.join(RUN, "figures.txt"), "a") as f:
+        f.write(line + "\n")
+
+
+def kubelet_metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the kubelet's samples of `name` whose labels include `labels` (Prometheus text format)."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def probe_metrics() -> str:
+    return kubectl("get", "--raw", f"/api/v1/nodes/{NODE}/proxy/metrics/probes")
+
+
+def set_fault(name: str, on: bool) -> None:
+    CONTROL.mkdir(exist_ok=True)
+    path = CONTROL / name
+    if on:
+        path.touch()
+    else:
+        path.unlink(missing_ok=True)
+
+
+def healthy_plugin(timeout: float = 180) -> dict[str, Any]:
+    """Waits for the plugin pod Ready and the node's allocatable back at the stand-in's devices."""
+
+    def ready_pod() -> dict[str, Any] | None:
+        pod = plugin_pod()
+        return pod if ready(pod) else None
+
+    pod = wait("the plugin pod Ready", ready_pod, timeout)
+    wait(f"allocatable {RESOURCE}={DEVICES}", lambda: allocatable() == DEVICES, timeout)
+    return pod
