@@ -159,7 +159,7 @@ device-oracle: $(STAMP) kubelet-fixtures
 	ORACLE_EVENTS=200 ORACLE_SEEDS=1,2,3 $(PY) -m pytest -q -s tests/e2e/test_oracle.py
 
 # The node's ResourceSlices as DRA evidence against a real API server (tests/e2e/test_dra_slices.py):
-# kube-apiserver from make node-bins and Debian's etcd-server; not in real-slow (node-bins' cold build).
+# kube-apiserver from make node-bins and Debian's etcd-server; .ci/run runs it after node-bins.
 .PHONY: dra-slices
 dra-slices: $(STAMP) dra-fixture-new $(NODE_DIR)/bin/kube-apiserver
 	$(PY) -m pytest -q -m slow tests/e2e/test_dra_slices.py

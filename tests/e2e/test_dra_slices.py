@@ -3,7 +3,8 @@ with the DRA fixture's kubelet (its DRA manager wipes for real) and driver (the 
 publishes for real), k8s.io/kubernetes v1.37.2.
 
 Marked slow and not in `make real-slow`: it needs `make node-bins` (kube-apiserver) and etcd;
-`make dra-slices` runs it. About a minute: the kubelet's wiping delay is 30 s.
+`make dra-slices` runs it (.ci/run does, after node-bins). About a minute: the kubelet's wiping
+delay is 30 s.
 """
 
 from __future__ import annotations
