@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from dataclasses import replace
 
 import grpc
@@ -336,3 +337,38 @@ def test_resourceslices_are_asked_only_when_configured() -> None:
     for bad in ([], ["--kube-api-server", "http://10.0.0.1:8080"]):
         with pytest.raises(SystemExit):
             parse_settings([*base, "--dra-resourceslices", *bad], {})
+
+
+async def test_service_probe_readings_over_real_sockets(short_tmp: str) -> None:
+    """A listener that never accepts is silent; a server that answers anything (here: no such
+    service) answers; no socket is no reading; one call in flight at most."""
+    clock = Clock()
+    method = drawatch.prepare_path(("v1.DRAPlugin",))
+    quiet = os.path.join(short_tmp, "quiet.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(quiet)
+    listener.listen(16)  # the kernel completes each connect; nothing reads
+    probe = drawatch.ServiceProbe(clock, deadline=30.0)
+    try:
+        since, why = await probe.read(quiet, method, 0.3)
+        assert since == clock.now, why
+        task = probe.task
+        clock.now += 5
+        since, why = await probe.read(quiet, method, 0.3)
+        assert since == 100.0 and probe.task is task, why  # the same call, still waiting
+    finally:
+        probe.close()
+        listener.close()
+    answering = os.path.join(short_tmp, "answering.sock")
+    server = grpc.aio.server()
+    server.add_insecure_port(f"unix:{answering}")
+    await server.start()
+    try:
+        since, why = await drawatch.ServiceProbe(clock).read(answering, method, 2.0)
+        assert since is None and "UNIMPLEMENTED" in why, why
+    finally:
+        await server.stop(None)
+    since, why = await drawatch.ServiceProbe(clock).read(os.path.join(short_tmp, "none.sock"), method, 0.3)
+    assert since is None and "does not exist" in why
+    assert drawatch.prepare_path(("v1beta1.DRAPlugin",)).endswith("v1beta1.DRAPlugin/NodePrepareResources")
+    assert drawatch.prepare_path(("v1.DRAResourceHealth",)) == ""
