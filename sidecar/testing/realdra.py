@@ -191,9 +191,10 @@ class RealDraDriver:
         """End the kubelet's connections to the DRA service (the listener stays): their number."""
         return int((await self.proc.call("drop")).get("dropped") or 0)
 
-    async def service_off(self) -> None:
-        """Close the DRA service's listener and its connections; registration keeps answering."""
-        await self.proc.call("service-off")
+    async def service_off(self) -> bool:
+        """Close the DRA service's listener and its connections; registration keeps answering. True
+        when the gRPC server had closed the listener already (its Serve ended)."""
+        return bool((await self.proc.call("service-off")).get("already_closed"))
 
     async def publish(self, devices: int) -> None:
         """Publish one ResourceSlice of `devices` devices for the node (needs a kubeconfig)."""

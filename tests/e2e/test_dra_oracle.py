@@ -204,9 +204,10 @@ class Oracle:
             n = await self.driver.drop()
             self.history.append(f"drop {n} connections")
         elif event == "service-off" and self.service:
-            await self.driver.service_off()
+            already = await self.driver.service_off()
             self.service = False
-            self.history.append("service off")
+            errors = [e.get("error") for e in self.driver.proc.find("driver-error", lambda e: True)]
+            self.history.append(f"service off (already closed: {errors})" if already else "service off")
         elif event == "hang-service" and self.service:
             self.service_hung = not self.service_hung
             await self.driver.set("hang-service", self.service_hung)

@@ -352,8 +352,14 @@ func (d *driver) handle(c fixturekit.Command) bool {
 	case "service-off":
 		// The DRA service's listener closes (its socket file goes) and its connections end; the
 		// registration socket keeps answering: a driver whose DRA server died.
+		// A listener the gRPC server already closed (its Serve ended: see the driver-error events)
+		// is off already: said so, not an error.
 		err := d.svc.Close()
-		c.Reply(map[string]any{"dropped": d.svc.drop()}, err)
+		already := errors.Is(err, net.ErrClosed)
+		if already {
+			err = nil
+		}
+		c.Reply(map[string]any{"dropped": d.svc.drop(), "already_closed": already}, err)
 	case "publish":
 		// The helper's ResourceSlice controller publishes one slice of N devices for this node
 		// (it keeps them as published: it re-creates what is deleted).
