@@ -249,17 +249,19 @@ class DraWatch:
             self.slices = await read_slices(self.api, self.node, max(self.timeout, 1.0))
         return self.slices
 
-    async def _ask(self, spec: DraSpec) -> tuple[Info, tuple[float | None, str]]:
-        """GetInfo, then (when it answers) the DRA service, each within the round's timeout."""
+    async def _info(self, spec: DraSpec) -> Info:
         info = await get_info(spec.registration, self.timeout)
         if info.ok and info.endpoint:
             self.endpoints[spec.name] = info.endpoint
             self.methods[spec.name] = prepare_path(info.versions)
-        if not info.ok:
-            return info, (None, "not asked: GetInfo did not answer")
+        return info
+
+    async def _service(self, spec: DraSpec, info: Info) -> tuple[float | None, str]:
+        """The DRA service, when GetInfo answers, within the round's timeout."""
+        if not info.ok:  # (a call in flight stays: one call at most, never a new one)
+            return None, "not asked: GetInfo did not answer"
         service = spec.service or self.endpoints.get(spec.name, "")
-        probe = self.services[spec.name]
-        return info, await probe.read(service, self.methods.get(spec.name, ""), self.timeout)
+        return await self.services[spec.name].read(service, self.methods.get(spec.name, ""), self.timeout)
 
     def close(self) -> None:
         """Cancel the service calls in flight."""
@@ -267,20 +269,21 @@ class DraWatch:
             probe.close()
 
     async def round(self) -> dict[str, tuple[Evidence, Judgement]]:
-        asked, slices = await asyncio.gather(
-            asyncio.gather(*(self._ask(s) for s in self.specs)), self._slices()
-        )
+        infos = await asyncio.gather(*(self._info(s) for s in self.specs))
         services = [s.service or self.endpoints.get(s.name, "") for s in self.specs]
         up, kubelet_id = kubelet_alive(self.kubelet_socket)
         paths = {normalise(p) for p in services if p}
         # Only the sockets bound to the files that matter: a host's namespace holds thousands.
         files = {i for p in (self.kubelet_socket, *paths) if (i := socket_file(p))}
+        # This process's own sockets, read before the kernel's table: a service call's connection that
+        # gRPC closes in between is then in neither, never in the table alone (counted as the kubelet's).
+        own = socket_inodes("/proc", "self")
         try:
             mine: list[UnixSocket] | str = diag_dump(files)
         except DiagUnavailable as e:
             mine = str(e)
         connections = kubelet_connections(self.kubelet_socket, self.proc, self.names, mine=mine, paths=paths)
-        if not isinstance(connections, str) and connections.exact and (own := socket_inodes("/proc", "self")):
+        if not isinstance(connections, str) and connections.exact and own:
             # This process's own service calls are connections to the service socket too, in the
             # kubelet's namespace when the sidecar shares it: never the kubelet's (where the
             # kubelet's descriptors cannot be read, nothing else tells them apart).
@@ -288,8 +291,16 @@ class DraWatch:
                 connections, sockets=tuple(s for s in connections.sockets if s.ino not in own)
             )
         self.connections_source = connections if isinstance(connections, str) else connections.source
+        # The DRA services after the kubelet's connections are read: a round's reading of the kubelet
+        # is as quick as without them (a restart's short gap stays visible).
+        silences, slices = await asyncio.gather(
+            asyncio.gather(*(self._service(s, i) for s, i in zip(self.specs, infos, strict=True))),
+            self._slices(),
+        )
         out: dict[str, tuple[Evidence, Judgement]] = {}
-        for spec, (info, (silent, service_reason)), service in zip(self.specs, asked, services, strict=True):
+        for spec, info, (silent, service_reason), service in zip(
+            self.specs, infos, silences, services, strict=True
+        ):
             if isinstance(connections, str):
                 count: int | None = None
                 why = connections
