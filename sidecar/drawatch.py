@@ -134,6 +134,16 @@ async def ask_service(path: str, method: str, deadline: float) -> tuple[bool | N
     return True, "answered"
 
 
+def _service_file(path: str) -> tuple[int, int, int] | None:
+    """A service socket file's identity, its change time included: a driver restarted on the same
+    path may get the same inode number back, and its new server owes nothing to the old one's silence."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
+
+
 class ServiceProbe:
     """One driver's DRA service: at most one empty NodePrepareResources in flight, so a hung service
     holds one call, never a pile of them; how long it has been silent, on the judge's clock."""
@@ -142,7 +152,7 @@ class ServiceProbe:
         self.clock = clock
         self.deadline = deadline
         self.path = ""
-        self.ident: FileId | None = None
+        self.ident: tuple[int, int, int] | None = None
         self.task: asyncio.Task[tuple[bool | None, str]] | None = None
         self.started = 0.0  # the judge's clock when the call in flight began
         self.silent_since: float | None = None
@@ -155,7 +165,7 @@ class ServiceProbe:
 
     async def read(self, path: str, method: str, wait: float) -> tuple[float | None, str]:
         """Ask (unless a call is in flight), wait up to `wait` seconds for it: (silent since, reason)."""
-        ident = socket_file(path) if path else None
+        ident = _service_file(path) if path else None
         if path != self.path or ident != self.ident:
             self.reset()  # another service socket: what the last one did says nothing of it
             self.path, self.ident = path, ident
