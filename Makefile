@@ -166,6 +166,12 @@ stop-grace: $(STAMP) kubelet-fixtures
 device-oracle: $(STAMP) kubelet-fixtures
 	ORACLE_EVENTS=200 ORACLE_SEEDS=1,2,3 $(PY) -m pytest -q -s tests/e2e/test_oracle.py
 
+# The node's ResourceSlices as DRA evidence against a real API server (tests/e2e/test_dra_slices.py):
+# kube-apiserver from make node-bins and Debian's etcd-server; .ci/run runs it after node-bins.
+.PHONY: dra-slices
+dra-slices: $(STAMP) dra-fixture-new $(NODE_DIR)/bin/kube-apiserver
+	$(PY) -m pytest -q -m slow tests/e2e/test_dra_slices.py
+
 # The DRA oracle (tests/e2e/test_dra_oracle.py), one release per job: 200 events x 3 seeds, about 18 minutes.
 .PHONY: dra-oracle-new dra-oracle-old
 dra-oracle-new dra-oracle-old: dra-oracle-%: $(STAMP) dra-fixtures

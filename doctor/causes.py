@@ -62,6 +62,7 @@ CAUSES = (
 # DRA drivers' rows (doctor/dra.py), only when --dra-driver names any: after the device plugins'.
 DRA_CAUSES = (
     ("dra-not-serving", "DRA driver not serving"),
+    ("dra-service-silent", "DRA service not answering"),
     ("dra-not-registered", "DRA driver not registered"),
     ("dra-log", "kubelet DRA log lines"),
 )

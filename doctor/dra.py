@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from doctor.causes import Cause
 from doctor.logscan import LogFindings, Pattern
-from sidecar.dra import DraSpec, Evidence, Judgement
+from sidecar.dra import KUBELET_CALL_TIMEOUT, DraSpec, Evidence, Judgement
+from sidecar.draslices import ApiAccess
 from sidecar.health import Status
 
 RESTART_DRIVER = (
@@ -76,27 +77,64 @@ class DraReading:
 
 
 async def gather_dra(
-    specs: Sequence[DraSpec], kubelet_socket: str, timeout: float, names: frozenset[str] | None = None
+    specs: Sequence[DraSpec],
+    kubelet_socket: str,
+    timeout: float,
+    names: frozenset[str] | None = None,
+    *,
+    api: ApiAccess | None = None,
+    node: str = "",
 ) -> list[DraReading]:
-    """One round of the sidecar's DRA evidence, judged with no grace (a snapshot)."""
+    """One round of the sidecar's DRA evidence, judged with no grace (a snapshot); the node's
+    ResourceSlices too when `api` is given."""
     from sidecar.drawatch import DraWatch
     from sidecar.unixdiag import KUBELET_PROCESS_NAMES
 
-    watch = DraWatch(specs, kubelet_socket, grace=0.0, timeout=timeout, names=names or KUBELET_PROCESS_NAMES)
-    found = await watch.round()
+    watch = DraWatch(
+        specs,
+        kubelet_socket,
+        grace=0.0,
+        timeout=timeout,
+        names=names or KUBELET_PROCESS_NAMES,
+        api=api,
+        node=node,
+    )
+    try:
+        found = await watch.round()
+    finally:
+        watch.close()  # a DRA service call still in flight is not waited for
     return [DraReading(s, *found[s.name]) for s in specs]
 
 
 def dra_causes(
     readings: Sequence[DraReading], logs: Sequence[LogFindings], kubelet_version: str | None
 ) -> list[Cause]:
-    """dra-not-serving, dra-not-registered, dra-log: one row each."""
+    """dra-not-serving, dra-service-silent, dra-not-registered, dra-log: one row each."""
     serving = Cause("dra-not-serving", "ok")
+    silent = Cause("dra-service-silent", "ok")
     registered = Cause("dra-not-registered", "ok")
     for r in readings:
         name, ev, j = r.spec.name, r.evidence, r.judgement
+        if ev.service_silent_since is not None:
+            silent.problem(
+                f"{name}: GetInfo answers, but the DRA service {ev.service} did not answer an empty "
+                f"NodePrepareResources ({ev.service_reason}). The kubelet keeps such a driver registered "
+                "and reports its connection open, so nothing on the node says so but Pods: their claims "
+                f"fail to prepare after the kubelet's {KUBELET_CALL_TIMEOUT:.0f} s call timeout (event "
+                "FailedPrepareDynamicResources, NodePrepareResources ... DeadlineExceeded), again and again",
+                [
+                    "run hami-doctor again: a service busy with a long prepare answers within a minute",
+                    "if it stays silent, the driver is hung (its prepare path, or its DRA gRPC server): "
+                    "restart it:",
+                    RESTART_DRIVER,
+                ],
+            )
+        elif ev.info.ok:
+            silent.evidence.append(f"{name}: {ev.service_reason}")
         if j.plugin.status is Status.OK:
             serving.evidence.append(f"{name}: {j.plugin.reason}")
+        elif ev.service_silent_since is not None and j.plugin.restarts:  # dra-service-silent's to say
+            serving.evidence.append(f"{name}: GetInfo answers: {ev.info.type} {ev.info.name}")
         elif j.plugin.status is Status.FAILED and not j.plugin.restarts:
             serving.problem(
                 f"{name}: {j.plugin.reason}",
@@ -158,7 +196,7 @@ def dra_causes(
                     log.evidence.append(line)
             else:
                 log.problem(line, hit.pattern.fix)
-    return [serving, registered, log]
+    return [serving, silent, registered, log]
 
 
 def _minor(version: str | None) -> int | None:

@@ -314,7 +314,9 @@ async def _dra_evidence(s: DoctorSettings, g: Gathering, names: set[str]) -> dic
     from doctor.dra import dra_kubelet_logs, gather_dra
 
     try:
-        readings = await gather_dra(s.dra_drivers, s.kubelet_path, s.probe_timeout, frozenset(names))
+        readings = await gather_dra(
+            s.dra_drivers, s.kubelet_path, s.probe_timeout, frozenset(names), api=s.dra_api, node=s.dra_node
+        )
     except Exception as e:  # a broken reader never costs the whole report
         g.errors.append(f"DRA drivers: {type(e).__name__}: {e}")
         readings = []

@@ -7,6 +7,8 @@ cannot drift; the rest are here, each once.
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -16,8 +18,10 @@ from initcheck.checks import DEFAULT_KUBELET_PROCESS
 from initcheck.envflags import parse_with_env
 from initcheck.flags import PluginSpec
 from sidecar.config import DEFAULTS as SIDECAR
-from sidecar.config import dra_drivers, dra_flags
+from sidecar.config import dra_api, dra_drivers, dra_flags
 from sidecar.dra import DraSpec
+from sidecar.draslices import ApiAccess
+from sidecar.hamiconfig import NODE_NAME_ENV
 
 Output = Literal["text", "json"]
 
@@ -47,6 +51,10 @@ class DoctorSettings(flags.DeviceFolder):
     fix: bool = False
     npd: bool = False
     dra_drivers: tuple[DraSpec, ...] = ()  # DRA drivers to diagnose (doctor/dra.py)
+    # --dra-resourceslices: the API server to read the node's ResourceSlices from, and the node's name
+    # ($NODE_NAME, else the host's name); None: the API is never called.
+    dra_api: ApiAccess | None = None
+    dra_node: str = ""
 
 
 DEFAULTS = DoctorSettings()
@@ -111,6 +119,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
     parser = build_parser()
     args = parse_with_env(parser, argv, environ)
     dra = dra_drivers(parser, args)
+    api = dra_api(parser, args, environ)
     return DoctorSettings(
         device_plugin_dir=args.device_plugin_dir,
         kubelet_socket=args.kubelet_socket,
@@ -135,4 +144,8 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
         fix=args.fix,
         npd=args.npd,
         dra_drivers=dra,
+        dra_api=api,
+        dra_node=((os.environ if environ is None else environ).get(NODE_NAME_ENV, "") or socket.gethostname())
+        if api
+        else "",
     )

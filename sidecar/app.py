@@ -161,6 +161,8 @@ class Sidecar:
                 timeout=s.probe_timeout,
                 clock=clock,
                 names=names,
+                api=s.dra_api,
+                node=s.node_name,
             )
             for spec in s.dra_drivers:
                 for kind in (Kind.DRA_PLUGIN, Kind.DRA_REGISTERED):
@@ -207,6 +209,8 @@ class Sidecar:
         if self._watcher is not None:
             self._watcher.stop()
         await self._tasks.cancel()
+        if self.dra is not None:
+            self.dra.close()
         if self._reader is not None:
             self._reader.shutdown(wait=True, cancel_futures=True)
 
@@ -540,6 +544,17 @@ class Sidecar:
                 if ev is None
                 else {"answer": ev.info.kind, "reason": ev.info.reason, "versions": list(ev.info.versions)},
                 "kubelet_connections": None if ev is None else ev.connections,
+                "service": None
+                if ev is None
+                else {
+                    "silent_since_seconds": _since(self.clock(), ev.service_silent_since),
+                    "reading": ev.service_reason,
+                },
+                "resourceslices": None
+                if ev is None or (ev.slices is None and not ev.slices_why)
+                else {"slices": ev.slices[0], "devices": ev.slices[1]}
+                if ev.slices is not None
+                else {"no_evidence": ev.slices_why},
                 "restarts_in_vain": 0 if j is None else j.restarts_in_vain,
                 "spell_seconds": None if j is None else round(self.clock() - j.spell_started, 3),
             }
@@ -548,6 +563,10 @@ class Sidecar:
             "kubelet_connections_from": self.dra.connections_source,
             "drivers": drivers,
         }
+
+
+def _since(now: float, since: float | None) -> float | None:
+    return None if since is None else round(now - since, 3)
 
 
 MAX_FOLDER_SOCKETS = 32  # other sockets tried in the folder per round

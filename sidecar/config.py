@@ -20,6 +20,7 @@ from initcheck.flags import AUTO_DEVICES, PluginSpec
 from sidecar import hamiconfig
 from sidecar.dra import DEFAULT_GRACE as DEFAULT_DRA_GRACE
 from sidecar.dra import DEFAULT_REGISTRY, DraSpec, dra_spec
+from sidecar.draslices import DEFAULT_CA_FILE, DEFAULT_TOKEN_FILE, ApiAccess, in_cluster
 
 if TYPE_CHECKING:
     from sidecar.watcher import WatchMode
@@ -78,6 +79,8 @@ class Settings(flags.DeviceFolder):
     # DRA drivers (sidecar.dra): judged besides, or instead of, the device plugins.
     dra_drivers: tuple[DraSpec, ...] = ()
     dra_grace: float = DEFAULT_DRA_GRACE
+    # The API server to read the node's ResourceSlices from (sidecar.draslices); None: never asked.
+    dra_api: ApiAccess | None = None
 
 
 DEFAULTS = Settings()
@@ -169,6 +172,21 @@ def dra_flags(p: argparse.ArgumentParser, grace: float | None) -> None:
             help=f"seconds a DRA driver may stay unregistered (default {grace:g}: the kubelet retries "
             "a refused registration up to 2 min 2 s apart)",
         )
+    p.add_argument(
+        "--dra-resourceslices",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="read the node's ResourceSlices of each DRA driver from the API server (needs --node-name "
+        "and a ServiceAccount allowed to list resourceslices): evidence in the reasons, never a "
+        "verdict; off by default, and then the API is never called",
+    )
+    p.add_argument(
+        "--kube-api-server",
+        default="",
+        help="the API server for --dra-resourceslices (default: the Pod's KUBERNETES_SERVICE_HOST/PORT)",
+    )
+    p.add_argument("--kube-token-file", default=DEFAULT_TOKEN_FILE, help=f"default {DEFAULT_TOKEN_FILE}")
+    p.add_argument("--kube-ca-file", default=DEFAULT_CA_FILE, help=f"default {DEFAULT_CA_FILE}")
 
 
 def dra_drivers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[DraSpec, ...]:
@@ -231,7 +249,22 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
         kubelet_process_name=args.kubelet_process_name,
         dra_drivers=dra,
         dra_grace=args.dra_grace,
+        dra_api=dra_api(parser, args, environ),
     )
+
+
+def dra_api(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, environ: Mapping[str, str] | None
+) -> ApiAccess | None:
+    """--dra-resourceslices' API server (a usage error on a bad one); None when not asked for."""
+    if not args.dra_resourceslices:
+        return None
+    server = args.kube_api_server or in_cluster(dict(os.environ if environ is None else environ))
+    if not server:
+        parser.error("--dra-resourceslices: no --kube-api-server and no KUBERNETES_SERVICE_HOST/PORT")
+    if not server.startswith("https://"):
+        parser.error(f"--kube-api-server {server!r}: an https:// address (the token is sent to it)")
+    return ApiAccess(server, args.kube_token_file, args.kube_ca_file)
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,14 @@ only that the driver is alive.
 Two checks per driver, in the health vocabulary of the device plugins:
 
 - `dra-plugin:<driver>`: the driver answers `GetInfo` on its registration socket with its own
-  name and the type `DRAPlugin`. A driver that stopped answering (socket gone, nothing
-  listens, hung) fails liveness; one that answers for another driver or type is a setting
-  to fix, which no restart mends.
+  name and the type `DRAPlugin`, and its DRA service answers an empty `NodePrepareResources`
+  (no claims: the drivers' own self-probe, which changes nothing). A driver that stopped
+  answering (socket gone, nothing listens, hung) fails liveness; so does a DRA service that
+  stays silent for the grace while registration answers: the kubelet keeps such a driver
+  registered and its connection looks open (gRPC reports it connected before the server's
+  first frame), so only Pods see it, their claims failing to prepare after the kubelet's
+  45 s call timeout, again and again (docs/kubelet.md#dra-hung-service). One that answers
+  for another driver or type is a setting to fix, which no restart mends.
 - `dra-registered:<driver>`: the kubelet holds a connection to the driver's service socket.
   Not registered for the grace (which covers the kubelet's registration retry, at most
   2 min 2 s apart) fails liveness; so does a connection that stays lost for the grace. While
@@ -40,8 +45,12 @@ PLUGIN_TYPE = "DRAPlugin"
 KUBELET_RETRY_CAP = 122.0
 # The grace covers one full retry interval of the kubelet plus its registration and connection.
 DEFAULT_GRACE = 150.0
-# GetInfo timeouts in a row that make a hung driver (one slow answer is not a hang).
+# GetInfo timeouts in a row that make a hung driver (one slow answer is not a hang); also the rounds in
+# a row that must see the DRA service silent before its silence can fail liveness.
 HUNG_ROUNDS = 2
+# The kubelet's deadline for each call to a DRA driver (pkg/kubelet/cm/dra/plugin/dra_plugin.go:
+# defaultClientCallTimeout); the default grace outlasts three of them.
+KUBELET_CALL_TIMEOUT = 45.0
 RESTART_BUDGET = 3
 
 InfoKind = Literal["ok", "absent", "not-socket", "refused", "timeout", "error"]
@@ -104,6 +113,14 @@ class Evidence:
     kubelet_id: FileId | None  # the kubelet's socket file: a new one is a new kubelet
     connections: int | None  # the kubelet's open connections to the service socket
     connections_why: str = ""  # why connections is None
+    # The DRA service's silence: since when (the judge's clock) its answer to an empty
+    # NodePrepareResources is awaited in vain; None when it answered or was not asked.
+    service_silent_since: float | None = None
+    service_reason: str = ""  # the last service reading, for the verdicts
+    # The node's ResourceSlices of the driver (slices, devices) from the API server, when configured
+    # (sidecar.draslices): reasons only, never a verdict. None: not read; slices_why says why.
+    slices: tuple[int, int] | None = None
+    slices_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -127,6 +144,7 @@ class _Driver:
     connected: bool = False  # the kubelet's connection was seen in this spell
     answered: bool = False  # GetInfo answered since plugin_since
     timeouts: int = 0
+    silent_rounds: int = 0  # rounds in a row that saw the DRA service silent
     failing_live: bool = False  # dra-registered failed liveness in this spell
     gone: bool = False  # the registration socket went
     restarts_in_vain: int = 0
@@ -139,6 +157,19 @@ class Judgement:
     registered: Verdict
     spell_started: float  # monotonic
     restarts_in_vain: int
+
+
+def slices_note(ev: Evidence) -> str:
+    """What the node's ResourceSlices add to the registration verdict's reason ("" when not read)."""
+    if ev.slices is None:
+        return f"ResourceSlices: {ev.slices_why}" if ev.slices_why else ""
+    n, devices = ev.slices
+    if n:
+        return f"{n} ResourceSlice{'s' * (n != 1)} of the driver on this node ({devices} devices)"
+    return (
+        "no ResourceSlice of the driver on this node (the kubelet deletes them 30 s after it gives the "
+        "driver up, and at its start; or the driver publishes none)"
+    )
 
 
 class DraJudge:
@@ -164,6 +195,8 @@ class DraJudge:
         self._spells(d, ev, now)
         plugin = self._plugin(driver, d, ev, now)
         registered = self._registered(driver, d, ev, now, plugin)
+        if note := slices_note(ev):
+            registered = Verdict(registered.status, f"{registered.reason}; {note}", registered.restarts)
         d.failing_live = d.failing_live or registered.live_failed
         return Judgement(plugin, registered, d.since, d.restarts_in_vain)
 
@@ -216,10 +249,13 @@ class DraJudge:
                     f"driver {driver}: the setting names another driver's socket",
                     restarts=False,
                 )
-            services = ", ".join(info.versions) or "none"
-            return Verdict(
-                Status.OK, f"GetInfo answers: {PLUGIN_TYPE} {driver}, service {info.endpoint}, {services}"
-            )
+            if ev.service_silent_since is None:
+                d.silent_rounds = 0
+                services = ", ".join(info.versions) or "none"
+                return Verdict(
+                    Status.OK, f"GetInfo answers: {PLUGIN_TYPE} {driver}, service {info.endpoint}, {services}"
+                )
+            return self._silent(d, ev, now)
         if info.kind in ("timeout", "error"):
             # A socket that accepts but does not answer: hung once it stays so (one slow or failed
             # answer is not a hang).
@@ -235,6 +271,20 @@ class DraJudge:
             return Verdict(Status.PENDING, f"{info.reason} (grace: {left:.0f}s left)")
         return Verdict(Status.FAILED, info.reason)
 
+    def _silent(self, d: _Driver, ev: Evidence, now: float) -> Verdict:
+        """GetInfo answers, the DRA service does not: hung once it stayed silent for the grace and
+        more than one round saw it (a slow answer, or a clock that jumped, is not a hang)."""
+        d.silent_rounds += 1
+        silent = now - (ev.service_silent_since or now)
+        why = f"the DRA service {ev.service} has not answered for {silent:.0f}s ({ev.service_reason})"
+        if silent >= self.grace and d.silent_rounds >= HUNG_ROUNDS:
+            return Verdict(
+                Status.FAILED,
+                f"hung DRA service: {why}; registration still answers, so the kubelet keeps the "
+                f"driver and every claim it prepares fails after {KUBELET_CALL_TIMEOUT:.0f}s",
+            )
+        return Verdict(Status.PENDING, f"{why} (hung after {self.grace:.0f}s)")
+
     def _registered(self, driver: str, d: _Driver, ev: Evidence, now: float, plugin: Verdict) -> Verdict:
         spell = now - d.since
         left = self.grace - spell
@@ -245,7 +295,7 @@ class DraJudge:
             n = ev.connections
             return Verdict(Status.OK, f"the kubelet holds {n} connection{'s' * (n != 1)} to {ev.service}")
         if plugin.status is not Status.OK:
-            why = "the driver does not answer GetInfo (dra-plugin)"
+            why = "the driver does not answer (dra-plugin)"
             if plugin.status is Status.FAILED and not plugin.restarts:
                 why = "the registration socket is another driver's (dra-plugin)"
             return self._not_yet(why, left, restarts=False)

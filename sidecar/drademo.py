@@ -117,6 +117,19 @@ async def _tour(tour_only: bool) -> int:
                 "the kubelet is killed and restarts: never a 503", kubelet_restart, 200, "[+]dra-registered"
             )
             await step(
+                "the driver's DRA service hangs, registration still answers: the kubelet keeps it and "
+                "reports it connected, its calls time out; 503 after the grace",
+                lambda: driver.set("hang-service", True),
+                503,
+                "hung DRA service",
+            )
+            await step(
+                "the DRA service answers again",
+                lambda: driver.set("hang-service", False),
+                200,
+                "[+]dra-plugin",
+            )
+            await step(
                 "the driver's DRA service dies, registration still answers: 503 after the grace",
                 driver.service_off,
                 503,

@@ -38,8 +38,9 @@ async def test_refused_registration_and_the_health_noise(short_tmp: str, dra_rel
                 await asyncio.sleep(0.05)
         readings = await gather_dra([spec], kubelet_socket, 1.0)
         log = scan_dra_log(kubelet_log(k), k.proc.log_path)
-        serving, registered, dra_log = dra_causes(readings, [log], k.version.lstrip("v"))
+        serving, silent, registered, dra_log = dra_causes(readings, [log], k.version.lstrip("v"))
         assert serving.verdict == "ok", serving
+        assert silent.verdict == "ok", silent
         assert registered.verdict == "problem", registered
         assert dra_log.verdict == "problem"
         assert any("refused (or did not answer) NotifyRegistrationStatus" in e for e in dra_log.evidence), (
@@ -54,7 +55,7 @@ async def test_refused_registration_and_the_health_noise(short_tmp: str, dra_rel
             await k.proc.wait_log("Error receiving from WatchResources stream", timeout=10)
         readings = await gather_dra([spec], kubelet_socket, 1.0)
         log = scan_dra_log(kubelet_log(k), k.proc.log_path)
-        _, registered, dra_log = dra_causes(readings, [log], k.version.lstrip("v"))
+        _, _, registered, dra_log = dra_causes(readings, [log], k.version.lstrip("v"))
         assert registered.verdict == "ok", registered
         noise = [e for e in dra_log.evidence if "known noise on Kubernetes 1.36" in e]
         assert bool(noise) == (release == "old"), dra_log
@@ -98,6 +99,15 @@ async def test_the_doctor_command_names_dra_rows(short_tmp: str, dra_release: Re
         found = await asyncio.to_thread(rows)
         assert found["dra-not-serving"]["verdict"] == "ok"
         assert found["dra-not-registered"]["verdict"] == "ok", found["dra-not-registered"]
+        assert found["dra-service-silent"]["verdict"] == "ok", found["dra-service-silent"]
+        # The DRA service hangs while registration answers: the kubelet still holds the driver.
+        await d.set("hang-service", True)
+        found = await asyncio.to_thread(rows)
+        assert found["dra-service-silent"]["verdict"] == "problem", found["dra-service-silent"]
+        assert found["dra-not-serving"]["verdict"] == "ok", found["dra-not-serving"]
+        assert found["dra-not-registered"]["verdict"] == "ok", found["dra-not-registered"]
+        assert await k.usable(DRIVER)
+        await d.set("hang-service", False)
         await d.service_off()
         async with asyncio.timeout(15):
             while await k.usable(DRIVER):

@@ -7,13 +7,15 @@ quickly (the 150 s grace, the restart budget).
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 from dataclasses import replace
 
 import grpc
 import pytest
 
-from sidecar import drawatch
+from sidecar import draslices, drawatch
 from sidecar.config import parse_settings
 from sidecar.dra import DEFAULT_GRACE, RESTART_BUDGET, DraJudge, DraSpec, Evidence, Info, dra_spec
 from sidecar.health import HealthState, Status
@@ -116,6 +118,45 @@ def test_hung_after_two_timeouts_in_a_row(judge: DraJudge) -> None:
     # The kubelet still holds it: registered, and the liveness failure is the hang's.
     assert j.registered.status is Status.OK
     assert judge.judge(DRIVER, HELD).plugin.status is Status.OK
+
+
+def test_a_silent_dra_service_is_pending_then_hung_after_the_grace(judge: DraJudge, clock: Clock) -> None:
+    """GetInfo answers, the DRA service does not: readiness at once, liveness only once the silence
+    lasted the grace and more than one round saw it."""
+    judge.judge(DRIVER, HELD)
+    silent = replace(HELD, service_silent_since=clock.now, service_reason="waits")
+    j = judge.judge(DRIVER, silent)
+    assert j.plugin.status is Status.PENDING and not j.plugin.live_failed, j
+    assert j.registered.status is Status.OK  # the kubelet holds it: its truth, not this check's
+    clock.now += DEFAULT_GRACE
+    j = judge.judge(DRIVER, silent)
+    assert j.plugin.live_failed and "hung DRA service" in j.plugin.reason, j
+    assert judge.judge(DRIVER, HELD).plugin.status is Status.OK  # an answer ends it
+
+
+def test_one_round_after_a_jump_is_not_a_hang(judge: DraJudge, clock: Clock) -> None:
+    """A call in flight when the clock jumps past the grace: one round's reading is not a hang."""
+    judge.judge(DRIVER, HELD)
+    since = clock.now
+    clock.now += DEFAULT_GRACE + 1
+    j = judge.judge(DRIVER, replace(HELD, service_silent_since=since))
+    assert j.plugin.status is Status.PENDING, j
+    assert judge.judge(DRIVER, HELD).plugin.status is Status.OK
+    j = judge.judge(DRIVER, replace(HELD, service_silent_since=since))
+    assert j.plugin.status is Status.PENDING, j  # the count starts again after an answer
+
+
+def test_a_silent_service_without_a_visible_connection_defers_registration(
+    judge: DraJudge, clock: Clock
+) -> None:
+    """A stalled service socket: the kubelet's connection waits in its backlog, invisible in the socket
+    table; registration is not judged while the service is silent (no liveness from it)."""
+    silent = replace(HELD, connections=0, service_silent_since=clock.now)
+    for _ in range(3):
+        clock.now += DEFAULT_GRACE
+        j = judge.judge(DRIVER, silent)
+        assert not j.registered.live_failed, j
+    assert j.plugin.live_failed, j
 
 
 def test_not_answering_at_start_is_pending_then_fails(judge: DraJudge, clock: Clock) -> None:
@@ -249,3 +290,85 @@ async def test_a_hostile_getinfo_answer_is_a_reading_not_an_exception(
     j = DraJudge((DRIVER,), DEFAULT_GRACE, Clock()).judge(DRIVER, replace(HELD, info=info, connections=0))
     if kind == "ok":  # an empty answer names no driver: a setting to look at, not a restart
         assert j.plugin.status is Status.FAILED and not j.plugin.restarts
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"null",
+        b"[]",
+        b'{"items": 3}',
+        b'{"items": [null, 1, "x", {"spec": []}, {"spec": {"driver": 7, "nodeName": "n"}}]}',
+        b"[" * 100000,
+        b"\xff\xfe",
+    ],
+)
+def test_resourceslice_parsing_is_total(body: bytes) -> None:
+    got = draslices.parse_slices(body, "n")
+    assert got.by_driver is None or got.by_driver == {}, got
+
+
+def test_resourceslices_of_the_node_by_driver() -> None:
+    item = {"spec": {"driver": DRIVER, "nodeName": "n", "devices": [{}, {}]}}
+    doc = {
+        "items": [
+            item,
+            item,
+            {"spec": {"driver": DRIVER, "nodeName": "other", "devices": [{}]}},
+            {"metadata": {"deletionTimestamp": "x"}, "spec": {"driver": DRIVER, "nodeName": "n"}},
+            {"spec": {"driver": "b.example.com", "nodeName": "n", "devices": "bad"}},
+        ]
+    }
+    got = draslices.parse_slices(json.dumps(doc).encode(), "n")
+    assert got.of(DRIVER) == (2, 4) and got.of("b.example.com") == (1, 0) and got.of("c") == (0, 0)
+
+
+def test_resourceslices_are_asked_only_when_configured() -> None:
+    base = ["--dra-driver", DRIVER]
+    assert parse_settings(base, {}).dra_api is None
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    assert parse_settings(base, env).dra_api is None  # in a Pod, but not asked for
+    api = parse_settings([*base, "--dra-resourceslices"], env).dra_api
+    assert api is not None and api.server == "https://10.96.0.1:443"
+    assert draslices.in_cluster({"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443"}) == (
+        "https://[fd00::1]:443"
+    )
+    for bad in ([], ["--kube-api-server", "http://10.0.0.1:8080"]):
+        with pytest.raises(SystemExit):
+            parse_settings([*base, "--dra-resourceslices", *bad], {})
+
+
+async def test_service_probe_readings_over_real_sockets(short_tmp: str) -> None:
+    """A listener that never accepts is silent; a server that answers anything (here: no such
+    service) answers; no socket is no reading; one call in flight at most."""
+    clock = Clock()
+    method = drawatch.prepare_path(("v1.DRAPlugin",))
+    quiet = os.path.join(short_tmp, "quiet.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(quiet)
+    listener.listen(16)  # the kernel completes each connect; nothing reads
+    probe = drawatch.ServiceProbe(clock, deadline=30.0)
+    try:
+        since, why = await probe.read(quiet, method, 0.3)
+        assert since == clock.now, why
+        task = probe.task
+        clock.now += 5
+        since, why = await probe.read(quiet, method, 0.3)
+        assert since == 100.0 and probe.task is task, why  # the same call, still waiting
+    finally:
+        probe.close()
+        listener.close()
+    answering = os.path.join(short_tmp, "answering.sock")
+    server = grpc.aio.server()
+    server.add_insecure_port(f"unix:{answering}")
+    await server.start()
+    try:
+        since, why = await drawatch.ServiceProbe(clock).read(answering, method, 2.0)
+        assert since is None and "UNIMPLEMENTED" in why, why
+    finally:
+        await server.stop(None)
+    since, why = await drawatch.ServiceProbe(clock).read(os.path.join(short_tmp, "none.sock"), method, 0.3)
+    assert since is None and "does not exist" in why
+    assert drawatch.prepare_path(("v1beta1.DRAPlugin",)).endswith("v1beta1.DRAPlugin/NodePrepareResources")
+    assert drawatch.prepare_path(("v1.DRAResourceHealth",)) == ""

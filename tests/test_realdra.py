@@ -63,6 +63,7 @@ class Node:
             self.registry, os.path.join(root, "state"), self.kubelet_socket, release=release
         )
         self.drivers: list[RealDraDriver] = []
+        self.watches: list[DraWatch] = []
         self.clock = Clock()
 
     def driver(self, name: str = DRIVER, **kw: str) -> RealDraDriver:
@@ -71,11 +72,15 @@ class Node:
         return d
 
     def watch(self, registration: str, name: str = DRIVER, grace: float = DEFAULT_GRACE) -> DraWatch:
-        return DraWatch(
+        watch = DraWatch(
             [DraSpec(name, registration)], self.kubelet_socket, grace=grace, timeout=2.0, clock=self.clock
         )
+        self.watches.append(watch)
+        return watch
 
     async def close(self) -> None:
+        for w in self.watches:
+            w.close()
         for d in self.drivers:
             await d.close()
         await self.kubelet.close()
@@ -134,17 +139,20 @@ async def test_registration_getinfo_only(node: Node) -> None:
     assert "1 connection" in j.registered.reason
     (ep,) = await node.kubelet.endpoints(DRIVER)
     assert ep["endpoint"] == driver.service
-    # The sidecar asks GetInfo only: its rounds add no NotifyRegistrationStatus and no DRA call.
+    # The sidecar asks GetInfo, and the DRA service an empty NodePrepareResources (one per round at
+    # most): no NotifyRegistrationStatus, no claim to prepare.
     status = await driver.status()
     notify, prepare = (
         status["calls"].get("NotifyRegistrationStatus"),
-        status["calls"].get("NodePrepareResources"),
+        status["calls"].get("NodePrepareResources", 0),
     )
     for _ in range(3):
         await verdict(watch)
     status = await driver.status()
     assert status["calls"].get("NotifyRegistrationStatus") == notify == 1
-    assert status["calls"].get("NodePrepareResources") == prepare
+    assert 1 <= status["calls"].get("NodePrepareResources", 0) - prepare <= 3
+    prepared = driver.proc.find("prepare", lambda e: True)
+    assert prepared and all(e["claims"] == 0 for e in prepared), prepared
     assert (await node.kubelet.call(DRIVER))["ok"], "the kubelet's own call on its connection"
 
 
@@ -296,6 +304,75 @@ async def test_hung_driver_fails_liveness(node: Node) -> None:
     assert j.plugin.status is Status.FAILED and j.plugin.restarts and "hung" in j.plugin.reason, j
     await driver.set("hang", False)
     assert (await verdict(watch)).plugin.status is Status.OK
+
+
+@pytest.mark.parametrize("how", ["hang-service", "stall-service"])
+async def test_hung_dra_service_fails_liveness_after_the_grace(node: Node, how: str) -> None:
+    """Registration answers, the DRA service does not: its calls block (hang-service), or its listener
+    stops accepting, connections left unread in the backlog (stall-service). The kubelet keeps the
+    driver, reports its connection, wipes nothing; only its calls fail. The sidecar's dra-plugin
+    fails liveness once the silence lasted the grace; dra-registered never does."""
+    await node.kubelet.start()
+    driver = node.driver()
+    await driver.start()
+    watch = node.watch(driver.registration)
+    await settle(node, watch, usable=True)
+    mark = len(node.kubelet.proc.events)
+    await (driver.set(how, True) if how == "hang-service" else driver.stall(True))
+    # The kubelet's truth: still registered, its own call on its own connection fails.
+    # (A call that raced the stall's end of the old connection fails Unavailable: the next one waits.)
+    for _ in range(3):
+        answer = await node.kubelet.call(DRIVER)
+        assert answer["registered"] and not answer["ok"], answer
+        if "DeadlineExceeded" in str(answer["error"]):
+            break
+    assert "DeadlineExceeded" in str(answer["error"]), answer
+    assert len(await node.kubelet.endpoints(DRIVER)) == 1
+    before = driver.calls("NodePrepareResources")
+    j = await verdict(watch)
+    assert j.plugin.status is Status.PENDING and "has not answered" in j.plugin.reason, j
+    assert not j.registered.live_failed, j
+    node.clock.now += DEFAULT_GRACE + 1
+    seen = [await verdict(watch) for _ in range(2)]
+    assert not any(j.registered.live_failed for j in seen), seen
+    j = seen[-1]
+    assert j.plugin.live_failed and "hung DRA service" in j.plugin.reason, j
+    assert await node.kubelet.usable(DRIVER), "the kubelet reports it connected"
+    assert not node.kubelet.wipes(DRIVER, mark)
+    # One call in flight at most: three rounds of a silent service sent it one NodePrepareResources.
+    assert driver.calls("NodePrepareResources") - before <= 1
+    # The service answers again: the verdicts follow, and the kubelet's calls succeed.
+    await (driver.set(how, False) if how == "hang-service" else driver.stall(False))
+    j = await settle(node, watch, usable=True)
+
+    async def answers() -> bool:
+        return (await verdict(watch)).plugin.status is Status.OK
+
+    await until(answers, 15)
+    assert (await node.kubelet.call(DRIVER))["ok"]
+
+
+async def test_the_sidecars_own_service_call_is_never_the_kubelets_connection(node: Node) -> None:
+    """The sidecar's empty NodePrepareResources, held open by a hung service, is a connection to the
+    service socket in this namespace; where the kubelet's descriptors cannot be read (the fixture's
+    kubelet is no process named kubelet), only the sidecar's own descriptors tell it apart."""
+    await node.kubelet.start()
+    driver = node.driver()
+    await driver.start()
+    watch = node.watch(driver.registration)
+    await settle(node, watch, usable=True)
+    await driver.set("refuse", True)
+    await driver.drop()  # the kubelet's connection ends; refused, it does not come back
+    await node.kubelet.restart()
+    await until(lambda: _true(driver.calls("NotifyRegistrationStatus") >= 2), 15)
+    await settle(node, watch, usable=False)
+    await driver.set("hang-service", True)
+    for _ in range(3):
+        ev, j = (await watch.round())[DRIVER]
+        assert ev.connections == 0, (ev, j)
+        assert j.registered.status is not Status.OK, j
+    assert not await node.kubelet.usable(DRIVER)
+    await driver.set("hang-service", False)
 
 
 async def test_health_stream_per_release(node: Node) -> None:

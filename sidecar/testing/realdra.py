@@ -51,7 +51,15 @@ def _binary(release: str) -> str:
 class RealDraKubelet:
     """`pluginmanager.NewPluginManager(registry)` with the DRA manager's handler, a fake API client."""
 
-    def __init__(self, registry: str, state: str, kubelet_socket: str, *, release: Release = "new") -> None:
+    def __init__(
+        self,
+        registry: str,
+        state: str,
+        kubelet_socket: str,
+        *,
+        release: Release = "new",
+        kubeconfig: str = "",
+    ) -> None:
         self.registry = registry
         self.state_dir = state
         self.socket_path = kubelet_socket
@@ -60,6 +68,8 @@ class RealDraKubelet:
         self.restarts = 0
         argv = [_binary(release), "kubelet", "--registry", registry, "--state", state]
         argv += ["--kubelet-socket", kubelet_socket]
+        if kubeconfig:  # a real API server: the DRA manager's wipes are real
+            argv += ["--kubeconfig", kubeconfig]
         self.proc = FixtureProcess(argv, f"dra-kubelet-{self.version}")
 
     async def start(self) -> Event:
@@ -126,6 +136,7 @@ class RealDraDriver:
         reg_socket: str = "",
         rolling_uid: str = "",
         health: str = "off",
+        kubeconfig: str = "",
     ) -> None:
         self.name = name
         self.registry = registry
@@ -146,6 +157,8 @@ class RealDraDriver:
         if rolling_uid:
             argv += ["--rolling-uid", rolling_uid]
         argv += ["--health", health]
+        if kubeconfig:  # a real API server: `publish` makes ResourceSlices there
+            argv += ["--kubeconfig", kubeconfig]
         self.proc = FixtureProcess(argv, f"dra-driver-{name}-{RELEASES[release]}")
         self.registration = ""
         self.service = ""
@@ -165,16 +178,27 @@ class RealDraDriver:
         await self.proc.kill()
 
     async def set(self, switch: str, on: bool) -> None:
-        """refuse (NotifyRegistrationStatus fails), getinfo-error, hang (every call blocks)."""
+        """refuse (NotifyRegistrationStatus fails), getinfo-error, hang (every call blocks),
+        hang-service (the DRA service's calls block; registration answers)."""
         await self.proc.call(switch, "on" if on else "off")
+
+    async def stall(self, on: bool) -> int:
+        """The DRA service's listener stops accepting (its connections end; new ones wait unread in
+        the backlog) or accepts again; registration answers. The connections ended."""
+        return int((await self.proc.call("stall-service", "on" if on else "off")).get("dropped") or 0)
 
     async def drop(self) -> int:
         """End the kubelet's connections to the DRA service (the listener stays): their number."""
         return int((await self.proc.call("drop")).get("dropped") or 0)
 
-    async def service_off(self) -> None:
-        """Close the DRA service's listener and its connections; registration keeps answering."""
-        await self.proc.call("service-off")
+    async def service_off(self) -> bool:
+        """Close the DRA service's listener and its connections; registration keeps answering. True
+        when the gRPC server had closed the listener already (its Serve ended)."""
+        return bool((await self.proc.call("service-off")).get("already_closed"))
+
+    async def publish(self, devices: int) -> None:
+        """Publish one ResourceSlice of `devices` devices for the node (needs a kubeconfig)."""
+        await self.proc.call("publish", str(devices))
 
     async def status(self) -> dict[str, Any]:
         return await self.proc.call("status")

@@ -128,4 +128,41 @@ async def test_registered_driver_never_fails_liveness_through_kubelet_restarts(d
     assert seen, "the kubelet restarts were not seen"
     status = node.sidecar.status_document()
     assert status["dra"]["drivers"][DRIVER]["kubelet_connections"] == 1
+    assert status["dra"]["drivers"][DRIVER]["service"]["silent_since_seconds"] is None
+    assert status["dra"]["drivers"][DRIVER]["resourceslices"] is None  # not asked for: the API is not called
     assert status["checks"][f"dra-registered:{DRIVER}"]["state"] == "ok"
+
+
+@pytest.mark.parametrize("how", ["hang-service", "stall-service"])
+async def test_silent_dra_service_fails_liveness_within_grace_plus_interval(
+    dra_node: DraNode, how: str
+) -> None:
+    """Registration answers, the DRA service does not (its calls block, or its listener stops
+    accepting): the kubelet keeps the driver and reports it connected; dra-plugin fails liveness
+    after the grace, dra-registered never does."""
+    node = dra_node
+    await node.kubelet.start()
+    await node.until_ok(f"dra-registered:{DRIVER}")
+    watch = Watch(node, f"/healthz/dra-registered:{DRIVER}", pause=0.01)
+    await watch.started()
+    try:
+        await (node.driver.set(how, True) if how == "hang-service" else node.driver.stall(True))
+        started = time.monotonic()
+        took = await node.until("/healthz?verbose", 503, contains=f"[-]dra-plugin:{DRIVER}")
+        print(f"\n{how} -> 503 after {took:.2f}s (grace {GRACE}s + interval {INTERVAL}s)")
+        # The silence counts from the call of the first round after it began (up to one interval),
+        # seen once the round's timeout passed; the 503 at the first round after the grace.
+        assert time.monotonic() - started <= GRACE + 2 * INTERVAL + 0.5
+        assert await node.kubelet.usable(DRIVER), "the kubelet reports the driver connected"
+        answer = await node.kubelet.call(DRIVER)
+        assert answer["registered"] and not answer["ok"], answer
+        _, body = await node.get("/healthz?verbose")
+        assert "hung DRA service" in body, body
+        service = node.sidecar.status_document()["dra"]["drivers"][DRIVER]["service"]
+        assert service["silent_since_seconds"] >= GRACE, service
+        await (node.driver.set(how, False) if how == "hang-service" else node.driver.stall(False))
+        await node.until("/healthz", 200, timeout=30)
+    finally:
+        codes = await watch.stop()
+    assert codes and codes.count(200) == len(codes), "dra-registered failed liveness"
+    assert (await node.kubelet.call(DRIVER))["ok"]

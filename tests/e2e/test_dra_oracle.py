@@ -9,6 +9,11 @@ nor while the kubelet is down; and once the grace has passed (the judge's clock 
 the kubelet up, the driver answering and not usable, it must fail liveness, unless the restart
 budget is spent.
 
+A silent DRA service (its calls block, or its listener stops accepting while registration answers)
+is the exception to "usable": the kubelet keeps such a driver and reports its connection (gRPC
+reports it connected before the server's first frame), while none of its calls can succeed. Then
+dra-registered must never fail liveness, and once the grace has passed dra-plugin must.
+
 Marked slow: `make real-slow` runs 200 events with three seeds on each release, the two releases side
 by side (ORACLE_EVENTS, ORACLE_SEEDS; 5 events and seed 1 by default).
 """
@@ -52,6 +57,8 @@ class Oracle:
     alive: bool = True  # the driver process runs
     service: bool = True  # its DRA service listens
     hung: bool = False
+    service_hung: bool = False  # the DRA service's calls block
+    stalled: bool = False  # the DRA service's listener does not accept
     refusing: bool = False
     rounds: int = 0
     seen_usable: set[bool] = field(default_factory=set)
@@ -68,8 +75,21 @@ class Oracle:
         self.rounds += 1
         return (await self.watch.round())[DRIVER][1]
 
+    @property
+    def silent(self) -> bool:
+        return self.alive and self.service and (self.service_hung or self.stalled)
+
     def check_liveness(self, j: Judgement, usable: bool) -> None:
-        if usable and not self.hung and (j.registered.live_failed or j.plugin.live_failed):
+        if self.silent and j.registered.live_failed:
+            self.mismatches.append(
+                f"dra-registered fails liveness for a silent service: {self.history[-6:]}: {j}"
+            )
+        if (
+            usable
+            and not self.hung
+            and not self.silent
+            and (j.registered.live_failed or j.plugin.live_failed)
+        ):
             self.mismatches.append(f"wrong liveness failure while usable, after {self.history[-6:]}: {j}")
         if not self.kubelet_up and j.registered.live_failed:
             self.mismatches.append(
@@ -97,6 +117,8 @@ class Oracle:
             self.check_liveness(j, usable)
             if (j.registered.status is Status.OK) == usable:
                 break
+            if self.silent and j.registered.status is not Status.OK:
+                break  # a stalled service's connection waits in its backlog, invisible; usable flaps
             if time.monotonic() > deadline:
                 self.mismatches.append(
                     f"after {self.history[-6:]}: sidecar {j.registered}, kubelet usable={usable}"
@@ -104,7 +126,12 @@ class Oracle:
                 return
             await asyncio.sleep(0.1)
         # The grace side: once it passed, a driver that answers and is not usable fails liveness.
-        if self.history and self.history[-1] == "time passes":
+        if self.history and self.history[-1] == "time passes" and self.silent:
+            j = await self.judge()  # a second round: one round's silence is not a hang
+            self.check_liveness(j, await self.usable())
+            if not j.plugin.live_failed and not self.hung:
+                self.mismatches.append(f"after {self.history[-6:]}: a silent service passes liveness: {j}")
+        elif self.history and self.history[-1] == "time passes":
             expect = (
                 not usable
                 and self.kubelet_up
@@ -131,6 +158,8 @@ class Oracle:
                 "drop",
                 "service-off",
                 "hang",
+                "hang-service",
+                "stall-service",
                 "time",
             ]
         )
@@ -153,11 +182,15 @@ class Oracle:
             self.history.append("kubelet up")
         elif event in ("driver-restart", "driver-crash"):
             crash = event == "driver-crash"
-            if self.hung and not crash:
-                await self.driver.set("hang", False)  # an orderly stop waits for the calls in flight
+            if not crash:  # an orderly stop waits for the calls in flight
+                if self.hung:
+                    await self.driver.set("hang", False)
+                if self.service_hung:
+                    await self.driver.set("hang-service", False)
             await (self.driver.crash() if crash else self.driver.stop())
             await self.driver.close()
             self.alive, self.service, self.hung, self.refusing = False, False, False, False
+            self.service_hung = self.stalled = False
             self.history.append("driver crash" if crash else "driver stop")
             if rng.random() < 0.6:
                 await self.start_driver()
@@ -171,9 +204,18 @@ class Oracle:
             n = await self.driver.drop()
             self.history.append(f"drop {n} connections")
         elif event == "service-off" and self.service:
-            await self.driver.service_off()
+            already = await self.driver.service_off()
             self.service = False
-            self.history.append("service off")
+            errors = [e.get("error") for e in self.driver.proc.find("driver-error", lambda e: True)]
+            self.history.append(f"service off (already closed: {errors})" if already else "service off")
+        elif event == "hang-service" and self.service:
+            self.service_hung = not self.service_hung
+            await self.driver.set("hang-service", self.service_hung)
+            self.history.append(f"hang-service {self.service_hung}")
+        elif event == "stall-service" and self.service:
+            self.stalled = not self.stalled
+            await self.driver.stall(self.stalled)
+            self.history.append(f"stall-service {self.stalled}")
         elif event == "hang":
             self.hung = not self.hung
             await self.driver.set("hang", self.hung)
@@ -231,6 +273,7 @@ async def test_dra_verdicts_agree_with_the_real_dra_manager_over_random_events(
         print("  " + "; ".join(oracle.history))
         print(f"  usable seen: {sorted(oracle.seen_usable)}")
     finally:
+        watch.close()
         await oracle.driver.close()
         await kubelet.close()
     assert not oracle.mismatches, "\n".join(oracle.mismatches[:10])

@@ -9,8 +9,8 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"strings"
 	"sync"
-	"sync/atomic"
 
 	"hami-guard/tests/fixturekit"
 
@@ -21,8 +21,10 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
 	"k8s.io/klog/v2"
 )
 
@@ -35,6 +37,7 @@ type driverOptions struct {
 	health     string
 	node       string
 	verbosity  string
+	kubeconfig string
 }
 
 func parseDriverFlags(args []string) (driverOptions, error) {
@@ -48,6 +51,7 @@ func parseDriverFlags(args []string) (driverOptions, error) {
 	fs.StringVar(&o.health, "health", "off", "the DRAResourceHealth service: off, unsupported (1.37 helper only), v1 (1.37 helper only)")
 	fs.StringVar(&o.node, "node", "node-1", "the node's name")
 	fs.StringVar(&o.verbosity, "v", "2", "klog verbosity")
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "a real API server (default: a fake client); publish needs it")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -58,33 +62,94 @@ func parseDriverFlags(args []string) (driverOptions, error) {
 }
 
 // driver is a DRA kubelet plugin on the helper, with switches the tests turn: refuse the kubelet's
-// NotifyRegistrationStatus, fail GetInfo, hang every call. It counts the calls it receives.
+// NotifyRegistrationStatus, fail GetInfo, hang every call or only the DRA service's, stall the DRA
+// service's listener. It counts the calls it receives.
 type driver struct {
 	o      driverOptions
 	helper *kubeletplugin.Helper
-	hung   atomic.Bool
-	unhang chan struct{}
-	mu     sync.Mutex
-	calls  map[string]int
-	svc    *serviceListener
+	hung   gate
+	// serviceHung: only the DRA service's calls block (registration answers): a driver whose
+	// prepare path deadlocked.
+	serviceHung gate
+	mu          sync.Mutex
+	calls       map[string]int
+	svc         *serviceListener
 }
 
 // serviceListener is the DRA service's listener as the helper makes it (remove a stale file, listen),
 // keeping the connections it accepted so that a test can end them ("drop") or stop serving ("service off").
 type serviceListener struct {
 	net.Listener
-	mu    sync.Mutex
-	conns []net.Conn
+	mu      sync.Mutex
+	conns   []net.Conn
+	stalled chan struct{} // while open (non-nil), Accept hands nothing to gRPC
+	closed  chan struct{}
+	once    sync.Once
+}
+
+func newServiceListener(l net.Listener) *serviceListener {
+	return &serviceListener{Listener: l, closed: make(chan struct{})}
 }
 
 func (l *serviceListener) Accept() (net.Conn, error) {
-	c, err := l.Listener.Accept()
-	if err == nil {
-		l.mu.Lock()
-		l.conns = append(l.conns, c)
-		l.mu.Unlock()
+	if err := l.whileStalled(nil); err != nil {
+		return nil, err
 	}
-	return c, err
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return c, err
+	}
+	// A connection accepted as the stall began waits, unread, as those in the backlog do.
+	if err := l.whileStalled(c); err != nil {
+		return nil, err
+	}
+	l.mu.Lock()
+	l.conns = append(l.conns, c)
+	l.mu.Unlock()
+	return c, nil
+}
+
+// whileStalled waits while the listener is stalled: the kernel still completes every connect into
+// the listen backlog, nothing reads it, so a client waits for the server's HTTP/2 preface that
+// never comes. A held connection is closed when the listener closes.
+func (l *serviceListener) whileStalled(held net.Conn) error {
+	l.mu.Lock()
+	stalled := l.stalled
+	l.mu.Unlock()
+	if stalled == nil {
+		return nil
+	}
+	select {
+	case <-stalled:
+		return nil
+	case <-l.closed:
+		if held != nil {
+			_ = held.Close()
+		}
+		return net.ErrClosed
+	}
+}
+
+func (l *serviceListener) Close() error {
+	l.once.Do(func() { close(l.closed) })
+	return l.Listener.Close()
+}
+
+// stall stops (on) or resumes (off) accepting; on also ends the connections already accepted,
+// so that the kubelet's reconnection lands in the backlog.
+func (l *serviceListener) stall(on bool) int {
+	l.mu.Lock()
+	if on && l.stalled == nil {
+		l.stalled = make(chan struct{})
+	} else if !on && l.stalled != nil {
+		close(l.stalled)
+		l.stalled = nil
+	}
+	l.mu.Unlock()
+	if on {
+		return l.drop()
+	}
+	return 0
 }
 
 func (l *serviceListener) drop() int {
@@ -96,6 +161,38 @@ func (l *serviceListener) drop() int {
 	}
 	l.conns = nil
 	return n
+}
+
+// gate blocks callers while it is on.
+type gate struct {
+	mu sync.Mutex
+	ch chan struct{} // non-nil while on; closed when it turns off
+}
+
+func (g *gate) set(on bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if on && g.ch == nil {
+		g.ch = make(chan struct{})
+	} else if !on && g.ch != nil {
+		close(g.ch)
+		g.ch = nil
+	}
+}
+
+func (g *gate) wait(ctx context.Context) error {
+	g.mu.Lock()
+	ch := g.ch
+	g.mu.Unlock()
+	if ch == nil {
+		return nil
+	}
+	select {
+	case <-ch:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 func driverMain(args []string) int {
@@ -111,7 +208,7 @@ func driverMain(args []string) int {
 	_ = fs.Set("logtostderr", "false")
 	_ = fs.Set("stderrthreshold", "FATAL")
 	defer klog.Flush()
-	d := &driver{o: o, calls: map[string]int{}, unhang: make(chan struct{})}
+	d := &driver{o: o, calls: map[string]int{}}
 	if err := d.start(); err != nil {
 		fixturekit.Event("start-failed", map[string]any{"error": err.Error()})
 		fmt.Fprintln(os.Stderr, "realdra driver:", err)
@@ -138,7 +235,14 @@ func (d *driver) start() error {
 	if err := os.MkdirAll(d.o.pluginDir, 0o750); err != nil {
 		return err
 	}
-	client := fake.NewSimpleClientset(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: d.o.node}})
+	var client kubernetes.Interface = fake.NewSimpleClientset(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: d.o.node}})
+	if d.o.kubeconfig != "" {
+		real, err := apiClient(d.o.kubeconfig)
+		if err != nil {
+			return err
+		}
+		client = real
+	}
 	opts := []kubeletplugin.Option{
 		kubeletplugin.DriverName(d.o.name),
 		kubeletplugin.RegistrarDirectoryPath(d.o.registry),
@@ -155,7 +259,7 @@ func (d *driver) start() error {
 			if err != nil {
 				return nil, err
 			}
-			d.svc = &serviceListener{Listener: l}
+			d.svc = newServiceListener(l)
 			return d.svc, nil
 		}),
 	}
@@ -185,25 +289,24 @@ func (d *driver) count(method string) {
 	fixturekit.Event("call", map[string]any{"method": path.Base(method)})
 }
 
-// wait blocks while the driver is hung (a driver whose gRPC server accepts but never answers).
-func (d *driver) wait(ctx context.Context) error {
-	if !d.hung.Load() {
+// registrationService prefixes the plugin registration API's methods (GetInfo, NotifyRegistrationStatus).
+const registrationService = "/pluginregistration.Registration/"
+
+// wait blocks while the driver is hung (a driver whose gRPC server accepts but never answers), or
+// while its DRA service is hung and the method is the DRA service's.
+func (d *driver) wait(ctx context.Context, method string) error {
+	if err := d.hung.wait(ctx); err != nil {
+		return err
+	}
+	if strings.HasPrefix(method, registrationService) {
 		return nil
 	}
-	d.mu.Lock()
-	ch := d.unhang
-	d.mu.Unlock()
-	select {
-	case <-ch:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
+	return d.serviceHung.wait(ctx)
 }
 
 func (d *driver) unary(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 	d.count(info.FullMethod)
-	if err := d.wait(ctx); err != nil {
+	if err := d.wait(ctx, info.FullMethod); err != nil {
 		return nil, err
 	}
 	return handler(ctx, req)
@@ -211,7 +314,7 @@ func (d *driver) unary(ctx context.Context, req any, info *grpc.UnaryServerInfo,
 
 func (d *driver) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 	d.count(info.FullMethod)
-	if err := d.wait(ss.Context()); err != nil {
+	if err := d.wait(ss.Context(), info.FullMethod); err != nil {
 		return err
 	}
 	return handler(srv, ss)
@@ -235,24 +338,36 @@ func (d *driver) handle(c fixturekit.Command) bool {
 		d.helper.SetGetInfoError(err)
 		c.Reply(nil, nil)
 	case "hang":
-		d.mu.Lock()
-		if on && !d.hung.Load() {
-			d.unhang = make(chan struct{})
-			d.hung.Store(true)
-		} else if !on && d.hung.Load() {
-			d.hung.Store(false)
-			close(d.unhang)
-		}
-		d.mu.Unlock()
+		d.hung.set(on)
 		c.Reply(nil, nil)
+	case "hang-service":
+		d.serviceHung.set(on)
+		c.Reply(nil, nil)
+	case "stall-service":
+		// The DRA service's listener stops accepting (on) or accepts again (off); registration answers.
+		c.Reply(map[string]any{"dropped": d.svc.stall(on)}, nil)
 	case "drop":
 		// The kubelet's connections to the DRA service end; the listener stays.
 		c.Reply(map[string]any{"dropped": d.svc.drop()}, nil)
 	case "service-off":
 		// The DRA service's listener closes (its socket file goes) and its connections end; the
 		// registration socket keeps answering: a driver whose DRA server died.
-		err := d.svc.Listener.Close()
-		c.Reply(map[string]any{"dropped": d.svc.drop()}, err)
+		// A listener the gRPC server already closed (its Serve ended: see the driver-error events)
+		// is off already: said so, not an error.
+		err := d.svc.Close()
+		already := errors.Is(err, net.ErrClosed)
+		if already {
+			err = nil
+		}
+		c.Reply(map[string]any{"dropped": d.svc.drop(), "already_closed": already}, err)
+	case "publish":
+		// The helper's ResourceSlice controller publishes one slice of N devices for this node
+		// (it keeps them as published: it re-creates what is deleted).
+		n := 0
+		if len(c.Args) == 1 {
+			_, _ = fmt.Sscanf(c.Args[0], "%d", &n)
+		}
+		c.Reply(nil, d.publish(n))
 	case "status":
 		calls := map[string]int{}
 		d.mu.Lock()
@@ -274,10 +389,22 @@ func (d *driver) handle(c fixturekit.Command) bool {
 	return false
 }
 
+func (d *driver) publish(n int) error {
+	devices := make([]resourceapi.Device, n)
+	for i := range devices {
+		devices[i] = resourceapi.Device{Name: fmt.Sprintf("gpu-%d", i)}
+	}
+	pool := resourceslice.Pool{Slices: []resourceslice.Slice{{Devices: devices}}}
+	return d.helper.PublishResources(context.Background(), resourceslice.DriverResources{
+		Pools: map[string]resourceslice.Pool{d.o.node: pool},
+	})
+}
+
 // basePlugin prepares and unprepares nothing: the tests never allocate a claim.
 type basePlugin struct{ d *driver }
 
 func (basePlugin) PrepareResourceClaims(_ context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
+	fixturekit.Event("prepare", map[string]any{"claims": len(claims)})
 	out := map[types.UID]kubeletplugin.PrepareResult{}
 	for _, c := range claims {
 		out[c.UID] = kubeletplugin.PrepareResult{}

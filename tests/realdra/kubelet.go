@@ -18,6 +18,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/record"
@@ -30,11 +31,12 @@ import (
 )
 
 type kubeletOptions struct {
-	registry  string
-	state     string
-	node      string
-	socket    string
-	verbosity string
+	registry   string
+	state      string
+	node       string
+	socket     string
+	verbosity  string
+	kubeconfig string
 }
 
 func parseKubeletFlags(args []string) (kubeletOptions, error) {
@@ -46,6 +48,8 @@ func parseKubeletFlags(args []string) (kubeletOptions, error) {
 	fs.StringVar(&o.socket, "kubelet-socket", "", "listen here as every kubelet listens on device-plugins/kubelet.sock "+
 		"(its device manager's registration socket): the sign of a running kubelet (accepts, serves nothing)")
 	fs.StringVar(&o.verbosity, "v", "4", "klog verbosity")
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "a real API server for the DRA manager (its ResourceSlice wipes); "+
+		"default: a fake API client that reports each wipe as an event")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -60,7 +64,7 @@ func parseKubeletFlags(args []string) (kubeletOptions, error) {
 type kubelet struct {
 	opts    kubeletOptions
 	logger  klog.Logger
-	client  *fake.Clientset
+	client  kubernetes.Interface
 	manager *dra.Manager
 	plugins pluginmanager.PluginManager
 	cancel  context.CancelFunc
@@ -93,19 +97,29 @@ func (k *kubelet) start() error {
 	if err := os.MkdirAll(k.opts.state, 0o750); err != nil {
 		return err
 	}
-	node := &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: k.opts.node, UID: "realdra-node-uid"}}
-	k.client = fake.NewSimpleClientset(node)
-	// The DRA manager wipes a driver's ResourceSlices when no plugin of it is usable for its wiping
-	// delay, and all of the node's at start: report each DeleteCollection (the kubelet's verdict
-	// that the driver is gone).
-	k.client.PrependReactor("delete-collection", "resourceslices", func(a k8stesting.Action) (bool, runtime.Object, error) {
-		selector := ""
-		if dc, ok := a.(k8stesting.DeleteCollectionAction); ok {
-			selector = dc.GetListRestrictions().Fields.String()
+	if k.opts.kubeconfig != "" {
+		// The real API server: the Node must exist there; the wipes are real DeleteCollections.
+		client, err := apiClient(k.opts.kubeconfig)
+		if err != nil {
+			return err
 		}
-		fixturekit.Event("wipe", map[string]any{"selector": selector})
-		return true, nil, nil
-	})
+		k.client = client
+	} else {
+		node := &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: k.opts.node, UID: "realdra-node-uid"}}
+		client := fake.NewSimpleClientset(node)
+		// The DRA manager wipes a driver's ResourceSlices when no plugin of it is usable for its
+		// wiping delay, and all of the node's at start: report each DeleteCollection (the kubelet's
+		// verdict that the driver is gone).
+		client.PrependReactor("delete-collection", "resourceslices", func(a k8stesting.Action) (bool, runtime.Object, error) {
+			selector := ""
+			if dc, ok := a.(k8stesting.DeleteCollectionAction); ok {
+				selector = dc.GetListRestrictions().Fields.String()
+			}
+			fixturekit.Event("wipe", map[string]any{"selector": selector})
+			return true, nil, nil
+		})
+		k.client = client
+	}
 	m, err := dra.NewManager(k.logger, k.client, k.opts.state)
 	if err != nil {
 		return fmt.Errorf("dra.NewManager: %w", err)

@@ -1,0 +1,118 @@
+"""The node's ResourceSlices per DRA driver, read from the API server: optional evidence.
+
+Only when configured (`--dra-resourceslices`): the sidecar works without API access and never
+calls the API otherwise. One LIST per reading, of the node's slices (`spec.nodeName`), grouped by
+`spec.driver`, with the pod's ServiceAccount token. The kubelet's DRA manager deletes a driver's
+slices on the node 30 s after no plugin of it is usable, and all of the node's at its start
+(docs/kubelet.md#dra); the driver's helper publishes them. So slices present say the kubelet has
+not given the driver up in the last 30 s; none say it has, or that the driver publishes nothing.
+Either way the reading only adds to the verdicts' reasons: it never changes one. A 401, a 403, a
+timeout or an answer that does not parse is "no evidence", never a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import ssl
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+DEFAULT_TOKEN_FILE = f"{SA_DIR}/token"
+DEFAULT_CA_FILE = f"{SA_DIR}/ca.crt"
+PATH = "/apis/resource.k8s.io/v1/resourceslices"
+MAX_BODY = 8 * 1024 * 1024  # a node's slices; more is not read
+
+
+@dataclass(frozen=True)
+class ApiAccess:
+    server: str  # https://host:port
+    token_file: str = DEFAULT_TOKEN_FILE
+    ca_file: str = DEFAULT_CA_FILE
+
+
+def in_cluster(environ: dict[str, str] | None = None) -> str:
+    """The API server's address from the Pod's environment, "" when it is not there."""
+    env = os.environ if environ is None else environ
+    host, port = env.get("KUBERNETES_SERVICE_HOST", ""), env.get("KUBERNETES_SERVICE_PORT", "")
+    if not host or not port:
+        return ""
+    return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+
+
+@dataclass(frozen=True)
+class Slices:
+    """The node's ResourceSlices by driver (name -> devices in its slices), or why there is no reading."""
+
+    by_driver: dict[str, tuple[int, int]] | None  # driver -> (slices, devices)
+    why: str = ""
+
+    def of(self, driver: str) -> tuple[int, int] | None:
+        if self.by_driver is None:
+            return None
+        return self.by_driver.get(driver, (0, 0))
+
+
+def parse_slices(body: bytes, node: str) -> Slices:
+    """A ResourceSliceList's slices of `node`, by driver; total: any input gives a reading or a why."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        return Slices(None, f"the answer is not JSON: {type(e).__name__}")
+    items = doc.get("items") if isinstance(doc, dict) else None
+    if not isinstance(items, list):
+        return Slices(None, "the answer is not a ResourceSliceList")
+    out: dict[str, tuple[int, int]] = {}
+    for item in items:
+        spec = _dict(_dict(item).get("spec"))
+        driver, on = spec.get("driver"), spec.get("nodeName")
+        if (
+            not isinstance(driver, str)
+            or on != node
+            or _dict(_dict(item).get("metadata")).get("deletionTimestamp")
+        ):
+            continue
+        devices = spec.get("devices")
+        n, d = out.get(driver, (0, 0))
+        out[driver] = (n + 1, d + (len(devices) if isinstance(devices, list) else 0))
+    return Slices(out)
+
+
+def _dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
+async def read_slices(access: ApiAccess, node: str, timeout: float) -> Slices:
+    """LIST the node's ResourceSlices; a reading, or why there is none (never an exception)."""
+    try:
+        with open(access.token_file, encoding="utf-8", errors="replace") as f:
+            token = f.read(16384).strip()
+    except OSError as e:
+        return Slices(None, f"no ServiceAccount token ({access.token_file}: {e.strerror or e})")
+    try:
+        ctx = ssl.create_default_context(cafile=access.ca_file if os.path.exists(access.ca_file) else None)
+    except (OSError, ssl.SSLError, ValueError) as e:
+        return Slices(None, f"the API server's CA cannot be read ({access.ca_file}: {e})")
+    url = f"{access.server.rstrip('/')}{PATH}?fieldSelector={quote(f'spec.nodeName={node}', safe='=')}"
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.get(url, headers={"Authorization": f"Bearer {token}"}, ssl=ctx) as r,
+        ):
+            if r.status != 200:
+                return Slices(None, f"the API server answered {r.status} (no evidence)")
+            body = await r.content.read(MAX_BODY + 1)
+    except TimeoutError:
+        return Slices(None, f"the API server did not answer within {timeout:g}s (no evidence)")
+    except (aiohttp.ClientError, OSError, ValueError, ssl.SSLError) as e:
+        return Slices(None, f"the API server cannot be asked: {type(e).__name__}: {e} (no evidence)")
+    except asyncio.CancelledError:
+        raise
+    if len(body) > MAX_BODY:
+        return Slices(None, f"the node's ResourceSlices exceed {MAX_BODY} bytes (not read)")
+    return parse_slices(body, node)
