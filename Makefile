@@ -49,7 +49,7 @@ typecheck: $(STAMP)
 
 # With Go on PATH, pytest first (re)builds the real-kubelet and DRA fixtures and Helm; without it their tests skip.
 pytest: $(STAMP) $(TOOLS) $(if $(shell command -v $(GO) 2>/dev/null),kubelet-fixtures dra-fixtures helm-binaries)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # The kubelet's real device manager, PodResources server and plugins (tests/realkubelet,
 # docs/real-kubelet.md), built at two releases: the newest served, and the newest without

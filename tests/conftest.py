@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import shutil
 import subprocess
@@ -81,6 +82,21 @@ def require_tool(name: str) -> str:
             pytest.fail(f"{name} is required in CI (.ci/run installs it)")
         pytest.skip(f"{name} not installed")
     return path
+
+
+@pytest.fixture
+def process_table() -> Iterator[None]:
+    """Held by every test that starts a stand-in kubelet (a process named kubelet, k3s-server or kubelite)
+    or reads the machine's process table for one: an exclusive lock on a file of the machine's temporary
+    folder, so that no such test sees another's stand-in, whichever pytest-xdist worker or pytest run it
+    is in."""
+    path = os.path.join(tempfile.gettempdir(), "hami-guard-tests-process-table.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 @pytest.fixture

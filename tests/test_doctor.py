@@ -89,9 +89,9 @@ PY = sys.executable
 REPO = Path(__file__).resolve().parents[1]
 
 # These tests start processes named kubelet, k3s-server and kubelite, which every check on the machine
-# can see, and read the process table: one pytest-xdist worker runs both files (make test: --dist
-# loadgroup), so no test here sees another's stand-in kubelet.
-pytestmark = pytest.mark.xdist_group("process-table")
+# can see, and read the process table: each holds the process-table lock (tests/conftest.py), so no
+# test here sees another's stand-in kubelet.
+pytestmark = pytest.mark.usefixtures("process_table")
 
 
 @dataclass

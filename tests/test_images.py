@@ -152,9 +152,9 @@ def test_every_command_the_image_ships_starts(
         assert done.returncode == 0, f"{script.name} --help: {done.stderr[-2000:]}"
 
 
-# It runs the check against the machine's process table: beside the stand-in kubelets of
-# test_initcheck.py and test_doctor.py, never at the same time (make test: --dist loadgroup).
-@pytest.mark.xdist_group("process-table")
+# It runs the check against the machine's process table: never at the same time as the stand-in
+# kubelets of test_initcheck.py and test_doctor.py (the process-table lock, tests/conftest.py).
+@pytest.mark.usefixtures("process_table")
 def test_init_image_runs_initcheck_with_psutil_only(image: Callable[[str], Image], listening: str) -> None:
     img = image("Dockerfile.init")
     assert img.requirements.read_text().count("==") == 1  # psutil, and nothing else

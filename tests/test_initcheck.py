@@ -25,9 +25,9 @@ from initcheck.cli import TRANSIENT, check_with_wait, main
 PY = sys.executable
 
 # These tests start processes named kubelet, k3s-server and kubelite, which every check on the machine
-# can see, and read the process table: one pytest-xdist worker runs both files (make test: --dist
-# loadgroup), so no test here sees another's stand-in kubelet.
-pytestmark = pytest.mark.xdist_group("process-table")
+# can see, and read the process table: each holds the process-table lock (tests/conftest.py), so no
+# test here sees another's stand-in kubelet.
+pytestmark = pytest.mark.usefixtures("process_table")
 
 
 @pytest.fixture
