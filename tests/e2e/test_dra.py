@@ -20,6 +20,7 @@ from sidecar.config import Settings
 from sidecar.dra import DraSpec
 from sidecar.testing import free_port
 from sidecar.testing.realdra import RealDraDriver, RealDraKubelet, Release
+from tests.conftest import wait_for
 from tests.e2e.conftest import Watch, sidecar_running
 from tests.e2e.realnode import Asks
 
@@ -113,7 +114,19 @@ async def test_registered_driver_never_fails_liveness_through_kubelet_restarts(d
     await watch.started()
     try:
         for crash in (True, False):
-            await node.kubelet.restart(crash=crash)
+            # Stopped until the sidecar has seen it (so that the restart cannot pass between two of its
+            # rounds unseen), then started again: the plugin watcher registers the driver anew.
+            await (node.kubelet.crash() if crash else node.kubelet.stop())
+            await wait_for(
+                lambda: any(
+                    f"[~]dra-registered:{DRIVER}" in b or f"[!]dra-registered:{DRIVER}" in b
+                    for _, _, b in watch.seen
+                ),
+                timeout=10,
+                what="the sidecar seeing the kubelet gone",
+            )
+            node.kubelet.restarts += 1
+            await node.kubelet.start()
             await node.until_ok(f"dra-registered:{DRIVER}")
     finally:
         codes = await watch.stop()
@@ -126,8 +139,14 @@ async def test_registered_driver_never_fails_liveness_through_kubelet_restarts(d
         if f"[~]dra-registered:{DRIVER}" in b or f"[!]dra-registered:{DRIVER}" in b
     ]
     assert seen, "the kubelet restarts were not seen"
+    # A round may read the kubelet's connections as unknown (its new process a moment after the
+    # restart): the next one counts the one connection.
+    await wait_for(
+        lambda: node.sidecar.status_document()["dra"]["drivers"][DRIVER]["kubelet_connections"] == 1,
+        timeout=5,
+        what="the kubelet's one connection in /status",
+    )
     status = node.sidecar.status_document()
-    assert status["dra"]["drivers"][DRIVER]["kubelet_connections"] == 1
     assert status["dra"]["drivers"][DRIVER]["service"]["silent_since_seconds"] is None
     assert status["dra"]["drivers"][DRIVER]["resourceslices"] is None  # not asked for: the API is not called
     assert status["checks"][f"dra-registered:{DRIVER}"]["state"] == "ok"
