@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 
 from sidecar.testing import free_port
+from tests.conftest import stop_process
 
 BINARY = Path(__file__).resolve().parent / "node" / "bin" / "kube-apiserver"
 TOKENS = {"admin": "admin-token", "slices": "slices-token", "nobody": "nobody-token"}
@@ -177,10 +178,4 @@ class ApiServer:
 
     def stop(self) -> None:
         for p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            stop_process(p)

@@ -74,6 +74,17 @@ def wait_ready(url: str, proc: subprocess.Popen[str], timeout: float) -> None:
         time.sleep(0.05)
 
 
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Ends a process the test started: SIGTERM, 10 s to exit, then SIGKILL."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 def require_tool(name: str) -> str:
     """The path of a tool; a skip where it is missing, and a failure in CI (CI=true)."""
     path = shutil.which(name)

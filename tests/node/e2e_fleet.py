@@ -37,7 +37,7 @@ import pytest
 import yaml
 
 from sidecar.testing import free_port
-from tests.conftest import require_tool
+from tests.conftest import require_tool, stop_process
 from tests.node.kit import (
     DEVICES,
     HERE,
@@ -132,16 +132,6 @@ def started(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def ended(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def monitor() -> Iterator[Monitor]:
     """kube-state-metrics and Prometheus, started for this file and ended after it, their files removed."""
@@ -221,7 +211,7 @@ def monitor() -> Iterator[Monitor]:
         yield mon
     finally:
         for p in reversed(procs):
-            ended(p)
+            stop_process(p)
         shutil.rmtree(folder, ignore_errors=True)
 
 
