@@ -210,7 +210,11 @@ def kubelet_alive(kubelet_socket: str) -> tuple[bool | None, FileId | None]:
     ident = socket_file(kubelet_socket)
     if ident is None:
         return False, None
-    return try_connect(kubelet_socket, timeout=0.2) is None, ident
+    up = try_connect(kubelet_socket, timeout=0.2) is None
+    after = socket_file(kubelet_socket)
+    if after != ident:
+        return None, after  # replaced while tried: a new kubelet, whose answer the next round takes
+    return up, ident
 
 
 class DraWatch:

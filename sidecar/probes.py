@@ -100,7 +100,21 @@ def _socket_or_result(path: str, absent: str) -> SocketId | ProbeResult:
 
 
 async def probe_kubelet(path: str, timeout: float) -> ProbeResult:
-    """Call an unknown method of `v1beta1.Registration`: "unknown method" proves the service is there."""
+    """Call an unknown method of `v1beta1.Registration`: "unknown method" proves the service is there.
+
+    The answer is tied to the file it came from: a kubelet.sock replaced while probed (a restarting
+    kubelet binds a new file over the dead one) may have answered from either file, so it is not
+    taken as the old file answering; the result names the new file, and the next round probes it.
+    """
+    result = await _probe_kubelet(path, timeout)
+    after = socket_identity(path) if result.ok else result.identity
+    if after == result.identity:
+        return result
+    why = f"{path} was replaced while probed: the kubelet restarts"
+    return ProbeResult("error", why, result.latency, after)
+
+
+async def _probe_kubelet(path: str, timeout: float) -> ProbeResult:
     started = time.perf_counter()
     identity = _socket_or_result(path, f"{path} does not exist")
     if isinstance(identity, ProbeResult):
