@@ -48,11 +48,9 @@ async def metrics(node: Node) -> str:
 
 
 # 1
-async def test_healthy_node_answers_200_within_2s_with_every_check(make_node: NodeFactory) -> None:
-    started = time.monotonic()
-    async with make_node() as node:
-        body = await node.until("/healthz?verbose", 200, timeout=2.0)
-        assert time.monotonic() - started < 2.0 + 0.5  # node set-up included
+async def test_healthy_node_answers_200_with_every_check(make_node: NodeFactory) -> None:
+    async with make_node() as node:  # how soon: bench/sidecar_listen.py's figure
+        body = await node.until("/healthz?verbose", 200)
         assert body.splitlines() == [
             "[+]kubelet ok",
             "[+]checkpoint ok",
@@ -126,8 +124,8 @@ async def test_kubelet_restart_without_reregistration_fails_when_the_grace_runs_
         node.plugin.register_enabled = False
         restarted = time.monotonic()
         await node.kubelet.restart()
+        # Pending is seen only before the grace runs out: after it, the check has failed.
         body = await node.until("/healthz?verbose", 200, contains=f"[~]registered:{GPU} pending:")
-        assert time.monotonic() - restarted < 1.0
         await node.until("/healthz", 503, timeout=3.0)
         elapsed = time.monotonic() - restarted
         assert elapsed >= 1.0, elapsed  # not before the grace ran out
