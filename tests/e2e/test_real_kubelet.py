@@ -24,6 +24,10 @@ from tests.e2e.conftest import Watch
 from tests.e2e.realnode import GPU, UUIDS, RealNode, restarts_seen
 from tests.test_doctor import Doctor, row
 
+# The doctor's kubelet lookup by process name would find whichever `kubelet` another test runs at the
+# time (tests/test_doctor.py checks the lookup under the process-table lock): here it looks for none.
+NO_PROCESS_LOOKUP = ("--kubelet-process-name", "hami-test-no-such-kubelet")
+
 
 async def says(node: RealNode, why: str) -> None:
     """What the metrics and hami-doctor say of a plugin the kubelet does not hold: the same thing."""
@@ -34,7 +38,7 @@ async def says(node: RealNode, why: str) -> None:
     logs = [os.path.join(tmp, name) for name in ("kubelet.log", "plugin.log")]
     for log in logs:
         open(log, "a").close()
-    code, doc = await Doctor(node.dir, tmp, *logs).report()
+    code, doc = await Doctor(node.dir, tmp, *logs).report(*NO_PROCESS_LOOKUP)
     assert (code, doc["most_likely"]) == (1, "plugin-not-registered")
     assert why in " ".join(row(doc, "plugin-not-registered")["evidence"])
 
@@ -319,7 +323,7 @@ async def test_a_second_register_on_its_own_socket_then_the_first_stream_ends(no
             tmp = os.path.dirname(node.dir)
             open(os.path.join(tmp, "plugin.log"), "a").close()
             doctor = Doctor(node.dir, tmp, node.kubelet.process.log_path, os.path.join(tmp, "plugin.log"))
-            code, doc = await doctor.report()
+            code, doc = await doctor.report(*NO_PROCESS_LOOKUP)
             assert (code, doc["most_likely"]) == (1, "plugin-not-registered")
             found = row(doc, "plugin-not-registered")
             assert "refused a later Register" in " ".join(found["evidence"])
