@@ -41,9 +41,17 @@ def _record(signum: int, _frame: FrameType | None) -> None:
 
 
 def catch_stop_signals() -> None:
-    """From now on a stop signal is recorded (the loop acts on it once it runs), never fatal."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, _record)
+    """From now on a stop signal is recorded (the loop acts on it once it runs), never fatal.
+
+    Blocked while the handlers go in: a SIGINT between SIGTERM's handler and its own would otherwise
+    meet Python's default one, a KeyboardInterrupt traceback. A blocked signal waits, then is recorded.
+    """
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _record)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 class JsonFormatter(logging.Formatter):
