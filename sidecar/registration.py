@@ -250,7 +250,9 @@ class _PluginState:
     restarts_in_vain: int = 0
     budget_announced: bool = False  # logged and published once the spent budget took effect
     devices: dict[str, int] = field(default_factory=dict)
-    served: bool = False  # its own socket answered since start: a missing one is then a crash
+    # Its own socket answered, or was seen created, since start: a missing one is then a crash. A creation
+    # is enough: a plugin that bound its own name serves under it, whether or not a probe caught it alive.
+    served: bool = False
     others: dict[str, SocketId] | None = None  # other sockets served in the folder, last round
     found: str | None = None  # the socket it seems to serve instead of its own
 
@@ -365,6 +367,10 @@ class Registrar:
             return
         p.identity, p.kubelet_then, p.known = identity, self._kubelet_id, True
         p.judging, p.vanished, p.lost_at, p.connected_pair = False, None, None, None
+        # Its own socket came: whatever serves elsewhere in the folder is no restart of this plugin, even
+        # where it stopped before a round probed it, or before its event was handled (identity None: the
+        # cycle above is opened on the event alone too).
+        p.served, p.found = True, None
         if p.episode:  # the plugin restarted after liveness failed for "not registered"
             p.episode = False
             p.restarts_in_vain += 1

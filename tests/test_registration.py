@@ -791,6 +791,31 @@ def test_another_socket_coming_and_going_spends_nothing_for_a_plugin_that_had_se
     assert reg.registration()[GPU]["restarts_without_registration"] == 0
 
 
+@pytest.mark.parametrize("identity", [P1, None], ids=["event on time", "event after the removal"])
+def test_a_plugin_whose_own_socket_came_and_went_between_two_rounds_had_served(
+    identity: SocketId | None,
+) -> None:
+    """Its socket created and removed before any probe caught it answering (a crash soon after start, a
+    busy node): its own name was served, so another socket coming and going is no restart of it. Where
+    the creation's event is handled after the removal, the file is gone: the event alone tells."""
+    reg, clock, seen = make(grace=1)
+    node = Node(plugin=down("absent"), connections=0)
+    reg.round(node.round())  # started before the plugin: its socket is missing, within the grace
+    reg.plugin_socket_created(GPU, identity)  # the event; no round probes it before it goes
+    reg.plugin_socket_deleted(GPU)
+    reg.judge_vanished(GPU, Vanish(None, K1, False), restart_window_over=True)
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)  # a crash: at once
+    for n in range(RESTART_BUDGET + 2):
+        node.others = {VGPU_SOCK: SocketId(30 + n, n)} if n % 2 == 0 else {}
+        clock.now += 1
+        reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)
+    assert "instead" not in reason(reg, f"plugin:{GPU}")
+    assert reg.registration()[GPU]["restarts_without_registration"] == 0
+    assert reg.registration()[GPU]["socket_found_instead"] is None
+    assert seen.restart_requests == 0  # none asked for a socket never served
+
+
 def test_a_missing_socket_with_nothing_else_in_the_folder_spends_nothing() -> None:
     reg, clock, _ = make(grace=1)
     node = Node(plugin=down("absent"), connections=0, checkpoint=None, checkpoint_error="no checkpoint")

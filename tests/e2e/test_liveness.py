@@ -27,6 +27,10 @@ def registered_since(node: Node, count: int) -> bool:
     return node.plugin.registrations > count
 
 
+def restarts_seen(node: Node, count: int) -> bool:
+    return node.sidecar.registrar.kubelet_restarts >= count
+
+
 def probe_paths() -> tuple[str, str]:
     """(liveness, readiness) paths of the `device-plugin` container in the shipped patch: the path its
     livenessProbe command asks for, and its readinessProbe's path less the query (the probe excludes the
@@ -166,13 +170,18 @@ async def test_a_missing_kubelet_for_three_graces_restarts_nothing(make_node: No
 async def test_both_socket_removal_orders_of_a_kubelet_restart_are_pending_never_failed(
     make_node: NodeFactory,
 ) -> None:
-    """A kubelet's cleanup walks the folder unsorted: the plugin socket goes before or after kubelet.sock."""
+    """A kubelet's cleanup walks the folder unsorted: the plugin socket goes before or after kubelet.sock.
+
+    Each restart is held until the sidecar has seen it: until the folder's events arrive, /readyz still
+    answers the verdict from before the restart, so a quick restart could pass unseen, or be seen late
+    together with the next one as one restart.
+    """
     async with make_node() as node:
         await node.until(READY, 200)
         k = node.kubelet
         watch = Watch(node, LIVE, pause=0.005)
         try:
-            for plugin_first in (True, False, True, False):
+            for n, plugin_first in enumerate((True, False, True, False)):
                 await k.stop()  # a killed kubelet: kubelet.sock stays as a dead file
                 first, second = (
                     (node.plugin.socket_path, k.socket_path)
@@ -182,6 +191,8 @@ async def test_both_socket_removal_orders_of_a_kubelet_restart_are_pending_never
                 os.unlink(first)
                 await asyncio.sleep(0.002)
                 os.unlink(second)
+                await wait_for(partial(restarts_seen, node, n + 1), what="the sidecar seeing the restart")
+                assert node.sidecar.registrar.kubelet_restarts == n + 1
                 before = node.plugin.registrations
                 await k.start()  # listens on a new kubelet.sock; the plugin registers again
                 await wait_for(partial(registered_since, node, before), what="re-registration")
