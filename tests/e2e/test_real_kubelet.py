@@ -9,7 +9,6 @@ CI=true they fail.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from functools import partial
@@ -122,25 +121,41 @@ async def test_hami_split_ids_count_per_gpu_against_the_real_kubelet(node_factor
 async def test_rapid_health_updates_keep_the_fixture_plugins_stream(node_factory: Any) -> None:
     """The fixture's plugin sends each list while later updates arrive: every list must reach the
     kubelet whole. A list changed while gRPC marshals it reaches the kubelet as bytes it cannot
-    parse: it ends the stream and drops the plugin for real, and the sidecar rightly fails liveness."""
+    parse: it ends the stream and drops the plugin for real, and the sidecar rightly fails liveness.
+
+    The kubelet applies the lists one by one, a checkpoint write each, and lags behind the plugin
+    on a loaded machine. The last list equals the first (all healthy), so no value read from the
+    kubelet tells done from not yet started: the test counts the lists instead, the plugin's sent
+    against the kubelet's applied."""
     async with node_factory(expect_devices=2) as node:
         ids = [f"{u}-{n}" for u in UUIDS for n in range(10)]
         plugin = await node.plugin(devices=ids)
         await node.until("/readyz", 200)
         kubelet_mark, plugin_mark = node.kubelet.mark(), plugin.mark()
+        generation = None
         for healthy in (False, True) * 2:
             for i in ids:
-                await plugin.set_health(i, healthy)
-        # The kubelet writes its checkpoint for each list: on a loaded machine it lags behind.
-        for _ in range(1200):
-            if (await node.kubelet.capacity())["allocatable"] == {GPU: 20}:
-                break
-            await asyncio.sleep(0.025)
+                generation = await plugin.set_health(i, healthy)
+        assert generation == 4 * len(ids)
+        last = await plugin.wait_event(
+            "sent", lambda e: e["generation"] == generation, after=plugin_mark, timeout=30
+        )
+        assert (last["devices"], last["healthy"]) == (20, 20)
+        sent = [(e["devices"], e["healthy"]) for e in plugin.process.find("sent")]
+        # Both counted from each process's start: the list sent at the stream's open is in both.
+        await wait_for(
+            lambda: len(node.kubelet.lists_processed(GPU)) >= len(sent),
+            timeout=30,
+            what=f"the kubelet to apply the {len(sent)} lists the plugin sent",
+        )
+        assert node.kubelet.lists_processed(GPU) == sent  # none lost, none merged, each whole
+        assert (await node.kubelet.capacity())["allocatable"] == {GPU: 20}
         await node.rounds()
         assert plugin.process.find("stream-closed", after=plugin_mark) == []
         ended = "ListAndWatch ended unexpectedly for device plugin"
         assert node.kubelet.process.find("log", lambda e: e.get("msg") == ended, after=kubelet_mark) == []
         assert await plugin.streams_open() == 1
+        assert node.kubelet.lists_processed(GPU) == sent
         assert (await node.kubelet.capacity())["allocatable"] == {GPU: 20}
         assert (await node.get("/healthz"))[0] == 200
 
