@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -33,6 +34,7 @@ Release = Literal["new", "old"]
 # The two releases the fixture is built at: the newest served, and the newest without PR 135437.
 RELEASES: Mapping[str, str] = {"new": "v1.37.2", "old": "v1.36.5"}
 KUBELET_SOCKET = "kubelet.sock"
+PROCESSED = "Processed device updates for resource"  # the manager's line for each ListAndWatch answer
 BIN_ENV = "HAMI_GUARD_REALKUBELET_BIN"
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -404,6 +406,18 @@ class RealKubelet:
         `pods` (GetDevices per allocated container), `checkpoints_written` by this process."""
         return await self.process.call("state")
 
+    def lists_processed(self, resource: str, after: int = 0) -> list[tuple[int, int]]:
+        """(devices, healthy) of each `ListAndWatch` answer for `resource` the manager has applied, in
+        order, from its own log line (`genericDeviceUpdateCallback` logs one for each answer, after
+        its checkpoint write). The manager applies every answer it receives, whole, in order: it
+        skips none and merges none, so a plugin's list is reflected once this has reached it."""
+        out = []
+        for e in self.process.find("log", lambda e: e.get("msg") == PROCESSED, after=after):
+            parsed = _processed(str(e.get("line", "")))
+            if parsed is not None and parsed[0] == resource:
+                out.append(parsed[1:])
+        return out
+
     async def healthy_devices(self, resource: str) -> list[str]:
         return sorted((await self.state())["devices"].get(resource, {}))
 
@@ -431,6 +445,20 @@ class RealKubelet:
     async def wait_checkpoint(self, *, after: int = 0, timeout: float = 10.0) -> Event:
         """The next write of the checkpoint (the manager renames a temp file over it)."""
         return await self.process.wait_event("checkpoint", after=after, timeout=timeout)
+
+
+def _generation(reply: Event) -> int | None:
+    value = reply.get("generation")
+    return value if isinstance(value, int) else None
+
+
+def _processed(line: str) -> tuple[str, int, int] | None:
+    """(resource, totalCount, healthyCount) of a `Processed device updates for resource` line."""
+    fields = dict(re.findall(r'(\w+)=("[^"]*"|\S+)', line))
+    try:
+        return fields["resourceName"].strip('"'), int(fields["totalCount"]), int(fields["healthyCount"])
+    except (KeyError, ValueError):
+        return None
 
 
 class RealPlugin:
@@ -499,13 +527,18 @@ class RealPlugin:
         self.last_register_error = None if reply.get("ok") else str(reply.get("error"))
         return bool(reply.get("ok"))
 
-    async def set_devices(self, ids: Iterable[str]) -> None:
-        """Replace the device list (ID or ID@numa[,numa]); pushed on every open stream."""
-        self.devices = list(ids)
-        await self.process.call("devices", *self.devices)
+    async def set_devices(self, ids: Iterable[str]) -> int | None:
+        """Replace the device list (ID or ID@numa[,numa]); pushed on every open stream.
 
-    async def set_health(self, device: str, healthy: bool) -> None:
-        await self.process.call("health", device, "Healthy" if healthy else "Unhealthy")
+        Returns the list's generation (own impl; None for the stub): each stream reports the
+        generation of every list it sends in a `sent` event. A stream woken again before it sends
+        sends only the newest list, so a generation may never be sent on its own."""
+        self.devices = list(ids)
+        return _generation(await self.process.call("devices", *self.devices))
+
+    async def set_health(self, device: str, healthy: bool) -> int | None:
+        """One device's health, as a new list pushed on every open stream; its generation (set_devices)."""
+        return _generation(await self.process.call("health", device, "Healthy" if healthy else "Unhealthy"))
 
     async def stop_serving(self) -> None:
         """Stop the server (every stream ends) and unlink the socket if it is still this one's."""

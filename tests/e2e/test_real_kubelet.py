@@ -9,7 +9,6 @@ CI=true they fail.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from functools import partial
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 
 from sidecar.testing import netns
-from sidecar.testing.realkubelet import fast_takeover
+from sidecar.testing.realkubelet import RealPlugin, fast_takeover
 from tests.conftest import wait_for
 from tests.e2e.conftest import Watch
 from tests.e2e.realnode import GPU, UUIDS, RealNode, restarts_seen
@@ -41,6 +40,22 @@ async def says(node: RealNode, why: str) -> None:
     code, doc = await Doctor(node.dir, tmp, *logs).report(*NO_PROCESS_LOOKUP)
     assert (code, doc["most_likely"]) == (1, "plugin-not-registered")
     assert why in " ".join(row(doc, "plugin-not-registered")["evidence"])
+
+
+async def applied(node: RealNode, plugin: RealPlugin, generation: int | None) -> list[tuple[int, int]]:
+    """Wait until `plugin` has sent its list `generation` and the kubelet has applied every list the
+    plugin sent; those lists, (devices, healthy) each. The kubelet applies them one by one, a
+    checkpoint write each, and lags behind on a loaded machine: a value read from it before this
+    can be any earlier list's. Counted from each process's start (one kubelet, one stream)."""
+    assert generation is not None
+    await plugin.wait_event("sent", lambda e: e["generation"] == generation, timeout=30)
+    sent = [(e["devices"], e["healthy"]) for e in plugin.process.find("sent")]
+    await wait_for(
+        lambda: len(node.kubelet.lists_processed(GPU)) >= len(sent),
+        timeout=30,
+        what=f"the kubelet to apply the {len(sent)} lists the plugin sent",
+    )
+    return sent
 
 
 async def test_a_held_plugin_is_registered_and_a_numa_spanning_device_counts_once(node_factory: Any) -> None:
@@ -98,8 +113,12 @@ async def test_zero_and_all_unhealthy_devices_are_registered_by_the_real_kubelet
     async with node_factory(expect_devices=2) as node:
         plugin = await node.plugin()
         await node.until("/readyz", 200)
+        generation = None
         for device in ("GPU-0", "GPU-1"):
-            await plugin.set_health(device, False)
+            generation = await plugin.set_health(device, False)
+        # /readyz fails at the first list already (one healthy, two expected): the kubelet's own
+        # count tells when it has applied the second.
+        assert (await applied(node, plugin, generation))[-1] == (2, 0)
         await node.until("/readyz?verbose", 503, contains=f"[!]devices:{GPU} failed")
         await node.rounds()
         assert await plugin.streams_open() == 1
@@ -126,25 +145,32 @@ async def test_hami_split_ids_count_per_gpu_against_the_real_kubelet(node_factor
 async def test_rapid_health_updates_keep_the_fixture_plugins_stream(node_factory: Any) -> None:
     """The fixture's plugin sends each list while later updates arrive: every list must reach the
     kubelet whole. A list changed while gRPC marshals it reaches the kubelet as bytes it cannot
-    parse: it ends the stream and drops the plugin for real, and the sidecar rightly fails liveness."""
+    parse: it ends the stream and drops the plugin for real, and the sidecar rightly fails liveness.
+
+    The kubelet applies the lists one by one, a checkpoint write each, and lags behind the plugin
+    on a loaded machine. The last list equals the first (all healthy), so no value read from the
+    kubelet tells done from not yet started: the test counts the lists instead, the plugin's sent
+    against the kubelet's applied."""
     async with node_factory(expect_devices=2) as node:
         ids = [f"{u}-{n}" for u in UUIDS for n in range(10)]
         plugin = await node.plugin(devices=ids)
         await node.until("/readyz", 200)
         kubelet_mark, plugin_mark = node.kubelet.mark(), plugin.mark()
+        generation = None
         for healthy in (False, True) * 2:
             for i in ids:
-                await plugin.set_health(i, healthy)
-        # The kubelet writes its checkpoint for each list: on a loaded machine it lags behind.
-        for _ in range(1200):
-            if (await node.kubelet.capacity())["allocatable"] == {GPU: 20}:
-                break
-            await asyncio.sleep(0.025)
+                generation = await plugin.set_health(i, healthy)
+        assert generation == 4 * len(ids)
+        sent = await applied(node, plugin, generation)
+        assert sent[-1] == (20, 20)
+        assert node.kubelet.lists_processed(GPU) == sent  # none lost, none merged, each whole
+        assert (await node.kubelet.capacity())["allocatable"] == {GPU: 20}
         await node.rounds()
         assert plugin.process.find("stream-closed", after=plugin_mark) == []
         ended = "ListAndWatch ended unexpectedly for device plugin"
         assert node.kubelet.process.find("log", lambda e: e.get("msg") == ended, after=kubelet_mark) == []
         assert await plugin.streams_open() == 1
+        assert node.kubelet.lists_processed(GPU) == sent
         assert (await node.kubelet.capacity())["allocatable"] == {GPU: 20}
         assert (await node.get("/healthz"))[0] == 200
 

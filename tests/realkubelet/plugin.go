@@ -264,6 +264,7 @@ type ownPlugin struct {
 
 	mu               sync.Mutex
 	devices          []*pluginapi.Device // replaced, never changed in place: streams send it outside mu
+	generation       int                 // of devices: 0 at start, one more at each change
 	server           *grpc.Server
 	inode            uint64
 	streams          map[int]chan struct{}
@@ -397,14 +398,17 @@ func (p *ownPlugin) endStream(which string) (map[string]any, error) {
 	return map[string]any{"stream": id}, nil
 }
 
+// notify wakes every open stream after a change; a stream woken again before it sends sends only
+// the newest list. The reply's generation is the one a `sent` event names once it is sent.
 func (p *ownPlugin) notify() map[string]any {
+	p.generation++
 	for _, ch := range p.streams {
 		select {
 		case ch <- struct{}{}:
 		default:
 		}
 	}
-	return map[string]any{"streams": len(p.streams)}
+	return map[string]any{"streams": len(p.streams), "generation": p.generation}
 }
 
 func (p *ownPlugin) setDevices(devs []*pluginapi.Device) (map[string]any, error) {
@@ -446,7 +450,7 @@ func (p *ownPlugin) state() map[string]any {
 	return map[string]any{
 		"impl": "own", "streams_open": len(p.streams), "calls": calls, "registrations": p.registrations,
 		"register_failures": p.registerFailures, "last_error": p.lastError, "serving": p.server != nil,
-		"inode": p.inode, "devices": ids,
+		"inode": p.inode, "devices": ids, "generation": p.generation,
 	}
 }
 
@@ -471,7 +475,7 @@ func (p *ownPlugin) ListAndWatch(_ *pluginapi.Empty, s pluginapi.DevicePlugin_Li
 	end := make(chan struct{})
 	p.ends[id] = end
 	open := len(p.streams)
-	devs := p.devices
+	devs, generation := p.devices, p.generation
 	p.mu.Unlock()
 	fixturekit.Event("stream-open", map[string]any{"stream": id, "open": open})
 	defer func() {
@@ -486,6 +490,9 @@ func (p *ownPlugin) ListAndWatch(_ *pluginapi.Empty, s pluginapi.DevicePlugin_Li
 		if err := s.Send(&pluginapi.ListAndWatchResponse{Devices: devs}); err != nil {
 			return err
 		}
+		// Sent: in the stream's transport, not yet read by the kubelet.
+		fixturekit.Event("sent", map[string]any{"stream": id, "generation": generation,
+			"devices": len(devs), "healthy": healthyCount(devs)})
 		select {
 		case <-s.Context().Done():
 			return nil
@@ -493,10 +500,20 @@ func (p *ownPlugin) ListAndWatch(_ *pluginapi.Empty, s pluginapi.DevicePlugin_Li
 			return nil // the plugin ends the stream; its server and the connection stay
 		case <-ch:
 			p.mu.Lock()
-			devs = p.devices
+			devs, generation = p.devices, p.generation
 			p.mu.Unlock()
 		}
 	}
+}
+
+func healthyCount(devs []*pluginapi.Device) int {
+	n := 0
+	for _, d := range devs {
+		if d.Health == pluginapi.Healthy {
+			n++
+		}
+	}
+	return n
 }
 
 func (p *ownPlugin) GetPreferredAllocation(_ context.Context, r *pluginapi.PreferredAllocationRequest) (*pluginapi.PreferredAllocationResponse, error) {
