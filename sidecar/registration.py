@@ -406,7 +406,10 @@ class Registrar:
         p.judging = False
         name = CheckKey(Kind.PLUGIN, resource).name
         if restart:
-            self._kubelet_gone(f"{plugin.socket} was removed and {restart}")
+            # A new kubelet.sock a probe has already seen answering is a restart already counted
+            # (and its cycles opened): the removal is that restart's cleanup, not another one.
+            if seen.kubelet_refuses or seen.kubelet is None or seen.kubelet != self._kubelet_id:
+                self._kubelet_gone(f"{plugin.socket} was removed and {restart}")
             # The restart removed the socket: the plugin's checks wait for it again, even where a probe
             # saw the plugin answer between the restart's first sign and this removal.
             self.state.reset(self._names(resource))

@@ -522,6 +522,7 @@ def test_a_probe_that_saw_the_new_kubelet_first_does_not_turn_the_cleanup_into_a
     reg.round(node.round())
     assert not reg.judge_vanished(GPU, Vanish(None, K2, False), restart_window_over=False)
     assert status(reg, f"plugin:{GPU}") == ("pending", False)
+    assert reg.kubelet_restarts == 1  # the probe counted it; the removal's verdict is the same restart
 
 
 def test_a_plugin_socket_newer_than_the_answering_kubelet_sock_was_not_removed_by_it() -> None:
