@@ -289,6 +289,38 @@ async def test_plugin_not_registered(doctor: Doctor, node: tuple[FakeKubelet, Fa
     assert (code, doc["most_likely"]) == (1, "plugin-not-registered")
 
 
+async def test_a_probers_connection_is_not_the_kubelets(
+    doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin]
+) -> None:
+    """Where the kubelet's descriptors cannot be read (here: no process named kubelet holds its listener),
+    a connection to a plugin's socket from the kubelet's network namespace is anyone's: the sidecar's
+    probe (hostNetwork) is one. Open when the doctor first reads the connections, closed once its probes
+    begin (they follow that reading), it makes no registration of a plugin that never registered."""
+    dev = "example.com/dev"
+    never = FakeDevicePlugin(doctor.dir, dev, "dev.sock")
+    never.register_enabled = False
+    async with never:
+        await wait_for(lambda: os.path.exists(never.socket_path))
+        with socket.socket(socket.AF_UNIX) as prober:
+            prober.connect(never.socket_path)
+            asked = never.calls["GetDevicePluginOptions"]
+            # The second reading comes a probe timeout after the first: 2 s to see the probe and hang up.
+            run = asyncio.create_task(
+                doctor.report("--plugin", f"{GPU}=nvidia-gpu.sock", "--plugin", f"{dev}=dev.sock",
+                              "--probe-timeout", "2")
+            )  # fmt: skip
+            await wait_for(
+                lambda: never.calls["GetDevicePluginOptions"] > asked or run.done(), 60, "the doctor's probe"
+            )
+        code, doc = await run
+    evidence = row(doc, "plugin-not-registered")["evidence"]
+    assert (code, doc["most_likely"]) == (1, "plugin-not-registered"), evidence
+    assert any(e.startswith(f"{dev}: the kubelet holds no connection to dev.sock: ") for e in evidence), (
+        evidence
+    )
+    assert any(e.startswith(f"{GPU}: the kubelet holds a connection to nvidia-gpu.sock") for e in evidence)
+
+
 async def test_a_dropped_plugin_is_not_registered_though_the_checkpoint_still_lists_it(
     doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin]
 ) -> None:
