@@ -530,7 +530,7 @@ def growth_cause(processes: PluginProcesses, rss_growth_mib: float) -> Cause:
     for g in processes.growth:
         a, b = g.first, g.second
         line = (
-            f"pid {g.pid}: RSS {b.rss / 2**20:.0f} MiB ({g.rss_mib:+.1f} in {g.interval:g}s), fds {b.fds} "
+            f"pid {g.pid}: RSS {b.rss / 2**20:.0f} MiB ({g.rss_mib:+.1f} in {g.interval:.1f}s), fds {b.fds} "
             f"({b.fds - a.fds:+d}), threads {b.threads} ({b.threads - a.threads:+d}), "
             f"up {g.uptime / 3600:.1f} h"
         )

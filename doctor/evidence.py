@@ -140,7 +140,7 @@ class ProcessSample:
 
 @dataclass(frozen=True)
 class ProcessGrowth:
-    """Two samples of one plugin process, `interval` seconds apart."""
+    """Two samples of one plugin process, `interval` seconds apart (as measured)."""
 
     pid: int
     first: ProcessSample
@@ -228,19 +228,13 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
     # The kubelet's connections and whose listener serves each plugin socket, read before the probes
     # (a probe's own connection lingers a few ms), from one reading of this namespace, as the sidecar.
     names = {*KUBELET_PROCESS_NAMES, s.kubelet_process_name}
-    unread: list[UnixSocket] | str = "this network namespace's sockets could not be read"
-    mine = g.take("this network namespace's sockets", _diag_dump, unread)
-    unseen: Connections | str = "the kubelet's connections could not be read"
-    seen = g.take(
-        "the kubelet's connections",
-        lambda: kubelet_connections(s.kubelet_path, names=names, mine=mine),
-        unseen,
-    )
-    connections = [
+    mine, seen = _read_connections(s, g, names)
+    first_read = time.monotonic()
+    first = [
         g.take(
             f"the kubelet's connections to {path}",
             partial(_connections_to, seen, spec, path),
-            Reading[int].failed("could not be read"),
+            Reading[frozenset[int]].failed("could not be read"),
         )
         for spec, path in zip(s.plugins, paths, strict=True)
     ]
@@ -258,6 +252,15 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hami-doctor-checkpoint") as reader:
         checkpoint = await read_checkpoint_async(os.path.join(s.device_plugin_dir, CHECKPOINT_NAME), reader)
     pod_resources = await pod_resources_devices(s.pod_resources_socket, s.probe_timeout)
+    plugin_process = await asyncio.to_thread(
+        g.take,
+        "plugin process",
+        lambda: sample_processes(s.plugin_process_name, s.sample_interval),
+        PluginProcesses(s.plugin_process_name, visible=False),
+    )
+    connections = await _lasting(
+        s, g, names=names, seen=seen, first=first, paths=paths, first_read=first_read
+    )
     plugins = tuple(
         PluginEvidence(spec, _socket_probe(path, probe), held, owner)
         for spec, path, probe, held, owner in zip(s.plugins, paths, probes, connections, owners, strict=True)
@@ -281,12 +284,7 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
         kubelet=process,
         kubelet_logs=tuple(g.take("kubelet log", lambda: kubelet_logs(s.kubelet_log, s.since), [])),
         plugin_logs=tuple(g.take("plugin log", lambda: plugin_logs(s.plugin_log, s.since), [])),
-        plugin_process=await asyncio.to_thread(
-            g.take,
-            "plugin process",
-            lambda: sample_processes(s.plugin_process_name, s.sample_interval),
-            PluginProcesses(s.plugin_process_name, visible=False),
-        ),
+        plugin_process=plugin_process,
         folder_sockets=tuple(g.take("sockets", lambda: folder_sockets(s.device_plugin_dir), [])),
         kubelet_path=os.path.abspath(s.kubelet_path),
         checkpoint=checkpoint,
@@ -350,14 +348,72 @@ def _diag_dump() -> list[UnixSocket] | str:
         return str(e)
 
 
-def _connections_to(seen: Connections | str, spec: PluginSpec, path: str) -> Reading[int]:
-    """The kubelet's connections to the listener of the plugin's socket file, as the sidecar counts them."""
+def _read_connections(
+    s: DoctorSettings, g: Gathering, names: set[str]
+) -> tuple[list[UnixSocket] | str, Connections | str]:
+    """One reading of this namespace's Unix sockets, and of the kubelet's connections from it."""
+    unread: list[UnixSocket] | str = "this network namespace's sockets could not be read"
+    mine = g.take("this network namespace's sockets", _diag_dump, unread)
+    unseen: Connections | str = "the kubelet's connections could not be read"
+    seen = g.take(
+        "the kubelet's connections",
+        lambda: kubelet_connections(s.kubelet_path, names=names, mine=mine),
+        unseen,
+    )
+    return mine, seen
+
+
+def _connections_to(seen: Connections | str, spec: PluginSpec, path: str) -> Reading[frozenset[int]]:
+    """The kubelet's connections to the listener of the plugin's socket file, as the sidecar counts them:
+    their accepted ends (by inode)."""
     if isinstance(seen, str):
         return Reading.failed(seen)
     # Where the folder is mounted elsewhere, the plugin bound it at the kubelet's own path.
     bound = os.path.join(os.path.dirname(KUBELET_BOUND_PATH), spec.socket)
-    count = seen.held(path, (bound,))
-    return Reading.failed(count) if isinstance(count, str) else Reading(count)
+    ids = seen.accepted(path, (bound,))
+    return Reading.failed(ids) if isinstance(ids, str) else Reading(ids)
+
+
+async def _lasting(
+    s: DoctorSettings,
+    g: Gathering,
+    *,
+    names: set[str],
+    seen: Connections | str,
+    first: list[Reading[frozenset[int]]],
+    paths: list[str],
+    first_read: float,
+) -> list[Reading[int]]:
+    """The kubelet's connections to each plugin that lasted from the first reading to a second one, a
+    probe timeout later.
+
+    Where the kubelet's descriptors cannot be read (no CAP_SYS_PTRACE), a connection in its network
+    namespace is anyone's there: the sidecar's probe of the plugin (hostNetwork) is one just like the
+    kubelet's, and a single look catches one now and then (more often on a busy node, where a probe
+    takes longer): the plugin would count as held. A prober's connection ends within its timeout (the
+    sidecar's default is this doctor's); the kubelet's lasts as long as it holds the plugin.
+    """
+    exact = isinstance(seen, Connections) and seen.exact and seen.owned is not None
+    if exact or not any(r.value for r in first):
+        return [Reading(len(r.value)) if r.value is not None else Reading.failed(r.error) for r in first]
+    wait = s.probe_timeout - (time.monotonic() - first_read)
+    if wait > 0:
+        await asyncio.sleep(wait)
+    _, again = _read_connections(s, g, names)
+    lasting: list[Reading[int]] = []
+    for spec, path, before in zip(s.plugins, paths, first, strict=True):
+        after = g.take(
+            f"the kubelet's connections to {path}",
+            partial(_connections_to, again, spec, path),
+            Reading[frozenset[int]].failed("could not be read"),
+        )
+        if before.value is None:
+            lasting.append(Reading.failed(before.error))
+        elif after.value is None:
+            lasting.append(Reading.failed(after.error))
+        else:
+            lasting.append(Reading(len(before.value & after.value)))
+    return lasting
 
 
 def kubelet_process(name: str) -> KubeletProcess:
@@ -427,18 +483,21 @@ def sample_processes(name: str, interval: float) -> PluginProcesses:
         except psutil.Error:
             return None
 
-    first = {p.pid: sample(p) for p in procs}
+    # Each sample's own time: on a busy node the two are further apart than `interval`, and the
+    # evidence says how far (the growth is judged as seen, between the samples actually taken).
+    first = {p.pid: (sample(p), time.monotonic()) for p in procs}
     time.sleep(interval)
     growth = []
     for p in procs:
-        a, b = first[p.pid], sample(p)
+        (a, taken), b = first[p.pid], sample(p)
         if a is None or b is None:
             continue
+        apart = time.monotonic() - taken
         try:
             uptime = time.time() - p.create_time()
         except psutil.Error:
             uptime = 0.0
-        growth.append(ProcessGrowth(p.pid, a, b, interval, uptime))
+        growth.append(ProcessGrowth(p.pid, a, b, apart, uptime))
     return PluginProcesses(name, visible=True, growth=tuple(growth))
 
 

@@ -209,8 +209,8 @@ async def node(dp_dir: str, short_tmp: str) -> AsyncIterator[tuple[FakeKubelet, 
 async def test_healthy_node_exits_0_and_every_row_is_ok(
     doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin]
 ) -> None:
-    with growing_process("fake-plugin", leak=False):
-        code, doc = await doctor.report("--plugin-process-name", "fake-plugin")
+    with growing_process("fake-plugin", leak=False) as name:
+        code, doc = await doctor.report("--plugin-process-name", name)
     assert code == 0
     assert doc["healthy"] is True
     rows = verdicts(doc)
@@ -287,6 +287,38 @@ async def test_plugin_not_registered(doctor: Doctor, node: tuple[FakeKubelet, Fa
     await wait_for(lambda: os.path.exists(plugin.socket_path))
     code, doc = await doctor.report()
     assert (code, doc["most_likely"]) == (1, "plugin-not-registered")
+
+
+async def test_a_probers_connection_is_not_the_kubelets(
+    doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin]
+) -> None:
+    """Where the kubelet's descriptors cannot be read (here: no process named kubelet holds its listener),
+    a connection to a plugin's socket from the kubelet's network namespace is anyone's: the sidecar's
+    probe (hostNetwork) is one. Open when the doctor first reads the connections, closed once its probes
+    begin (they follow that reading), it makes no registration of a plugin that never registered."""
+    dev = "example.com/dev"
+    never = FakeDevicePlugin(doctor.dir, dev, "dev.sock")
+    never.register_enabled = False
+    async with never:
+        await wait_for(lambda: os.path.exists(never.socket_path))
+        with socket.socket(socket.AF_UNIX) as prober:
+            prober.connect(never.socket_path)
+            asked = never.calls["GetDevicePluginOptions"]
+            # The second reading comes a probe timeout after the first: 2 s to see the probe and hang up.
+            run = asyncio.create_task(
+                doctor.report("--plugin", f"{GPU}=nvidia-gpu.sock", "--plugin", f"{dev}=dev.sock",
+                              "--probe-timeout", "2")
+            )  # fmt: skip
+            await wait_for(
+                lambda: never.calls["GetDevicePluginOptions"] > asked or run.done(), 60, "the doctor's probe"
+            )
+        code, doc = await run
+    evidence = row(doc, "plugin-not-registered")["evidence"]
+    assert (code, doc["most_likely"]) == (1, "plugin-not-registered"), evidence
+    assert any(e.startswith(f"{dev}: the kubelet holds no connection to dev.sock: ") for e in evidence), (
+        evidence
+    )
+    assert any(e.startswith(f"{GPU}: the kubelet holds a connection to nvidia-gpu.sock") for e in evidence)
 
 
 async def test_a_dropped_plugin_is_not_registered_though_the_checkpoint_still_lists_it(
@@ -416,9 +448,15 @@ async def test_plugin_registration_errors(doctor: Doctor, node: tuple[FakeKubele
 
 
 @contextlib.contextmanager
-def growing_process(name: str, leak: bool) -> Iterator[int]:
-    """A process named `name`; with `leak`, it starts a thread every 10 ms for as long as it runs
-    (capped at 3000), so any two samples the doctor takes a fraction of a second apart see growth."""
+def growing_process(name: str, leak: bool) -> Iterator[str]:
+    """A process named `name` and this test process's pid (no other test's process has that name: the
+    doctor looks at every process of the name on the machine); yields the name.
+
+    With `leak`, its thread count follows the wall clock, one thread per 10 ms since it started (capped
+    at 3000: 30 s, more than a doctor run takes): what a wait for the CPU delayed is made up at once, so
+    two samples the doctor takes a second apart see about 100 more threads (its bound is 20) however
+    little CPU the machine gave it in between, as long as it ran once in the last 0.8 s of them."""
+    name = f"{name[:7]}-{os.getpid()}"[:15]  # the kernel's `comm` keeps 15 characters
     folder = Path(os.environ.get("TMPDIR", "/tmp"), f"hg-growth-{os.getpid()}")
     folder.mkdir(exist_ok=True)
     exe = folder / name
@@ -427,23 +465,27 @@ def growing_process(name: str, leak: bool) -> Iterator[int]:
     code = (
         "import sys, threading, time\nthreading.stack_size(256 * 1024)\nstop = threading.Event()\n"
         "print(1, flush=True)\n"
-        "for _ in range(3000 if sys.argv[1] == 'leak' else 0):\n"
-        "    threading.Thread(target=stop.wait, daemon=True).start(); time.sleep(0.01)\n"
+        "start, made = time.monotonic(), 0\n"
+        "while sys.argv[1] == 'leak' and made < 3000:\n"
+        "    due = min(3000, int((time.monotonic() - start) / 0.01))\n"
+        "    while made < due:\n"
+        "        threading.Thread(target=stop.wait, daemon=True).start(); made += 1\n"
+        "    time.sleep(0.01)\n"
         "time.sleep(120)\n"
     )
     proc = subprocess.Popen([str(exe), "-c", code, "leak" if leak else "steady"], stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdout.readline()
     try:
-        yield proc.pid
+        yield name
     finally:
         proc.kill()
         proc.wait()
 
 
 async def test_plugin_resource_growth(doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin]) -> None:
-    with growing_process("leaky-plugin", leak=True):
-        code, doc = await doctor.report("--plugin-process-name", "leaky-plugin", "--sample-interval", "0.5")
-    assert (code, doc["most_likely"]) == (1, "plugin-growth")
+    with growing_process("leaky-plugin", leak=True) as name:
+        code, doc = await doctor.report("--plugin-process-name", name, "--sample-interval", "1")
+    assert (code, doc["most_likely"]) == (1, "plugin-growth"), row(doc, "plugin-growth")
 
 
 def fingerprint(path: str) -> tuple[int, int, str]:
