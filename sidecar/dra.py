@@ -54,7 +54,10 @@ KUBELET_CALL_TIMEOUT = 45.0
 RESTART_BUDGET = 3
 
 InfoKind = Literal["ok", "absent", "not-socket", "refused", "timeout", "error"]
-FileId = tuple[int, int]
+# A socket file's identity: (st_dev, st_ino, st_ctime_ns). The inode number alone comes back when a
+# socket is removed and bound again on the same path (ext4 hands out the freed one at once), and a
+# driver or kubelet restarted between two rounds would pass unseen.
+FileId = tuple[int, int, int]
 
 
 # The kubelet's plugin watcher folder, and the helper's default registration socket name.

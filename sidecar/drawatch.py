@@ -49,12 +49,13 @@ SLICES_EVERY = 30.0
 
 
 def socket_file(path: str) -> FileId | None:
-    """(st_dev, st_ino) of a socket file at `path`, None when there is none."""
+    """The identity of the socket file at `path` (its change time included: a driver restarted on the
+    same path may get the inode number back), None when there is none."""
     try:
         st = os.stat(path)
     except (OSError, ValueError):
         return None
-    return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
+    return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
 
 
 async def get_info(path: str, timeout: float) -> Info:
@@ -134,16 +135,6 @@ async def ask_service(path: str, method: str, deadline: float) -> tuple[bool | N
     return True, "answered"
 
 
-def _service_file(path: str) -> tuple[int, int, int] | None:
-    """A service socket file's identity, its change time included: a driver restarted on the same
-    path may get the same inode number back, and its new server owes nothing to the old one's silence."""
-    try:
-        st = os.stat(path)
-    except (OSError, ValueError):
-        return None
-    return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
-
-
 class ServiceProbe:
     """One driver's DRA service: at most one empty NodePrepareResources in flight, so a hung service
     holds one call, never a pile of them; how long it has been silent, on the judge's clock."""
@@ -152,7 +143,7 @@ class ServiceProbe:
         self.clock = clock
         self.deadline = deadline
         self.path = ""
-        self.ident: tuple[int, int, int] | None = None
+        self.ident: FileId | None = None
         self.task: asyncio.Task[tuple[bool | None, str]] | None = None
         self.started = 0.0  # the judge's clock when the call in flight began
         self.silent_since: float | None = None
@@ -165,7 +156,7 @@ class ServiceProbe:
 
     async def read(self, path: str, method: str, wait: float) -> tuple[float | None, str]:
         """Ask (unless a call is in flight), wait up to `wait` seconds for it: (silent since, reason)."""
-        ident = _service_file(path) if path else None
+        ident = socket_file(path) if path else None
         if path != self.path or ident != self.ident:
             self.reset()  # another service socket: what the last one did says nothing of it
             self.path, self.ident = path, ident
@@ -288,7 +279,7 @@ class DraWatch:
         up, kubelet_id = kubelet_alive(self.kubelet_socket)
         paths = {normalise(p) for p in services if p}
         # Only the sockets bound to the files that matter: a host's namespace holds thousands.
-        files = {i for p in (self.kubelet_socket, *paths) if (i := socket_file(p))}
+        files = {(i[0], i[1]) for p in (self.kubelet_socket, *paths) if (i := socket_file(p))}
         # This process's own sockets, read before the kernel's table: a service call's connection that
         # gRPC closes in between is then in neither, never in the table alone (counted as the kubelet's).
         own = socket_inodes("/proc", "self")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from dataclasses import replace
 
 import grpc
@@ -23,7 +24,7 @@ from sidecar.health import HealthState, Status
 DRIVER = "gpu.example.com"
 SERVICE = "/var/lib/kubelet/plugins/gpu.example.com/dra.sock"
 OK_INFO = Info("ok", "", "DRAPlugin", DRIVER, SERVICE, ("v1.DRAPlugin",))
-HELD = Evidence(OK_INFO, (1, 10), SERVICE, (1, 20), True, (1, 30), 1)
+HELD = Evidence(OK_INFO, (1, 10, 0), SERVICE, (1, 20, 0), True, (1, 30, 0), 1)
 
 
 class Clock:
@@ -84,7 +85,7 @@ def test_kubelet_down_is_readiness_only_and_a_new_kubelet_restarts_the_grace(
     j = judge.judge(DRIVER, down)
     assert j.registered.status is Status.FAILED and not j.registered.restarts
     clock.now += 10
-    back = replace(HELD, kubelet_id=(1, 31), connections=0)
+    back = replace(HELD, kubelet_id=(1, 31, 0), connections=0)
     assert judge.judge(DRIVER, back).registered.status is Status.PENDING
 
 
@@ -174,7 +175,8 @@ def test_a_stale_socket_fails_at_once_and_a_new_one_gets_the_grace(judge: DraJud
     stale = replace(HELD, info=Info("refused", "nothing listens"), connections=0)
     assert judge.judge(DRIVER, stale).plugin.live_failed
     clock.now += 5
-    starting = replace(HELD, info=Info("refused", "nothing listens"), registration_id=(1, 11), connections=0)
+    refused = Info("refused", "nothing listens")
+    starting = replace(HELD, info=refused, registration_id=(1, 11, 0), connections=0)
     assert judge.judge(DRIVER, starting).plugin.status is Status.PENDING
 
 
@@ -195,7 +197,7 @@ def test_restart_budget(judge: DraJudge, clock: Clock) -> None:
 
     def instance(n: int) -> bool:
         """A new driver instance that does not get registered: does it fail liveness after the grace?"""
-        ev = replace(unheld, registration_id=(1, 100 + n))
+        ev = replace(unheld, registration_id=(1, 100 + n, 0))
         assert judge.judge(DRIVER, ev).registered.status is Status.PENDING
         clock.now += DEFAULT_GRACE
         return judge.judge(DRIVER, ev).registered.live_failed
@@ -204,10 +206,28 @@ def test_restart_budget(judge: DraJudge, clock: Clock) -> None:
         assert instance(n), n
         assert judge.restarts_in_vain(DRIVER) == n
     assert not instance(RESTART_BUDGET)
-    j = judge.judge(DRIVER, replace(unheld, registration_id=(1, 100 + RESTART_BUDGET)))
+    j = judge.judge(DRIVER, replace(unheld, registration_id=(1, 100 + RESTART_BUDGET, 0)))
     assert j.registered.status is Status.FAILED and "restart budget spent" in j.registered.reason
     # Registered again: the budget is back.
-    assert judge.judge(DRIVER, replace(HELD, registration_id=(1, 100 + RESTART_BUDGET))).restarts_in_vain == 0
+    back = replace(HELD, registration_id=(1, 100 + RESTART_BUDGET, 0))
+    assert judge.judge(DRIVER, back).restarts_in_vain == 0
+
+
+def test_a_socket_bound_again_on_its_path_is_another_file(short_tmp: str) -> None:
+    """A driver (or the kubelet) restarted between two rounds removes its socket and binds it again:
+    ext4 hands the freed inode number straight back, so (st_dev, st_ino) alone would call it the same
+    socket, and the new instance would get no grace and cost no restart from the budget."""
+    path = os.path.join(short_tmp, "gpu.example.com-reg.sock")
+    ids, inodes = [], []
+    for _ in range(2):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(path)
+            ids.append(drawatch.socket_file(path))
+            inodes.append(os.stat(path).st_ino)
+        os.unlink(path)
+        time.sleep(0.01)  # a restart takes longer than the clock's tick
+    assert None not in ids
+    assert ids[0] != ids[1], f"the same socket by identity; inode numbers {inodes}"
 
 
 def test_healthstate_takes_the_verdict_whole(clock: Clock) -> None:

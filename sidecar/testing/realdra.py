@@ -137,6 +137,7 @@ class RealDraDriver:
         rolling_uid: str = "",
         health: str = "off",
         kubeconfig: str = "",
+        refuse: bool = False,
     ) -> None:
         self.name = name
         self.registry = registry
@@ -159,6 +160,8 @@ class RealDraDriver:
         argv += ["--health", health]
         if kubeconfig:  # a real API server: `publish` makes ResourceSlices there
             argv += ["--kubeconfig", kubeconfig]
+        if refuse:  # NotifyRegistrationStatus refused from the kubelet's first call
+            argv.append("--refuse")
         self.proc = FixtureProcess(argv, f"dra-driver-{name}-{RELEASES[release]}")
         self.registration = ""
         self.service = ""

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"hami-guard/tests/fixturekit"
 
@@ -38,6 +39,7 @@ type driverOptions struct {
 	node       string
 	verbosity  string
 	kubeconfig string
+	refuse     bool
 }
 
 func parseDriverFlags(args []string) (driverOptions, error) {
@@ -52,6 +54,7 @@ func parseDriverFlags(args []string) (driverOptions, error) {
 	fs.StringVar(&o.node, "node", "node-1", "the node's name")
 	fs.StringVar(&o.verbosity, "v", "2", "klog verbosity")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "a real API server (default: a fake client); publish needs it")
+	fs.BoolVar(&o.refuse, "refuse", false, "refuse NotifyRegistrationStatus from the start (the refuse switch turns it off)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -74,6 +77,9 @@ type driver struct {
 	mu          sync.Mutex
 	calls       map[string]int
 	svc         *serviceListener
+	// refusing: NotifyRegistrationStatus fails from the first call (--refuse), before the helper's own
+	// switch could be set: the kubelet's plugin watcher may call as soon as the socket exists.
+	refusing atomic.Bool
 }
 
 // serviceListener is the DRA service's listener as the helper makes it (remove a stale file, listen),
@@ -209,6 +215,7 @@ func driverMain(args []string) int {
 	_ = fs.Set("stderrthreshold", "FATAL")
 	defer klog.Flush()
 	d := &driver{o: o, calls: map[string]int{}}
+	d.refusing.Store(o.refuse)
 	if err := d.start(); err != nil {
 		fixturekit.Event("start-failed", map[string]any{"error": err.Error()})
 		fmt.Fprintln(os.Stderr, "realdra driver:", err)
@@ -309,6 +316,9 @@ func (d *driver) unary(ctx context.Context, req any, info *grpc.UnaryServerInfo,
 	if err := d.wait(ctx, info.FullMethod); err != nil {
 		return nil, err
 	}
+	if info.FullMethod == registrationService+"NotifyRegistrationStatus" && d.refusing.Load() {
+		return nil, status.Error(codes.FailedPrecondition, "refused by the test")
+	}
 	return handler(ctx, req)
 }
 
@@ -329,6 +339,7 @@ func (d *driver) handle(c fixturekit.Command) bool {
 			err = status.Error(codes.FailedPrecondition, "refused by the test")
 		}
 		d.helper.SetNotifyRegistrationStatusError(err)
+		d.refusing.Store(on)
 		c.Reply(nil, nil)
 	case "getinfo-error":
 		var err error
