@@ -462,6 +462,15 @@ class Registrar:
         self.kubelet_restarts += 1
         self.listener.kubelet_restarted()
         logger.info("kubelet restart detected: %s", why)
+        for r, p in self._plugins.items():
+            # The restart budget bounds plugin restarts against one kubelet: the new one is a new
+            # chance, and a plugin that does not register with it (HAMi's own failure) is mended by a
+            # restart again, however many the last kubelet saw in vain.
+            if p.restarts_in_vain:
+                if p.budget_announced:
+                    logger.info("%s: a kubelet restart restores the restart budget", r)
+                    self.listener.budget(r, False)
+                p.restarts_in_vain, p.budget_announced = 0, False
         self.state.reset(list(self.state.checks))
         for r in self._plugins:
             self._open_attempt(r, "kubelet restart")

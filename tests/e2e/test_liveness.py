@@ -139,6 +139,32 @@ async def test_a_plugin_that_never_registers_is_restarted_at_most_three_times_th
         assert '"restart_budget_spent": false' in (await node.get("/status"))[1]
 
 
+async def test_a_kubelet_restart_restores_the_restart_budget(make_node: NodeFactory) -> None:
+    """The budget bounds plugin restarts against one kubelet. Spent, then the kubelet restarts and the
+    plugin does not register with the new one (HAMi's own failure): liveness fails again, and the
+    plugin's restart mends it."""
+    async with make_node(registration_grace=0.5) as node:
+        node.plugin.register_enabled = False
+        await node.kubelet.restart()
+        for _ in range(RESTART_BUDGET):
+            await node.until(LIVE, 503, timeout=3)
+            await node.plugin.restart()
+            await node.until(LIVE, 200)
+        await node.until(f"{READY}?verbose", 503, contains="restart budget spent", timeout=3)
+        await node.wait_rounds(rounds=3)
+        assert (await node.get(LIVE))[0] == 200
+        spent = f'device_plugin_restart_budget_spent{{plugin="hami",resource="{GPU}"}}'
+        assert f"{spent} 1.0" in (await node.get("/metrics"))[1]
+        await node.kubelet.restart()  # the plugin does not register with the new kubelet either
+        body = await node.until(f"{LIVE}?verbose", 503, timeout=3)
+        assert "restart budget spent" not in body
+        assert '"restart_budget_spent": false' in (await node.get("/status"))[1]
+        assert f"{spent} 0.0" in (await node.get("/metrics"))[1]
+        node.plugin.register_enabled = True
+        await node.plugin.restart()  # the kubelet's restart of the plugin, for the 503
+        await node.until(READY, 200, timeout=3)
+
+
 async def test_kubelet_restart_without_reregistration_fails_liveness_then_a_plugin_restart_mends_it(
     make_node: NodeFactory,
 ) -> None:
