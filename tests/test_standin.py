@@ -11,6 +11,7 @@ import pytest
 from sidecar.testing import FakeKubelet
 from sidecar.testing.plugin import hami_device_ids
 from sidecar.testing.standin import (
+    APPLIED,
     DEAD_GPU,
     DROP,
     IGNORE_KUBELET_RESTART,
@@ -75,7 +76,12 @@ async def test_standin_dead_gpu_and_held_faults(kubelet: FakeKubelet, dp_dir: st
     async with plugin:
         await wait_for(lambda: sorted(kubelet.healthy_devices(RESOURCE)) == sorted(devices))
         open(os.path.join(control, DEAD_GPU), "w").close()
+        open(os.path.join(control, NOREGISTER), "w").close()
         apply_control(plugin, control)
+        assert applied(control) == f"{DEAD_GPU},{NOREGISTER}"  # what tests/node's fault_applied waits for
+        os.unlink(os.path.join(control, NOREGISTER))
+        apply_control(plugin, control)
+        assert applied(control) == DEAD_GPU
         await wait_for(lambda: kubelet.unhealthy_devices(RESOURCE) == sorted(devices[:10]), what="GPU-a dead")
         assert kubelet.healthy_devices(RESOURCE) == sorted(devices[10:])
         assert all(d.startswith("GPU-a-") for d in kubelet.unhealthy_devices(RESOURCE))
@@ -84,16 +90,22 @@ async def test_standin_dead_gpu_and_held_faults(kubelet: FakeKubelet, dp_dir: st
         await wait_for(lambda: sorted(kubelet.healthy_devices(RESOURCE)) == sorted(devices), what="healthy")
         assert kubelet.unhealthy_devices(RESOURCE) == []
 
-        # Held on: no file in the folder, and still in force.
+        # Held on: no file in the folder, and still in force (APPLIED says the folder's files only).
         held = parse_faults(f" {NOREGISTER}, {DEAD_GPU} ")
         apply_control(plugin, control, held)
         assert not plugin.register_enabled and plugin.gpu_dead
+        assert applied(control) == ""
         await wait_for(lambda: len(kubelet.unhealthy_devices(RESOURCE)) == 10, what="GPU-a dead, held")
         attempts = plugin.register_attempts
         assert not await plugin.register()
         assert plugin.register_attempts == attempts
         apply_control(plugin, control)
         assert plugin.register_enabled and not plugin.gpu_dead
+
+
+def applied(control: str) -> str:
+    with open(os.path.join(control, APPLIED)) as f:
+        return f.read()
 
 
 def test_standin_faults_flag() -> None:

@@ -4,7 +4,8 @@ The node end-to-end tests (tests/node) run it in place of HAMi's plugin, which n
 `nvidia-gpu.sock` in the kubelet's real device-plugins folder with HAMi's split device IDs
 (`<GPU-UUID>-<n>`), registers `nvidia.com/gpu`, and serves and registers again when `kubelet.sock` is
 created, as HAMi does. Faults are files in `--control` (a hostPath the tests write), read twice a
-second, so they outlive a container restart the way a plugin's bug does:
+second (the lasting ones applied are then written to `.applied` in the folder), so they outlive a
+container restart the way a plugin's bug does:
 
 - `ignore-kubelet-restart`: `kubelet.sock` re-created is ignored (the plugin stays unregistered after
   a kubelet restart until its container restarts);
@@ -38,6 +39,9 @@ DROP = "drop"
 DEAD_GPU = "dead-gpu"
 LASTING = frozenset({IGNORE_KUBELET_RESTART, NOREGISTER, DEAD_GPU})
 CONTROL_INTERVAL = 0.5
+# The lasting fault files last applied, comma-separated: a test that must know the plugin acts on a
+# change (before it restarts the kubelet) waits for it here.
+APPLIED = ".applied"
 
 
 class StandInPlugin(FakeDevicePlugin):
@@ -46,6 +50,7 @@ class StandInPlugin(FakeDevicePlugin):
     ignore_kubelet_restart = False
     first_gpu: tuple[str, ...] = ()  # the devices `dead-gpu` reports Unhealthy
     gpu_dead = False
+    applied: str | None = None  # what APPLIED says, once written
 
     def set_gpu_dead(self, dead: bool) -> None:
         """The first GPU's devices Unhealthy (or Healthy again), pushed on the streams on a change only."""
@@ -77,14 +82,23 @@ def parse_faults(text: str) -> frozenset[str]:
 
 def apply_control(plugin: StandInPlugin, control: str, held: frozenset[str] = frozenset()) -> None:
     """Reads the fault files in `control`, and the faults `held` on, into the plugin's switches (a missing
-    folder means no file)."""
+    folder means no file), then says which lasting fault files it applied in `control`/APPLIED."""
     try:
-        names = set(os.listdir(control)) | held
+        files = set(os.listdir(control))
     except OSError:
-        names = set(held)
+        files = set()
+    names = files | held
     plugin.ignore_kubelet_restart = IGNORE_KUBELET_RESTART in names
     plugin.register_enabled = NOREGISTER not in names
     plugin.set_gpu_dead(DEAD_GPU in names)
+    applied = ",".join(sorted(files & LASTING))
+    if APPLIED not in files or applied != plugin.applied:
+        with contextlib.suppress(OSError):
+            tmp = os.path.join(control, f"{APPLIED}.{os.getpid()}")
+            with open(tmp, "w") as f:
+                f.write(applied)
+            os.replace(tmp, os.path.join(control, APPLIED))
+            plugin.applied = applied
     if DROP in names:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(control, DROP))

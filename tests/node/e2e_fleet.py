@@ -43,6 +43,7 @@ from tests.node.kit import (
     HERE,
     NODE,
     RUN,
+    fault_applied,
     figure,
     healthy_plugin,
     node_ctl,
@@ -309,6 +310,7 @@ def test_fires_while_the_plugin_is_unregistered_and_resolves(monitor: Monitor) -
     plugin_restarts = restarts("device-plugin")
     set_fault("noregister", True)
     try:
+        fault_applied()
         watch = Watch(monitor)
         node_ctl("kubelet-restart")
         lost = watch.until("capacity 0 on the Node", lambda c, a, e, s: c == "0", 60)
@@ -371,6 +373,7 @@ def test_drop_keeps_capacity_until_the_stop_grace_ends(monitor: Monitor) -> None
         ):
             assert line in said, line
         set_fault("noregister", False)
+        fault_applied()
         node_ctl("kubelet-restart")  # the plugin registers again when kubelet.sock is created
         fixed = watch.now()
         resolved = watch.until("the alert resolved", lambda c, a, e, s: s == "" and e == DEVICES, 240)

@@ -36,6 +36,7 @@ from tests.node.kit import (
     allocatable,
     container_status,
     events,
+    fault_applied,
     figure,
     get,
     healthy_plugin,
@@ -220,6 +221,7 @@ def test_kubelet_restart_without_reregistration() -> None:
     """The headline failure: the real kubelet restarted, the plugin not registering again."""
     set_fault("ignore-kubelet-restart", True)
     try:
+        fault_applied()
         restored_after("kubelet restart, plugin not re-registering", lambda: node_ctl("kubelet-restart"))
     finally:
         set_fault("ignore-kubelet-restart", False)

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from sidecar.testing.standin import APPLIED, LASTING
+
 RUN = os.environ.get("NODE_E2E_DIR", "")
 
 HERE = Path(__file__).parent
@@ -162,6 +164,21 @@ def set_fault(name: str, on: bool) -> None:
         path.touch()
     else:
         path.unlink(missing_ok=True)
+
+
+def fault_applied(timeout: float = 15) -> None:
+    """Waits until the running stand-in has applied the lasting fault files now in the folder (it reads
+    them twice a second and says so in APPLIED): before a kubelet restart whose new kubelet.sock it must
+    meet with them, or the restart can beat its next read."""
+    want = ",".join(sorted(p.name for p in CONTROL.iterdir() if p.name in LASTING))
+
+    def applied() -> bool:
+        try:
+            return (CONTROL / APPLIED).read_text() == want
+        except OSError:
+            return False
+
+    wait(f"the stand-in applying the faults [{want}]", applied, timeout, 0.1)
 
 
 def healthy_plugin(timeout: float = 180) -> dict[str, Any]:

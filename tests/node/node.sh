@@ -49,6 +49,20 @@ cleanup() {
   fi
   # The namespace's processes are gone with unshare; only the cgroups remain on the host's cgroupfs.
   remove_cgroups "$cgroup"
+  if [ "${rc:-1}" != 0 ] && [ -d "$run/log" ]; then
+    # A failed run keeps its logs (the components', the pods' of both nodes) for a look, and prints the
+    # end of the plugin pods' containers' logs: what the sidecar judged and what the stand-in did.
+    keep=$repo/build/node-e2e/failed
+    rm -rf "$keep"
+    mkdir -p "$keep"
+    (cd "$run" && tar -cf - log var-log/pods node-e2e-*/var-log/pods 2> /dev/null) | tar -C "$keep" -xf - || true
+    echo "node-e2e: the run failed; its logs are in $keep"
+    for f in "$keep"/var-log/pods/*/{device-plugin,hami-sidecar}/*.log; do
+      [ -f "$f" ] || continue
+      echo "== ${f#"$keep"/} (last 40 lines)"
+      tail -n 40 "$f"
+    done
+  fi
   if [ "${NODE_E2E_KEEP_FILES:-}" = 1 ]; then
     echo "node-e2e: files kept in $run"
   else
