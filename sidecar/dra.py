@@ -228,10 +228,10 @@ class DraJudge:
             d.service_id = ev.service_id
         if ev.kubelet_id is not None and ev.kubelet_id != d.kubelet_id:
             if d.kubelet_id is not None:
-                # A new kubelet: a new grace, and the restart budget again (it bounds restarts
-                # against one kubelet).
+                # A new kubelet: a new grace. The restart budget stays: the new kubelet registers the
+                # driver itself from plugins_registry, and what kept the last one from it (a refusal,
+                # a folder the kubelet does not use) a driver restart does not mend.
                 self._restart(d, now)
-                d.restarts_in_vain = 0
             d.kubelet_id = ev.kubelet_id
         if ev.kubelet_up is False and d.connected:
             self._restart(d, now)

@@ -463,10 +463,11 @@ class Registrar:
         self.listener.kubelet_restarted()
         logger.info("kubelet restart detected: %s", why)
         for r, p in self._plugins.items():
-            # The restart budget bounds plugin restarts against one kubelet: the new one is a new
-            # chance, and a plugin that does not register with it (HAMi's own failure) is mended by a
-            # restart again, however many the last kubelet saw in vain.
-            if p.restarts_in_vain:
+            # The restart budget `registered:` spent bounds plugin restarts against one kubelet: the
+            # new one is a new chance, and a plugin that does not register with it (HAMi's own
+            # failure) is mended by a restart again. Not the budget `plugin:` spent on a socket never
+            # served (a renamed resourceName): no kubelet restart mends a setting.
+            if p.restarts_in_vain and p.served:
                 if p.budget_announced:
                     logger.info("%s: a kubelet restart restores the restart budget", r)
                     self.listener.budget(r, False)
@@ -1037,7 +1038,8 @@ class Registrar:
                 p.budget_announced = True
                 logger.warning(
                     "restart budget spent for %s: %d plugin restarts did not bring registration back; "
-                    "liveness no longer fails for it until it registers (this node needs a person)",
+                    "liveness no longer fails for it until it registers or the kubelet restarts (this node "
+                    "needs a person)",
                     r,
                     RESTART_BUDGET,
                 )

@@ -775,6 +775,13 @@ def test_a_socket_served_under_another_name_is_named_and_spends_the_budget_in_th
     assert seen.budgets == [True]
     assert reg.registration()[GPU]["socket_found_instead"] == VGPU_SOCK
     assert seen.restart_requests == RESTART_BUDGET
+    # A kubelet restart does not mend a setting: the budget stays spent (a registration budget would not).
+    node.kubelet = alive(K2)
+    reg.round(node.round())
+    clock.now += 1.5
+    reg.round(node.round())
+    assert verdicts(reg) == (True, False)
+    assert seen.budgets == [True] and seen.restart_requests == RESTART_BUDGET
 
 
 def test_another_socket_coming_and_going_spends_nothing_for_a_plugin_that_had_served() -> None:

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import signal
+import tempfile
 
 from sidecar.testing.plugin import HAMI_SPLIT_COUNT, FakeDevicePlugin, hami_device_ids
 from sidecar.watcher import FsEvent
@@ -94,8 +95,8 @@ def apply_control(plugin: StandInPlugin, control: str, held: frozenset[str] = fr
     applied = ",".join(sorted(files & LASTING))
     if APPLIED not in files or applied != plugin.applied:
         with contextlib.suppress(OSError):
-            tmp = os.path.join(control, f"{APPLIED}.{os.getpid()}")
-            with open(tmp, "w") as f:
+            fd, tmp = tempfile.mkstemp(prefix=APPLIED, dir=control)  # two pods' PID 1 on one node
+            with os.fdopen(fd, "w") as f:
                 f.write(applied)
             os.replace(tmp, os.path.join(control, APPLIED))
             plugin.applied = applied

@@ -174,9 +174,11 @@ def fault_applied(timeout: float = 15) -> None:
 
     def applied() -> bool:
         try:
-            return (CONTROL / APPLIED).read_text() == want
-        except OSError:
-            return False
+            said = (CONTROL / APPLIED).read_text()
+        except OSError as e:
+            raise AssertionError(f"no {APPLIED}: {e}") from e  # wait's last reading, on a timeout
+        assert said == want, f"{APPLIED} says [{said}]"
+        return True
 
     wait(f"the stand-in applying the faults [{want}]", applied, timeout, 0.1)
 

@@ -55,12 +55,14 @@ cleanup() {
     keep=$repo/build/node-e2e/failed
     rm -rf "$keep"
     mkdir -p "$keep"
-    (cd "$run" && tar -cf - log var-log/pods node-e2e-*/var-log/pods 2> /dev/null) | tar -C "$keep" -xf - || true
+    (cd "$run" && tar -cf - log var-log/pods node-e2e-*/log node-e2e-*/var-log/pods 2> /dev/null) |
+      tar -C "$keep" -xf - || true
     echo "node-e2e: the run failed; its logs are in $keep"
-    for f in "$keep"/var-log/pods/*/{device-plugin,hami-sidecar}/*.log; do
+    for f in "$keep"/var-log/pods/*/{device-plugin,hami-sidecar}/*.log \
+      "$keep"/node-e2e-*/var-log/pods/*/{device-plugin,hami-sidecar}/*.log; do
       [ -f "$f" ] || continue
       echo "== ${f#"$keep"/} (last 40 lines)"
-      tail -n 40 "$f"
+      tail -n 40 "$f" || true
     done
   fi
   if [ "${NODE_E2E_KEEP_FILES:-}" = 1 ]; then
