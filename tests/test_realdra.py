@@ -300,13 +300,19 @@ async def test_kubelet_restart_never_fails_liveness(node: Node, crash: bool) -> 
 
     task = asyncio.create_task(observe())
     try:
-        await node.kubelet.restart(crash=crash)
+        # Down until a round has seen it (a quick restart can pass between two rounds unseen, 1 run in
+        # about 20 here), then up again: the plugin watcher registers the driver anew.
+        await (node.kubelet.crash() if crash else node.kubelet.stop())
+        await until(
+            lambda: _true(any(j.registered.status is not Status.OK for j in seen)), 10, "kubelet gone"
+        )
+        node.kubelet.restarts += 1
+        await node.kubelet.start()
         await settle(node, watch, usable=True)
     finally:
         stop.set()
         await task
     assert seen and not any(j.registered.live_failed or j.plugin.live_failed for j in seen), seen
-    assert any(j.registered.status is not Status.OK for j in seen), "the restart was not seen"
 
 
 async def test_connection_loss_reconnects_and_service_loss_fails_after_grace(node: Node) -> None:
