@@ -467,14 +467,20 @@ class Registrar:
             # new one is a new chance, and a plugin that does not register with it (HAMi's own
             # failure) is mended by a restart again. Not the budget `plugin:` spent on a socket never
             # served (a renamed resourceName): no kubelet restart mends a setting.
-            if p.restarts_in_vain and p.served:
-                if p.budget_announced:
-                    logger.info("%s: a kubelet restart restores the restart budget", r)
-                    self.listener.budget(r, False)
-                p.restarts_in_vain, p.budget_announced = 0, False
+            if p.served:
+                self._restore_budget(r, "after a kubelet restart")
         self.state.reset(list(self.state.checks))
         for r in self._plugins:
             self._open_attempt(r, "kubelet restart")
+
+    def _restore_budget(self, resource: str, why: str) -> None:
+        p = self._plugins[resource]
+        if not p.restarts_in_vain:
+            return
+        if p.budget_announced:
+            logger.info("%s %s: the restart budget is restored", resource, why)
+            self.listener.budget(resource, False)
+        p.restarts_in_vain, p.budget_announced = 0, False
 
     def _open_attempt(self, resource: str, cause: str) -> None:
         p = self._plugins[resource]
@@ -666,11 +672,7 @@ class Registrar:
             return  # a lost connection, or newer evidence against a held one, waits for its confirmation
         if held:
             p.episode = False
-            if p.restarts_in_vain:
-                if p.budget_announced:
-                    logger.info("%s registered again: the restart budget is restored", r)
-                    self.listener.budget(r, False)
-                p.restarts_in_vain, p.budget_announced = 0, False
+            self._restore_budget(r, "registered again")
             if self._recorded(r, seen, obs):
                 self._close_attempt(r, registered=True)
         # Restarting the plugin registers it again, unless the kubelet cannot take it or the plugin is
