@@ -87,7 +87,7 @@ kubelet-fixtures-check:
 	cd tests/node && $(GO) vet ./pause
 
 demo: $(STAMP)
-	$(PY) -m sidecar.demo
+	$(PY) -m testing.demo
 
 # A real node in a box (tests/node, README.md#a-real-node): etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler and the kubelet from k8s.io/kubernetes (tests/node/go.mod), Debian's containerd and runc,
@@ -125,7 +125,7 @@ node-images:
 # A DRA driver's tour against the kubelet's own plugin manager and DRA manager (tests/realdra).
 .PHONY: demo-dra
 demo-dra: $(STAMP) dra-fixture-new
-	DEMO_KUBELET=dra $(PY) -m sidecar.demo
+	DEMO_KUBELET=dra $(PY) -m testing.demo
 
 # Figures for BENCHMARKS.md (each script prints medians and ratios from one run).
 bench: $(STAMP)
@@ -154,8 +154,8 @@ fuzz: $(STAMP)
 real-slow: $(STAMP) kubelet-fixtures dra-fixtures
 	$(MAKE) -j4 stop-grace device-oracle dra-oracle-new dra-oracle-old
 	$(PY) -m pytest -q -m slow tests/test_realdra.py
-	DEMO_KUBELET=real DEMO_TOUR_ONLY=1 $(PY) -m sidecar.demo > /dev/null
-	DEMO_KUBELET=dra DEMO_TOUR_ONLY=1 $(PY) -m sidecar.demo > /dev/null
+	DEMO_KUBELET=real DEMO_TOUR_ONLY=1 $(PY) -m testing.demo > /dev/null
+	DEMO_KUBELET=dra DEMO_TOUR_ONLY=1 $(PY) -m testing.demo > /dev/null
 
 # Side by side in real-slow (they mostly wait on the kubelets): the 5-minute stop grace, and the
 # device-plugin oracle's 200 events x 3 seeds on both releases.

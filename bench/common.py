@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import aiohttp
 import psutil
 
-from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
-from sidecar.testing.realkubelet import RealKubelet, Release
+from testing import FakeDevicePlugin, FakeKubelet, free_port
+from testing.realkubelet import RealKubelet, Release
 
 GPU = "nvidia.com/gpu"
 # A second plugin whose socket name sorts before kubelet.sock (nvidia-gpu.sock sorts after).

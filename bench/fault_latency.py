@@ -18,7 +18,7 @@ import contextlib
 import os
 
 from bench.common import GPU, node, real_node, summary
-from sidecar.testing.realkubelet import RealPlugin, Release, missing_reason
+from testing.realkubelet import RealPlugin, Release, missing_reason
 
 TRIALS = int(os.environ.get("TRIALS", "50"))
 INTERVAL, TIMEOUT, GRACE = 1.0, 0.2, 1.0

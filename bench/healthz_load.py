@@ -19,7 +19,7 @@ import time
 import aiohttp
 
 from bench.common import node, percentile
-from sidecar.testing import free_port
+from testing import free_port
 
 DURATION = int(os.environ.get("LOAD_SECONDS", "10"))
 BARE = """

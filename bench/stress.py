@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from bench.common import percentile, sidecar_argv
-from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
+from testing import FakeDevicePlugin, FakeKubelet, free_port
 
 FLOOD_SECONDS = float(os.environ.get("STRESS_SECONDS", "8"))
 # STRESS_CPU_LIMIT=0.2 runs the sidecar under a CFS quota of 0.2 CPU, as `limits: {cpu: 200m}` does in

@@ -72,7 +72,7 @@ def logscan() -> None:
 
 async def _checkpoints(tmp: str) -> None:
     from sidecar.checkpoint import CHECKPOINT_NAME
-    from sidecar.testing.realkubelet import RealKubelet, RealPlugin, missing_reason
+    from testing.realkubelet import RealKubelet, RealPlugin, missing_reason
 
     folder = os.path.join(tmp, "device-plugins")
     os.mkdir(folder, 0o750)

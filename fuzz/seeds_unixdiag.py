@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sidecar.testing.netns import Netns
+from testing.netns import Netns
 from tests.forged import forged_names
 from tests.test_unixdiag import CAPTURE
 

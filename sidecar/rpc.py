@@ -1,7 +1,7 @@
 """The kubelet's gRPC services, typed, with method paths taken from the project's own descriptors.
 
 No `*_pb2_grpc.py` is generated: the clients here (and the simulator's servers in
-`sidecar.testing.grpcserve`) are built from the service descriptors, so every path
+`testing.grpcserve`) are built from the service descriptors, so every path
 is the one the `.proto` files declare.
 """
 

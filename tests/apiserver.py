@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from sidecar.testing import free_port
+from testing import free_port
 from tests.conftest import stop_process
 
 BINARY = Path(__file__).resolve().parent / "node" / "bin" / "kube-apiserver"

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
-from sidecar.testing import FakeDevicePlugin, FakeKubelet
+from testing import FakeDevicePlugin, FakeKubelet
 
 
 @pytest.fixture
@@ -132,7 +132,7 @@ def kubelet_elsewhere(short_tmp: str) -> Iterator[tuple[subprocess.Popen[bytes],
 
 def require_dra_fixture(release: str) -> None:
     """Skip where the DRA fixture (tests/realdra) of a release is not built; fail under CI=true."""
-    from sidecar.testing.realdra import missing_reason
+    from testing.realdra import missing_reason
 
     reason = missing_reason(release)
     if reason is not None:

@@ -2,7 +2,7 @@
 
 Each side is a node of its own (a device-plugins folder, a pod-resources socket, the same
 FakeDevicePlugins): one runs FakeKubelet, the other the device manager and PodResources server of
-k8s.io/kubernetes itself (sidecar.testing.realkubelet, docs/real-kubelet.md). After every step the
+k8s.io/kubernetes itself (testing.realkubelet, docs/real-kubelet.md). After every step the
 test compares what the project reads on a node: the checkpoint's content (RegisteredDevices as
 sets, PodDeviceEntries; not the checksum), the sockets in the folder, GetCapacity, the
 pod-resources answers (as sets of (resource, device, NUMA node)) and the calls each plugin served.
@@ -29,9 +29,9 @@ from sidecar.checkpoint import CHECKPOINT_NAME
 from sidecar.proto import deviceplugin_v1beta1_pb2 as dp
 from sidecar.proto import podresources_v1_pb2 as pr
 from sidecar.rpc import POD_RESOURCES, insecure_channel, unary
-from sidecar.testing import FakeDevicePlugin, FakeKubelet, is_simulator_checkpoint
-from sidecar.testing.realkubelet import RealKubelet, Release
 from sidecar.watcher import FolderWatcher, FsEvent
+from testing import FakeDevicePlugin, FakeKubelet, is_simulator_checkpoint
+from testing.realkubelet import RealKubelet, Release
 from tests.conftest import wait_for
 from tests.test_realkubelet import require_fixture
 

@@ -77,11 +77,11 @@ from sidecar.checkpoint import Checkpoint, CheckpointError, read_checkpoint
 from sidecar.probes import Reading, SocketId
 from sidecar.registration import iso
 from sidecar.rpc import unix_target
-from sidecar.testing import FakeDevicePlugin, FakeKubelet, netns
-from sidecar.testing.grpcserve import GoStyleUnimplemented
-from sidecar.testing.netns import Netns
-from sidecar.testing.plugin import hami_device_ids
 from sidecar.unixdiag import SocketOwner, kubelet_connections
+from testing import FakeDevicePlugin, FakeKubelet, netns
+from testing.grpcserve import GoStyleUnimplemented
+from testing.netns import Netns
+from testing.plugin import hami_device_ids
 from tests.conftest import wait_for
 
 GPU = "nvidia.com/gpu"

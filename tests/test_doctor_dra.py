@@ -11,7 +11,7 @@ import os
 from doctor.cli import main
 from doctor.dra import dra_causes, gather_dra, scan_dra_log
 from sidecar.dra import DraSpec
-from sidecar.testing.realdra import RealDraDriver, RealDraKubelet, Release
+from testing.realdra import RealDraDriver, RealDraKubelet, Release
 
 DRIVER = "gpu.example.com"
 

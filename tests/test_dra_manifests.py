@@ -343,7 +343,7 @@ async def test_the_rendered_probes_against_the_kubelets_real_dra_manager(
     The compute-domain driver crashes: its container's liveness command fails on the sidecar's 503,
     while the gpus container's passes and stays ready: one driver's failure restarts no other."""
     require_dra_fixture(release)
-    from sidecar.testing.realdra import RealDraDriver, RealDraKubelet, Release
+    from testing.realdra import RealDraDriver, RealDraKubelet, Release
 
     rel: Release = "new" if release == "new" else "old"
 

@@ -18,7 +18,7 @@ from google.protobuf.message import Message
 from sidecar.drawatch import REGISTRATION
 from sidecar.proto import dra_v1_pb2, pluginregistration_v1_pb2
 from sidecar.rpc import method_path
-from sidecar.testing.realdra import Release, fixture_binary
+from testing.realdra import Release, fixture_binary
 from tests.test_realdra import require_fixture
 
 DRA_PLUGIN = dra_v1_pb2.DESCRIPTOR.services_by_name["DRAPlugin"]

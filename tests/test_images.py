@@ -15,13 +15,14 @@ import subprocess
 import sys
 import tomllib
 import urllib.request
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from sidecar.testing import free_port
+from testing import free_port
 from tests.conftest import wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,6 +170,63 @@ def test_init_image_runs_initcheck_with_psutil_only(image: Callable[[str], Image
             [str(img.venv / "bin" / "python"), "-c", f"import {module}"], cwd=img.venv, capture_output=True
         )
         assert probe.returncode != 0, f"{module} is in the init image"
+
+
+# What only the tests, the demo and the node end-to-end run: the simulator, the real-kubelet and DRA
+# drivers, the network namespaces, the stand-in. None of it may reach an image or the product wheel.
+RIG_MARKERS = (b"class FakeKubelet", b"class FakeDevicePlugin", b"class RealKubelet", b"class Netns")
+
+
+def _is_rig(path: Path) -> bool:
+    """A `testing` package, or a module that defines one of the rig's classes."""
+    if path.is_dir():
+        return path.name == "testing" and (path / "__init__.py").exists()
+    return path.suffix == ".py" and any(m in path.read_bytes() for m in RIG_MARKERS)
+
+
+def _rig_files(tree: Path) -> list[str]:
+    return [str(path.relative_to(tree)) for path in tree.rglob("*") if _is_rig(path)]
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.init", "Dockerfile.sidecar"])
+def test_the_images_hold_no_test_rig(image: Callable[[str], Image], dockerfile: str) -> None:
+    img = image(dockerfile)
+    (site,) = img.venv.glob("lib/python3*/site-packages")
+    assert (site / "initcheck" / "cli.py").exists()  # the scan looks where the product is
+    assert _rig_files(site) == []
+    probe = subprocess.run([str(img.venv / "bin" / "python"), "-c", "import testing"], cwd=img.venv)
+    assert probe.returncode != 0
+
+
+PRODUCT_PACKAGES = {"initcheck", "sidecar", "doctor"}
+
+
+def test_the_product_wheel_holds_no_test_rig(tmp_path: Path) -> None:
+    """The wheel built from the repository's pyproject.toml, with every top-level package of the checkout
+    beside it (the rig, the tests, the benchmarks too): the three programs only."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for package in ROOT.iterdir():
+        if (package / "__init__.py").exists():
+            shutil.copytree(
+                package, src / package.name, ignore=shutil.ignore_patterns("__pycache__", "bin", "*.tar")
+            )
+    assert (src / "testing").is_dir()
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run(
+        [*pip, "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), "."],
+        check=True,
+        capture_output=True,
+        cwd=src,
+    )
+    (wheel,) = tmp_path.glob("hami_guard-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+        assert top == PRODUCT_PACKAGES
+        assert [n for n in names if n.endswith(".py") and any(m in z.read(n) for m in RIG_MARKERS)] == []
 
 
 def test_sidecar_image_serves(image: Callable[[str], Image], listening: str) -> None:

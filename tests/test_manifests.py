@@ -645,7 +645,7 @@ GATE_SCRIPT = """
 import asyncio, json, os, socket, sys, tempfile, aiohttp
 from sidecar.config import Settings
 from sidecar.cli import serve
-from sidecar.testing import FakeKubelet, FakeDevicePlugin
+from testing import FakeKubelet, FakeDevicePlugin
 READY = sys.argv[1]
 async def get(port, path):
     async with aiohttp.ClientSession() as c, c.get(f'http://127.0.0.1:{port}{path}') as r:
@@ -877,7 +877,7 @@ def test_metrics_the_rules_use_exist_and_pass_promtool(tmp_path: Path) -> None:
     script = (
         "import asyncio, aiohttp, os, socket, sys, tempfile\n"
         "from sidecar.config import Settings\nfrom sidecar.cli import serve\n"
-        "from sidecar.testing import FakeKubelet, FakeDevicePlugin\n"
+        "from testing import FakeKubelet, FakeDevicePlugin\n"
         "async def main():\n"
         "    d = tempfile.mkdtemp(prefix='hg-'); dp = d + '/dp'; os.mkdir(dp)\n"
         "    s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"

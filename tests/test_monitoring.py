@@ -34,7 +34,7 @@ import yaml
 from sidecar.app import Sidecar
 from sidecar.cli import serve
 from sidecar.config import AUTO_DEVICES, Settings
-from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
+from testing import FakeDevicePlugin, FakeKubelet, free_port
 from tests.conftest import require_tool
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ import pytest
 from sidecar.dra import DEFAULT_GRACE, DraSpec, Judgement
 from sidecar.drawatch import DraWatch, get_info
 from sidecar.health import Status
-from sidecar.testing.realdra import FixtureError, RealDraDriver, RealDraKubelet, Release
+from testing.realdra import FixtureError, RealDraDriver, RealDraKubelet, Release
 from tests.conftest import require_dra_fixture
 
 DRIVER = "gpu.example.com"

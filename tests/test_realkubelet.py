@@ -17,7 +17,7 @@ import pytest
 from sidecar.checkpoint import read_checkpoint
 from sidecar.proto import podresources_v1_pb2 as pr
 from sidecar.rpc import POD_RESOURCES, insecure_channel, unary
-from sidecar.testing.realkubelet import (
+from testing.realkubelet import (
     FixtureError,
     RealKubelet,
     RealPlugin,

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from sidecar import serving
 from sidecar.serving import BoundedServer, is_probe_path, open_fds
-from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
+from testing import FakeDevicePlugin, FakeKubelet, free_port
 from tests.conftest import wait_for
 
 GET = b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from sidecar.testing import free_port
+from testing import free_port
 from tests.conftest import require_tool
 from tests.test_initcheck import catches
 from tests.test_serving import _sidecar_argv as sidecar_argv

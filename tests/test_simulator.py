@@ -19,11 +19,13 @@ from typing import Any
 import grpc
 import pytest
 
-import sidecar.testing.kubelet as kubelet_module
+import testing.kubelet as kubelet_module
 from sidecar.proto import deviceplugin_v1beta1_pb2 as dp
 from sidecar.proto import podresources_v1_pb2 as pr
 from sidecar.rpc import DEVICE_PLUGIN, POD_RESOURCES, REGISTRATION, insecure_channel, unary
-from sidecar.testing import (
+from sidecar.unixdiag import ESTABLISHED, normalise, proc_net_unix
+from sidecar.watcher import FolderWatcher, FsEvent
+from testing import (
     ERR_INVALID_RESOURCE_NAME,
     ERR_RATE_LIMIT,
     ERR_UNSUPPORTED_VERSION,
@@ -36,8 +38,6 @@ from sidecar.testing import (
     is_extended_resource_name,
     is_simulator_checkpoint,
 )
-from sidecar.unixdiag import ESTABLISHED, normalise, proc_net_unix
-from sidecar.watcher import FolderWatcher, FsEvent
 from tests.conftest import wait_for
 
 GPU = "nvidia.com/gpu"

@@ -1,5 +1,5 @@
 """Who serves a plugin socket: `sidecar.unixdiag.socket_owner`, with real listeners in real network
-namespaces (`sidecar.testing.netns`: root, as in CI)."""
+namespaces (`testing.netns`: root, as in CI)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from sidecar.testing import netns
-from sidecar.testing.netns import Netns
 from sidecar.unixdiag import socket_owner
+from testing import netns
+from testing.netns import Netns
 
 OWNER = (
     "import json, sys; from sidecar.unixdiag import socket_owner; "

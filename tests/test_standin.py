@@ -1,4 +1,4 @@
-"""The node end-to-end tests' stand-in for HAMi's plugin (sidecar.testing.standin), against the simulated
+"""The node end-to-end tests' stand-in for HAMi's plugin (testing.standin), against the simulated
 kubelet: it registers HAMi's split IDs, and each fault file does what tests/node/e2e_node.py relies on."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from sidecar.testing import FakeKubelet
-from sidecar.testing.plugin import hami_device_ids
-from sidecar.testing.standin import (
+from testing import FakeKubelet
+from testing.plugin import hami_device_ids
+from testing.standin import (
     APPLIED,
     DEAD_GPU,
     DROP,

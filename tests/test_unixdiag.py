@@ -1,7 +1,7 @@
 """The kernel's tables of Unix sockets as `sidecar.unixdiag` reads them: total decoders, and lines or
 messages that a hostile neighbour makes up never counted as the kubelet's connections.
 
-Real sockets in network namespaces of the test's own (`sidecar.testing.netns`, root as in CI); the
+Real sockets in network namespaces of the test's own (`testing.netns`, root as in CI); the
 decoders also get every prefix and damaged copies of replies and tables the kernel wrote here."""
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from initcheck.netunix import (
     parse_proc_net_unix,
     read_proc_net_unix,
 )
-from sidecar.testing import netns
-from sidecar.testing.netns import Netns
 from sidecar.unixdiag import (
     NLMSG_DONE,
     NLMSG_ERROR,
@@ -34,6 +32,8 @@ from sidecar.unixdiag import (
     decode_reply,
     kubelet_connections,
 )
+from testing import netns
+from testing.netns import Netns
 from tests.forged import (
     NOBODY,
     ROOT_NO_CAPS,

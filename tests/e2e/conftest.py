@@ -16,8 +16,8 @@ import pytest
 from sidecar.app import Sidecar
 from sidecar.cli import serve
 from sidecar.config import PluginSpec, Settings
-from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
-from sidecar.testing.realkubelet import Release
+from testing import FakeDevicePlugin, FakeKubelet, free_port
+from testing.realkubelet import Release
 from tests.conftest import wait_for
 from tests.test_realkubelet import require_fixture
 

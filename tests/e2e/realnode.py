@@ -15,8 +15,8 @@ import pytest
 
 from sidecar.app import Sidecar
 from sidecar.config import PluginSpec, Settings
-from sidecar.testing import free_port
-from sidecar.testing.realkubelet import RealKubelet, RealPlugin, Release
+from testing import free_port
+from testing.realkubelet import RealKubelet, RealPlugin, Release
 from tests.conftest import wait_for
 from tests.e2e.conftest import sidecar_running
 

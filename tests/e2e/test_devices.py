@@ -26,8 +26,8 @@ import pytest
 from sidecar.app import Sidecar
 from sidecar.config import Settings
 from sidecar.registration import RESTART_BUDGET
-from sidecar.testing import FakeKubelet, free_port
-from sidecar.testing.plugin import hami_device_ids
+from testing import FakeKubelet, free_port
+from testing.plugin import hami_device_ids
 from tests.conftest import wait_for
 from tests.e2e.conftest import FAST, GPU, NodeFactory, sidecar_running
 from tests.test_hamiconfig import NODE, UUIDS, Host, chart_config
@@ -37,7 +37,7 @@ VGPU = "nvidia.com/vgpu"
 # The simulator's plugin as a process of its own: serves until SIGTERM, then removes its socket.
 PLUGIN = """
 import asyncio, signal, sys
-from sidecar.testing import FakeDevicePlugin
+from testing import FakeDevicePlugin
 
 async def main() -> None:
     stop = asyncio.Event()

@@ -18,8 +18,8 @@ import pytest
 from sidecar.app import Sidecar
 from sidecar.config import Settings
 from sidecar.dra import DraSpec
-from sidecar.testing import free_port
-from sidecar.testing.realdra import RealDraDriver, RealDraKubelet, Release
+from testing import free_port
+from testing.realdra import RealDraDriver, RealDraKubelet, Release
 from tests.conftest import wait_for
 from tests.e2e.conftest import Watch, sidecar_running
 from tests.e2e.realnode import Asks

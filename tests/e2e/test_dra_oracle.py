@@ -31,7 +31,7 @@ import pytest
 from sidecar.dra import RESTART_BUDGET, DraSpec, Judgement
 from sidecar.drawatch import DraWatch
 from sidecar.health import Status
-from sidecar.testing.realdra import RealDraDriver, RealDraKubelet, Release
+from testing.realdra import RealDraDriver, RealDraKubelet, Release
 from tests.test_realdra import Clock
 
 EVENTS = int(os.environ.get("ORACLE_EVENTS", "5"))

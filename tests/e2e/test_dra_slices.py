@@ -19,8 +19,8 @@ from sidecar.dra import DraSpec, Judgement
 from sidecar.draslices import ApiAccess, read_slices
 from sidecar.drawatch import SLICES_EVERY, DraWatch
 from sidecar.health import Status
-from sidecar.testing import free_port
-from sidecar.testing.realdra import RealDraDriver, RealDraKubelet
+from testing import free_port
+from testing.realdra import RealDraDriver, RealDraKubelet
 from tests import apiserver
 from tests.conftest import require_dra_fixture
 from tests.test_realdra import Clock

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.testing.realkubelet import FixtureError, RealPlugin
+from testing.realkubelet import FixtureError, RealPlugin
 from tests.e2e.realnode import GPU, RealNode
 
 EVENTS = int(os.environ.get("ORACLE_EVENTS", "25"))

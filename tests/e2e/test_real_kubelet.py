@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from sidecar.testing import netns
-from sidecar.testing.realkubelet import RealPlugin, fast_takeover
+from testing import netns
+from testing.realkubelet import RealPlugin, fast_takeover
 from tests.conftest import wait_for
 from tests.e2e.conftest import Watch
 from tests.e2e.realnode import GPU, UUIDS, RealNode, restarts_seen

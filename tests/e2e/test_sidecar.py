@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar.config import PluginSpec
 from sidecar.probes import probe_kubelet, socket_identity
 from sidecar.rpc import unix_target
-from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
-from sidecar.testing.grpcserve import GoStyleUnimplemented
+from testing import FakeDevicePlugin, FakeKubelet, free_port
+from testing.grpcserve import GoStyleUnimplemented
 from tests.conftest import wait_for, wait_ready
 from tests.e2e.conftest import GPU, Node, NodeFactory, Watch, sidecar_running
 from tests.e2e.test_liveness import LIVE, READY
@@ -605,7 +605,7 @@ async def test_expected_devices_check_counts_what_the_kubelet_lists(
 
 def test_demo_tour_runs_and_exits() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "sidecar.demo"],
+        [sys.executable, "-m", "testing.demo"],
         env={**os.environ, "DEMO_TOUR_ONLY": "1"},
         capture_output=True,
         text=True,

@@ -21,9 +21,9 @@ import pytest
 
 from sidecar.checkpoint import CheckpointError, read_checkpoint
 from sidecar.config import Settings
-from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
-from sidecar.testing.kubelet import STOP_GRACE
-from sidecar.testing.realkubelet import RealKubelet, RealPlugin, Release
+from testing import FakeDevicePlugin, FakeKubelet, free_port
+from testing.kubelet import STOP_GRACE
+from testing.realkubelet import RealKubelet, RealPlugin, Release
 from tests.conftest import wait_for
 from tests.e2e.conftest import sidecar_running
 from tests.test_realkubelet import require_fixture

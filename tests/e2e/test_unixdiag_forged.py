@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from sidecar.config import PluginSpec
-from sidecar.testing import free_port, netns
-from sidecar.testing.netns import Netns
-from sidecar.testing.realkubelet import RealKubelet, RealPlugin, Release
+from testing import free_port, netns
+from testing.netns import Netns
+from testing.realkubelet import RealKubelet, RealPlugin, Release
 from tests.conftest import wait_for
 from tests.e2e.realnode import SETTINGS
 from tests.forged import LOOPBACK_UP, ROOT_NO_CAPS, Holder, forged_names, names, nsenter

@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar.testing import free_port
+from testing import free_port
 from tests.conftest import require_tool, stop_process
 from tests.node.kit import (
     DEVICES,

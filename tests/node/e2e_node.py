@@ -3,7 +3,7 @@ kubelet, containerd and runc, brought up by tests/node/node.sh (`make node-e2e`)
 inside the node's namespaces. HAMi's device-plugin DaemonSet shape with the hami-patch component
 (manifests/example-hami, rendered by kubectl kustomize through tests/node/overlay) is applied as it is;
 the DaemonSet controller and the scheduler place its pod. The overlay only puts the project's stand-in
-for HAMi's plugin (sidecar.testing.standin) in the `device-plugin` container, whose faults are files in
+for HAMi's plugin (testing.standin) in the `device-plugin` container, whose faults are files in
 /run/hami-standin, and names the node's kubelet process (kubelet-e2e).
 
 The tests share the node and run in file order; each leaves the plugin registered and Ready. Timings

@@ -20,6 +20,8 @@ base_name=docker.io/library/python:3.11.7-slim-bookworm
 init_name=$(grep -ho 'image: .*hami-initcheck:[^ ]*' "$repo/manifests/hami-patch/patch.yaml" | head -1 | cut -d' ' -f2)
 sidecar_name=$(grep -ho 'image: .*hami-sidecar:[^ ]*' "$repo/manifests/hami-patch/patch.yaml" | head -1 | cut -d' ' -f2)
 pause_name=${NODE_E2E_PAUSE_IMAGE:-localhost/node-e2e/pause:1}
+# HAMi's plugin needs a GPU: the stand-in's image is the sidecar's plus the test rig (Dockerfile.standin).
+standin_name=${sidecar_name%/*}/hami-standin:${sidecar_name##*:}
 
 mirror=${NODE_E2E_DEBIAN_MIRROR:-}
 if [ -z "$mirror" ]; then
@@ -67,12 +69,17 @@ fi
 # (a bind mount during the build, not a layer), so pip reaches PyPI through whatever proxy the machine
 # trusts.
 trust=(--volume /etc/ssl/certs:/etc/ssl/certs:ro)
-build_image() { # dockerfile name tar inputs...
-  local dockerfile=$1 name=$2 tar=$3
+build_image() { # dockerfile name tar inputs... [-- build arguments...]
+  local dockerfile=$1 name=$2 tar=$3 args=()
   shift 3
+  local inputs=()
+  while (($#)) && [ "$1" != -- ]; do inputs+=("$1"); shift; done
+  (($#)) && shift && args=("$@")
+  set -- "${inputs[@]}"
   if stale "$out/$tar" "$repo/$dockerfile" "$@"; then
     echo "buildah bud -f $dockerfile -t $name"
-    (cd "$repo" && bah bud --quiet --pull=never --isolation chroot --layers=false "${trust[@]}" -f "$dockerfile" -t "$name" .) > "$build/$tar.log" 2>&1 || {
+    (cd "$repo" && bah bud --quiet --pull=never --isolation chroot --layers=false "${trust[@]}" "${args[@]}" -f "$dockerfile" \
+      -t "$name" .) > "$build/$tar.log" 2>&1 || {
       tail -30 "$build/$tar.log"
       exit 1
     }
@@ -85,6 +92,8 @@ build_image Dockerfile.init "$init_name" init.tar "$repo/initcheck" "$repo/image
   "$repo/.dockerignore"
 build_image Dockerfile.sidecar "$sidecar_name" sidecar.tar "$repo/initcheck" "$repo/sidecar" "$repo/doctor" \
   "$repo/requirements" "$repo/pyproject.toml" "$repo/.dockerignore"
+build_image tests/node/Dockerfile.standin "$standin_name" standin.tar "$out/sidecar.tar" "$repo/testing" \
+  -- --build-arg "SIDECAR_IMAGE=$sidecar_name"
 
 # 3. The pause image.
 if stale "$out/pause.tar" "$here/pause"; then
@@ -98,4 +107,4 @@ if stale "$out/pause.tar" "$here/pause"; then
   bah push --quiet "$pause_name" "docker-archive:$out/pause.tar.tmp:$pause_name"
   mv "$out/pause.tar.tmp" "$out/pause.tar"
 fi
-echo "images: $out ($init_name, $sidecar_name, $pause_name)"
+echo "images: $out ($init_name, $sidecar_name, $standin_name, $pause_name)"

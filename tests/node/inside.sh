@@ -138,7 +138,7 @@ in_node() { nsenter -t "$(cat "$run/holder.pid")" -p -m -- "$@"; }
 in_node containerd --config "$run/containerd.toml" > "$log/containerd.log" 2>&1 &
 pids+=($!)
 wait_for 60 containerd ctr --address /run/containerd/containerd.sock version
-for i in pause init sidecar; do
+for i in pause init sidecar standin; do
   ctr --address /run/containerd/containerd.sock -n k8s.io images import "$repo/build/node-e2e/images/$i.tar" > /dev/null
 done
 

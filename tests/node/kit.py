@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sidecar.testing.standin import APPLIED, LASTING
+from testing.standin import APPLIED, LASTING
 
 RUN = os.environ.get("NODE_E2E_DIR", "")
 

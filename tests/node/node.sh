@@ -27,7 +27,7 @@ done
 for b in kubelet-e2e kube-apiserver kube-controller-manager kube-scheduler; do
   [ -x "$here/bin/$b" ] || missing+=("tests/node/bin/$b (make node-bins)")
 done
-for i in init sidecar pause; do
+for i in init sidecar standin pause; do
   [ -s "$repo/build/node-e2e/images/$i.tar" ] || missing+=("build/node-e2e/images/$i.tar (make node-images)")
 done
 if ((${#missing[@]})); then

@@ -134,7 +134,7 @@ inner)
   ip route add default via "$API_IP" dev n2-eth
   containerd --config "$dir/containerd.toml" > "$log/containerd.log" 2>&1 &
   wait_for 60 "$NODE's containerd" ctr --address /run/containerd/containerd.sock version
-  for i in pause init sidecar; do
+  for i in pause init sidecar standin; do
     ctr --address /run/containerd/containerd.sock -n k8s.io images import "$repo/build/node-e2e/images/$i.tar" > /dev/null
   done
   "$here/bin/kubelet-e2e" --config="$dir/kubelet.yaml" --kubeconfig="$dir/kubeconfig" \

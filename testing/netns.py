@@ -177,7 +177,7 @@ class PluginProcess:
     ) -> PluginProcess:
         """The plugin in `netns`, or in this process's namespace when None."""
         argv = [
-            sys.executable, "-m", "sidecar.testing.netns",
+            sys.executable, "-m", "testing.netns",
             "--device-plugin-dir", device_plugin_dir,
             "--resource", resource,
             "--socket", socket_name,
@@ -217,7 +217,7 @@ class PluginProcess:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from sidecar.testing.plugin import FakeDevicePlugin
+    from testing.plugin import FakeDevicePlugin
 
     plugin = FakeDevicePlugin(
         args.device_plugin_dir, args.resource, args.socket, [d for d in args.devices.split(",") if d]
@@ -249,7 +249,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m sidecar.testing.netns")
+    p = argparse.ArgumentParser(prog="python -m testing.netns")
     p.add_argument("--device-plugin-dir", required=True)
     p.add_argument("--resource", default="nvidia.com/gpu")
     p.add_argument("--socket", default="nvidia-gpu.sock")

@@ -2,7 +2,7 @@
 
 Each runs a process of the Go fixture in `tests/realdra` (docs/real-kubelet.md#dra) at one of the
 two releases of `tests/realkubelet`; build them with `make dra-fixtures`. The processes speak the
-same JSON lines as the device-manager fixture (`sidecar.testing.realkubelet.FixtureProcess`).
+same JSON lines as the device-manager fixture (`testing.realkubelet.FixtureProcess`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from sidecar.testing.realkubelet import RELEASES, Event, FixtureError, FixtureProcess, Release
+from testing.realkubelet import RELEASES, Event, FixtureError, FixtureProcess, Release
 
 BIN_ENV = "HAMI_GUARD_REALDRA_BIN"
-_REPO = Path(__file__).resolve().parents[2]
+_REPO = Path(__file__).resolve().parents[1]
 
 __all__ = ["RELEASES", "FixtureError", "RealDraDriver", "RealDraKubelet", "Release", "missing_reason"]
 

@@ -1,4 +1,4 @@
-"""`python -m sidecar.testing`: a simulated kubelet and plugin in a folder, with faults typed at a prompt."""
+"""`python -m testing`: a simulated kubelet and plugin in a folder, with faults typed at a prompt."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import logging
 import sys
 import tempfile
 
-from sidecar.testing.kubelet import FakeKubelet
-from sidecar.testing.plugin import FakeDevicePlugin
+from testing.kubelet import FakeKubelet
+from testing.plugin import FakeDevicePlugin
 
 COMMANDS = """commands:
   restart          restart the kubelet (plugin sockets deleted; the plugin registers again)
@@ -26,7 +26,7 @@ COMMANDS = """commands:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sidecar.testing", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m testing", description=__doc__)
     parser.add_argument("--device-plugin-dir", help="folder to use (default: a new temporary folder)")
     parser.add_argument("--pod-resources-socket", help="also serve pod-resources on this socket")
     parser.add_argument("--resource", default="nvidia.com/gpu")

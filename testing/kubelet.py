@@ -43,9 +43,9 @@ from sidecar.rpc import (
     unary,
     unix_target,
 )
-from sidecar.testing.checkpointfile import write_checkpoint
-from sidecar.testing.front import SocketFront
-from sidecar.testing.grpcserve import GoStyleUnimplemented, server_stream, service_handler
+from testing.checkpointfile import write_checkpoint
+from testing.front import SocketFront
+from testing.grpcserve import GoStyleUnimplemented, server_stream, service_handler
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def _canonical(data: object) -> bytes:
 
 
 def is_simulator_checkpoint(raw: bytes) -> bool:
-    """The file carries the simulator's checksum (sidecar.testing.checkpointfile), not a kubelet's."""
+    """The file carries the simulator's checksum (testing.checkpointfile), not a kubelet's."""
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError):

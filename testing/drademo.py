@@ -19,8 +19,8 @@ import aiohttp
 from sidecar.cli import serve
 from sidecar.config import Settings
 from sidecar.dra import DraSpec
-from sidecar.testing import free_port
-from sidecar.testing.realdra import RealDraDriver, RealDraKubelet
+from testing import free_port
+from testing.realdra import RealDraDriver, RealDraKubelet
 
 DRIVER = "gpu.example.com"
 GRACE = 4.0

@@ -36,7 +36,7 @@ RELEASES: Mapping[str, str] = {"new": "v1.37.2", "old": "v1.36.5"}
 KUBELET_SOCKET = "kubelet.sock"
 PROCESSED = "Processed device updates for resource"  # the manager's line for each ListAndWatch answer
 BIN_ENV = "HAMI_GUARD_REALKUBELET_BIN"
-_REPO = Path(__file__).resolve().parents[2]
+_REPO = Path(__file__).resolve().parents[1]
 
 Event = dict[str, Any]
 

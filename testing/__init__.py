@@ -1,9 +1,9 @@
 """A kubelet simulator and a fake device plugin, shipped for tests, the demo and the benchmarks.
 
-Like `aiohttp.test_utils`, this is part of the package: `from sidecar.testing import FakeKubelet`.
+Like `aiohttp.test_utils`, this is part of the package: `from testing import FakeKubelet`.
 """
 
-from sidecar.testing.kubelet import (
+from testing.kubelet import (
     ERR_ALREADY_CONNECTED,
     ERR_DIAL,
     ERR_INVALID_RESOURCE_NAME,
@@ -20,7 +20,7 @@ from sidecar.testing.kubelet import (
     is_simulator_checkpoint,
     unsupported_version_error,
 )
-from sidecar.testing.plugin import FakeDevicePlugin, hami_device_ids
+from testing.plugin import FakeDevicePlugin, hami_device_ids
 
 
 def free_port() -> int:

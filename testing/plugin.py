@@ -23,10 +23,10 @@ from sidecar.rpc import (
     unix_target,
 )
 from sidecar.tasks import TaskSet
-from sidecar.testing.front import SocketFront
-from sidecar.testing.grpcserve import service_handler
-from sidecar.testing.kubelet import KUBELET_SOCKET
 from sidecar.watcher import FolderWatcher, FsEvent
+from testing.front import SocketFront
+from testing.grpcserve import service_handler
+from testing.kubelet import KUBELET_SOCKET
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 DEMO_TOUR_ONLY=1 exits after the tour (CI); otherwise it keeps serving until Ctrl-C.
 DEMO_KUBELET=real runs the tour against the kubelet's own device manager (the Go fixture of
 tests/realkubelet, built by `make kubelet-fixtures`) instead of the simulator; DEMO_KUBELET=dra
-runs a DRA driver's tour against the kubelet's own DRA manager (sidecar/drademo.py).
+runs a DRA driver's tour against the kubelet's own DRA manager (testing/drademo.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import aiohttp
 
 from sidecar.cli import serve, setup_logging
 from sidecar.config import Settings
-from sidecar.testing import FakeDevicePlugin, FakeKubelet, free_port
-from sidecar.testing.realkubelet import RealKubelet, RealPlugin, missing_reason
+from testing import FakeDevicePlugin, FakeKubelet, free_port
+from testing.realkubelet import RealKubelet, RealPlugin, missing_reason
 
 GPU = "nvidia.com/gpu"
 
@@ -236,12 +236,12 @@ async def _tour(tour_only: bool, real: bool) -> int:
 
 def run_demo() -> int:
     setup_logging("text", "INFO")
-    logging.getLogger("sidecar.testing").setLevel(logging.WARNING)
+    logging.getLogger("testing").setLevel(logging.WARNING)
     tour_only = os.environ.get("DEMO_TOUR_ONLY", "") not in ("", "0")
     real = os.environ.get("DEMO_KUBELET", "simulator") == "real"
-    if os.environ.get("DEMO_KUBELET") == "dra":  # a DRA driver's tour (sidecar/drademo.py)
-        from sidecar import drademo
-        from sidecar.testing.realdra import missing_reason as dra_missing
+    if os.environ.get("DEMO_KUBELET") == "dra":  # a DRA driver's tour (testing/drademo.py)
+        from testing import drademo
+        from testing.realdra import missing_reason as dra_missing
 
         if (why := dra_missing("new")) is not None:
             print(f"error: DEMO_KUBELET=dra: {why}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""`python -m sidecar.testing.standin`: FakeDevicePlugin as a pod's `device-plugin` container.
+"""`python -m testing.standin`: FakeDevicePlugin as a pod's `device-plugin` container.
 
 The node end-to-end tests (tests/node) run it in place of HAMi's plugin, which needs a GPU: it serves
 `nvidia-gpu.sock` in the kubelet's real device-plugins folder with HAMi's split device IDs
@@ -29,8 +29,8 @@ import os
 import signal
 import tempfile
 
-from sidecar.testing.plugin import HAMI_SPLIT_COUNT, FakeDevicePlugin, hami_device_ids
 from sidecar.watcher import FsEvent
+from testing.plugin import HAMI_SPLIT_COUNT, FakeDevicePlugin, hami_device_ids
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sidecar.testing.standin", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m testing.standin", description=__doc__)
     parser.add_argument("--device-plugin-dir", default="/var/lib/kubelet/device-plugins")
     parser.add_argument("--resource", default="nvidia.com/gpu")
     parser.add_argument("--socket", default="nvidia-gpu.sock")
