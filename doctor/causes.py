@@ -28,8 +28,8 @@ from doctor.logscan import (
     LogHit,
 )
 from doctor.shell import command
+from hami_guard.flags import AUTO_DEVICES
 from initcheck.checks import Finding
-from initcheck.flags import AUTO_DEVICES
 from sidecar.registration import (
     accepted_devices,
     iso,

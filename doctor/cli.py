@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from doctor.npd import npd_error, npd_usage, one_line
 from doctor.settings import DoctorSettings, parse_settings
-from initcheck.envflags import env_name
+from hami_guard.envflags import env_name
 
 if TYPE_CHECKING:
     from doctor.render import Report

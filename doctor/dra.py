@@ -87,8 +87,8 @@ async def gather_dra(
 ) -> list[DraReading]:
     """One round of the sidecar's DRA evidence, judged with no grace (a snapshot); the node's
     ResourceSlices too when `api` is given."""
+    from hami_guard.node.unixdiag import KUBELET_PROCESS_NAMES
     from sidecar.drawatch import DraWatch
-    from sidecar.unixdiag import KUBELET_PROCESS_NAMES
 
     watch = DraWatch(
         specs,

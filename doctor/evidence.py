@@ -40,20 +40,10 @@ from doctor.settings import DoctorSettings
 
 if TYPE_CHECKING:
     from doctor.dra import DraReading
-from initcheck.checks import Finding, options_for, run_checks, try_connect
-from initcheck.flags import AUTO_DEVICES, PluginSpec
-from initcheck.proc import process_visible
-from sidecar.checkpoint import CHECKPOINT_NAME, Checkpoint
-from sidecar.probes import (
-    ProbeResult,
-    Reading,
-    SocketId,
-    pod_resources_devices,
-    probe_kubelet,
-    probe_plugin,
-    read_checkpoint_async,
-)
-from sidecar.unixdiag import (
+from hami_guard.flags import AUTO_DEVICES, PluginSpec
+from hami_guard.node.proc import process_visible
+from hami_guard.node.sockets import try_connect
+from hami_guard.node.unixdiag import (
     KUBELET_BOUND_PATH,
     KUBELET_PROCESS_NAMES,
     Connections,
@@ -63,6 +53,17 @@ from sidecar.unixdiag import (
     diag_dump,
     kubelet_connections,
     socket_owner,
+)
+from initcheck.checks import Finding, options_for, run_checks
+from sidecar.checkpoint import CHECKPOINT_NAME, Checkpoint
+from sidecar.probes import (
+    ProbeResult,
+    Reading,
+    SocketId,
+    pod_resources_devices,
+    probe_kubelet,
+    probe_plugin,
+    read_checkpoint_async,
 )
 
 
@@ -420,7 +421,7 @@ def kubelet_process(name: str) -> KubeletProcess:
     """pid, version and listening paths of the kubelet (in k3s or kubelite too), or why they are unknown."""
     if not process_visible(name):
         return KubeletProcess(False, f"no process named {name} is visible (run with hostPID)")
-    from initcheck.kubelet import KubeletLookupError, listening_paths  # psutil: an ImportError is said
+    from hami_guard.node.kubelet import KubeletLookupError, listening_paths  # psutil: an ImportError is said
 
     try:
         found = listening_paths(name)

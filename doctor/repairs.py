@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from doctor.evidence import NodeEvidence
 from doctor.shell import command
-from initcheck.checks import try_connect
+from hami_guard.node.sockets import try_connect
 from sidecar.checkpoint import CHECKPOINT_NAME
 
 STALE = "a plugin socket nothing listens on (the plugin died)"

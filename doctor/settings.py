@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from initcheck import flags
-from initcheck.checks import DEFAULT_KUBELET_PROCESS
-from initcheck.envflags import parse_with_env
-from initcheck.flags import PluginSpec
+from hami_guard import flags
+from hami_guard.envflags import parse_with_env
+from hami_guard.flags import PluginSpec
+from hami_guard.node.sockets import DEFAULT_KUBELET_PROCESS
 from sidecar.config import DEFAULTS as SIDECAR
 from sidecar.config import dra_api, dra_drivers, dra_flags
 from sidecar.dra import DraSpec

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 from doctor.settings import parse_settings as doctor_settings
-from initcheck import flags
+from hami_guard import flags
+from hami_guard.envflags import PREFIX, parse_with_env
 from initcheck.cli import build_parser as initcheck_parser
-from initcheck.envflags import PREFIX, parse_with_env
 from sidecar.config import BadConfig, Settings, read_settings
 
 _TYPES: list[Callable[[str], Any]] = [

@@ -1,11 +1,11 @@
-"""The `/proc/<pid>/net/unix` parser (initcheck/netunix.py): `parse_proc_net_unix` turns any bytes into a
-`ProcTable` (sockets, doubtful lines, lines skipped), with and without a filter of paths, and the
+"""The `/proc/<pid>/net/unix` parser (hami_guard/node/netunix.py): `parse_proc_net_unix` turns any bytes into
+a `ProcTable` (sockets, doubtful lines, lines skipped), with and without a filter of paths, and the
 sidecar's count of the kubelet's connections over it never fails."""
 
 from __future__ import annotations
 
-from initcheck.netunix import parse_proc_net_unix
-from sidecar.unixdiag import Connections
+from hami_guard.node.netunix import parse_proc_net_unix
+from hami_guard.node.unixdiag import Connections
 
 PATHS = (
     "/var/lib/kubelet/device-plugins/kubelet.sock",

@@ -1,10 +1,10 @@
-"""The sock_diag reply decoder (sidecar/unixdiag.py): `decode_reply` turns any datagram into a `Reply`
+"""The sock_diag reply decoder (hami_guard/node/unixdiag.py): `decode_reply` turns any datagram into a `Reply`
 (sockets, done, an error's text, messages skipped), and the sidecar's count of connections over what it
 decoded never fails."""
 
 from __future__ import annotations
 
-from sidecar.unixdiag import Connections, decode_reply
+from hami_guard.node.unixdiag import Connections, decode_reply
 
 
 def TestOneInput(data: bytes) -> None:

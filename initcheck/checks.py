@@ -1,7 +1,7 @@
 """The checks of `kubelet.sock`, each a function from what is on the node to a `Finding`.
 
 Standard library only: this runs at every plugin start on every node. The kubelet
-process lookup (psutil) lives in `initcheck.kubelet` and is imported only when needed.
+process lookup (psutil) lives in `hami_guard.node.kubelet` and is imported only when needed.
 """
 
 from __future__ import annotations
@@ -9,22 +9,18 @@ from __future__ import annotations
 import errno
 import os
 import shlex
-import socket
 import stat
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
-from initcheck.proc import no_kubelet, process_visible
+from hami_guard.node.proc import no_kubelet, process_visible
+from hami_guard.node.sockets import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, try_connect
 
 if TYPE_CHECKING:
     from typing import Literal
 
     Status = Literal["pass", "fail", "warn", "skip"]
 
-# The kubelet's defaults (docs/kubelet.md#socket-path) and the name its process has.
-DEFAULT_DIR = "/var/lib/kubelet/device-plugins"
-DEFAULT_SOCKET = "kubelet.sock"
-DEFAULT_KUBELET_PROCESS = "kubelet"
 CAP_DAC_OVERRIDE = 1
 
 
@@ -340,24 +336,11 @@ def check_connect(o: Options) -> Finding:
     )
 
 
-def try_connect(path: str, timeout: float = 1.0) -> int | None:
-    """errno of a Unix connect(), or None when it was accepted (a full backlog counts as listening)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        try:
-            s.connect(path)
-        except (TimeoutError, BlockingIOError):
-            return None
-        except OSError as e:
-            return e.errno or errno.EIO
-    return None
-
-
 def check_kubelet_path(o: Options) -> Finding:
     if not process_visible(o.kubelet_process):
         return Finding("PATH_MISMATCH", "skip", o.socket_path, no_kubelet(o.kubelet_process))
     try:
-        from initcheck.kubelet import KubeletLookupError, listening_paths
+        from hami_guard.node.kubelet import KubeletLookupError, listening_paths
     except ImportError as e:  # a broken psutil costs this check, not the run
         return Finding("PATH_MISMATCH", "skip", o.socket_path, f"psutil cannot be imported: {e}")
     try:

@@ -11,18 +11,12 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TextIO
 
-from initcheck import exitcodes, flags
-from initcheck.checks import (
-    DEFAULT_DIR,
-    DEFAULT_KUBELET_PROCESS,
-    DEFAULT_SOCKET,
-    Finding,
-    Options,
-    options_for,
-    run_checks,
-)
-from initcheck.envflags import parse_with_env
-from initcheck.flags import one_line
+from hami_guard import flags
+from hami_guard.envflags import parse_with_env
+from hami_guard.flags import one_line
+from hami_guard.node.sockets import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, DEFAULT_SOCKET
+from initcheck import exitcodes
+from initcheck.checks import Finding, Options, options_for, run_checks
 
 POLL_SECONDS = 0.1  # --wait polls at this period: a starting kubelet is seen within 100 ms
 # Failures that a starting kubelet clears by itself: --wait waits these out.

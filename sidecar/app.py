@@ -19,6 +19,16 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
+from hami_guard.node.unixdiag import (
+    KUBELET_BOUND_PATH,
+    KUBELET_PROCESS_NAMES,
+    DiagUnavailable,
+    SocketOwner,
+    UnixSocket,
+    diag_dump,
+    kubelet_connections,
+    socket_owner,
+)
 from sidecar import __version__, hamiconfig
 from sidecar.checkpoint import CHECKPOINT_NAME
 from sidecar.config import PluginSpec, Settings
@@ -39,16 +49,6 @@ from sidecar.probes import (
 )
 from sidecar.registration import PluginRound, Registrar, Round, Rules, Vanish, iso
 from sidecar.tasks import TaskSet
-from sidecar.unixdiag import (
-    KUBELET_BOUND_PATH,
-    KUBELET_PROCESS_NAMES,
-    DiagUnavailable,
-    SocketOwner,
-    UnixSocket,
-    diag_dump,
-    kubelet_connections,
-    socket_owner,
-)
 from sidecar.watcher import FolderWatcher, FsEvent
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Settings from flags and their HAMI_GUARD_* twins, checked before any I/O.
 
 `Settings` holds every default; the parser takes its defaults from it, and the flags
-from the shared vocabulary (`initcheck.flags`), so hami-doctor reads the same flags the
+from the shared vocabulary (`hami_guard.flags`), so hami-doctor reads the same flags the
 same way.
 """
 
@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from initcheck import flags
-from initcheck.checks import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, DEFAULT_SOCKET
-from initcheck.envflags import env_name, parse_with_env
-from initcheck.flags import AUTO_DEVICES, PluginSpec
+from hami_guard import flags
+from hami_guard.envflags import env_name, parse_with_env
+from hami_guard.flags import AUTO_DEVICES, PluginSpec
+from hami_guard.node.sockets import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, DEFAULT_SOCKET
 from sidecar import hamiconfig
 from sidecar.dra import DEFAULT_GRACE as DEFAULT_DRA_GRACE
 from sidecar.dra import DEFAULT_REGISTRY, DraSpec, dra_spec

@@ -4,7 +4,7 @@ Read-only towards the driver: `GetInfo` on its registration socket, and on its D
 empty `NodePrepareResources` (no claims: the call the drivers' own probes make, which prepares
 nothing), at most one in flight per driver; never `NotifyRegistrationStatus`, which is the
 kubelet's verdict to give, never a call with claims. The kubelet's connections to the service
-socket come from the kernel's socket table (`sidecar.unixdiag`), as for the device plugins'
+socket come from the kernel's socket table (`hami_guard.node.unixdiag`), as for the device plugins'
 sockets.
 """
 
@@ -19,8 +19,16 @@ from dataclasses import replace
 
 import grpc
 
-from initcheck.checks import try_connect
-from initcheck.netunix import socket_inodes
+from hami_guard.node.netunix import socket_inodes
+from hami_guard.node.sockets import try_connect
+from hami_guard.node.unixdiag import (
+    KUBELET_PROCESS_NAMES,
+    DiagUnavailable,
+    UnixSocket,
+    diag_dump,
+    kubelet_connections,
+    normalise,
+)
 from sidecar.dra import (
     DEFAULT_GRACE,
     KUBELET_CALL_TIMEOUT,
@@ -34,14 +42,6 @@ from sidecar.dra import (
 from sidecar.draslices import ApiAccess, Slices, read_slices
 from sidecar.proto import pluginregistration_v1_pb2 as reg
 from sidecar.rpc import insecure_channel, unary
-from sidecar.unixdiag import (
-    KUBELET_PROCESS_NAMES,
-    DiagUnavailable,
-    UnixSocket,
-    diag_dump,
-    kubelet_connections,
-    normalise,
-)
 
 REGISTRATION = reg.DESCRIPTOR.services_by_name["Registration"]
 # The ResourceSlices are read at most this often: the kubelet's wiping delay.

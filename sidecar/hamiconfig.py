@@ -38,7 +38,7 @@ from typing import Any
 CONFIG_PATH = "/config/config.json"  # where HAMi's chart mounts the node configuration
 GPUS_DIR = "/proc/driver/nvidia/gpus"
 VFIO_DIR = "/sys/bus/pci/drivers/vfio-pci"
-AUTO = -1  # --expect-devices auto (initcheck.flags.AUTO_DEVICES)
+AUTO = -1  # --expect-devices auto (hami_guard.flags.AUTO_DEVICES)
 NODE_NAME_ENV = "NODE_NAME"  # HAMi's own pod takes its node's name from this variable
 MAX_CONFIG_BYTES = 1 << 20
 MAX_INFO_BYTES = 64 << 10

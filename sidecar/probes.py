@@ -17,7 +17,7 @@ from typing import Generic, Literal, TypeVar
 
 import grpc
 
-from initcheck.checks import try_connect
+from hami_guard.node.sockets import try_connect
 from sidecar.checkpoint import Checkpoint, CheckpointError, read_checkpoint
 from sidecar.proto import deviceplugin_v1beta1_pb2 as dp
 from sidecar.proto import podresources_v1_pb2 as pr

@@ -17,12 +17,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from initcheck.flags import PluginSpec
+from hami_guard.flags import PluginSpec
+from hami_guard.node.unixdiag import Owner
 from sidecar.checkpoint import Checkpoint
 from sidecar.hamiconfig import Expectation
 from sidecar.health import Check, CheckKey, HealthState, Kind, Status
 from sidecar.probes import ProbeResult, Reading, SocketId
-from sidecar.unixdiag import Owner
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A pod's containers share one network namespace, and a Unix listener lives in the namespace of
 the process that bound it, so "which pod serves this socket file" is "in which namespace is
-its listener" (`sidecar.unixdiag.socket_owner`). A test stands for the node like this: the
+its listener" (`hami_guard.node.unixdiag.socket_owner`). A test stands for the node like this: the
 kubelet (the simulator) in the test's own namespace, the host's; this pod's plugin, and the
 sidecar or hami-doctor that judge it, in one `Netns`; a competing plugin (the GPU Operator's
 NVIDIA plugin beside HAMi) in another, re-binding the same socket path.

@@ -11,10 +11,10 @@ import pytest
 from doctor.settings import DoctorSettings
 from doctor.settings import build_parser as doctor_parser
 from doctor.settings import parse_settings as doctor_settings
-from initcheck import flags
+from hami_guard import flags
+from hami_guard.envflags import env_name, parse_with_env
+from hami_guard.flags import AUTO_DEVICES
 from initcheck.cli import build_parser as initcheck_parser
-from initcheck.envflags import env_name, parse_with_env
-from initcheck.flags import AUTO_DEVICES
 from sidecar.config import BadConfig, PluginSpec, Settings, parse_settings, read_settings
 from sidecar.config import build_parser as sidecar_parser
 

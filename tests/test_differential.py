@@ -469,7 +469,7 @@ async def test_register_failures_read_the_same(sides: tuple[Side, Side]) -> None
 
 
 def _accepted_connections(path: str) -> int:
-    from sidecar.unixdiag import ESTABLISHED, normalise, proc_net_unix
+    from hami_guard.node.unixdiag import ESTABLISHED, normalise, proc_net_unix
 
     return sum(1 for s in proc_net_unix() if s.state == ESTABLISHED and s.path == normalise(path))
 

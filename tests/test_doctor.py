@@ -71,13 +71,14 @@ from doctor.logscan import (
 from doctor.render import Report, as_json, as_text, fix_lines, npd_line, shell_lines
 from doctor.repairs import MIN_AGE, STALE, Repair, apply, plan, removal
 from doctor.shell import quote, split_words
-from initcheck.checks import Finding, try_connect
-from initcheck.flags import AUTO_DEVICES, PluginSpec
+from hami_guard.flags import AUTO_DEVICES, PluginSpec
+from hami_guard.node.sockets import try_connect
+from hami_guard.node.unixdiag import SocketOwner, kubelet_connections
+from initcheck.checks import Finding
 from sidecar.checkpoint import Checkpoint, CheckpointError, read_checkpoint
 from sidecar.probes import Reading, SocketId
 from sidecar.registration import iso
 from sidecar.rpc import unix_target
-from sidecar.unixdiag import SocketOwner, kubelet_connections
 from testing import FakeDevicePlugin, FakeKubelet, netns
 from testing.grpcserve import GoStyleUnimplemented
 from testing.netns import Netns

@@ -198,7 +198,7 @@ def test_the_images_hold_no_test_rig(image: Callable[[str], Image], dockerfile: 
     assert probe.returncode != 0
 
 
-PRODUCT_PACKAGES = {"initcheck", "sidecar", "doctor"}
+PRODUCT_PACKAGES = {"hami_guard", "initcheck", "sidecar", "doctor"}
 
 
 def test_the_product_wheel_holds_no_test_rig(tmp_path: Path) -> None:
@@ -210,9 +210,8 @@ def test_the_product_wheel_holds_no_test_rig(tmp_path: Path) -> None:
         shutil.copy2(ROOT / name, src / name)
     for package in ROOT.iterdir():
         if (package / "__init__.py").exists():
-            shutil.copytree(
-                package, src / package.name, ignore=shutil.ignore_patterns("__pycache__", "bin", "*.tar")
-            )
+            skip = shutil.ignore_patterns("__pycache__", "bin", "*.tar")  # the fixtures' builds
+            shutil.copytree(package, src / package.name, ignore=skip)
     assert (src / "testing").is_dir()
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
     subprocess.run(

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from initcheck.flags import PluginSpec
+from hami_guard.flags import PluginSpec
 from sidecar.checkpoint import Checkpoint
 from sidecar.health import NO_RESTART, Check, Status
 from sidecar.http import _line

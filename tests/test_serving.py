@@ -510,7 +510,7 @@ def test_a_vanishing_duration_is_a_usage_error(
 
 
 def test_the_shortest_durations_accepted_are_a_few_milliseconds() -> None:
-    from initcheck import flags
+    from hami_guard import flags
     from sidecar.config import parse_settings
 
     assert flags.MIN_PERIOD >= 0.005

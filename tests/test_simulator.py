@@ -20,10 +20,10 @@ import grpc
 import pytest
 
 import testing.kubelet as kubelet_module
+from hami_guard.node.unixdiag import ESTABLISHED, normalise, proc_net_unix
 from sidecar.proto import deviceplugin_v1beta1_pb2 as dp
 from sidecar.proto import podresources_v1_pb2 as pr
 from sidecar.rpc import DEVICE_PLUGIN, POD_RESOURCES, REGISTRATION, insecure_channel, unary
-from sidecar.unixdiag import ESTABLISHED, normalise, proc_net_unix
 from sidecar.watcher import FolderWatcher, FsEvent
 from testing import (
     ERR_INVALID_RESOURCE_NAME,

@@ -1,4 +1,4 @@
-"""Who serves a plugin socket: `sidecar.unixdiag.socket_owner`, with real listeners in real network
+"""Who serves a plugin socket: `hami_guard.node.unixdiag.socket_owner`, with real listeners in real network
 namespaces (`testing.netns`: root, as in CI)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from sidecar.unixdiag import socket_owner
+from hami_guard.node.unixdiag import socket_owner
 from testing import netns
 from testing.netns import Netns
 
 OWNER = (
-    "import json, sys; from sidecar.unixdiag import socket_owner; "
+    "import json, sys; from hami_guard.node.unixdiag import socket_owner; "
     "o = socket_owner(*sys.argv[1:]); print(json.dumps([o.verdict, o.reason]))"
 )
 

@@ -1,4 +1,4 @@
-"""The kernel's tables of Unix sockets as `sidecar.unixdiag` reads them: total decoders, and lines or
+"""The kernel's tables of Unix sockets as `hami_guard.node.unixdiag` reads them: total decoders, and lines or
 messages that a hostile neighbour makes up never counted as the kubelet's connections.
 
 Real sockets in network namespaces of the test's own (`testing.netns`, root as in CI); the
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from initcheck.netunix import (
+from hami_guard.node.netunix import (
     ESTABLISHED,
     LISTEN,
     NAME_MAX,
@@ -24,7 +24,7 @@ from initcheck.netunix import (
     parse_proc_net_unix,
     read_proc_net_unix,
 )
-from sidecar.unixdiag import (
+from hami_guard.node.unixdiag import (
     NLMSG_DONE,
     NLMSG_ERROR,
     SOCK_DIAG_BY_FAMILY,
@@ -51,7 +51,7 @@ from tests.forged import (
 # datagrams of one sock_diag dump and the namespace's /proc/self/net/unix, as hex, in JSON.
 CAPTURE = r"""
 import json, socket, sys
-from sidecar.unixdiag import diag_request
+from hami_guard.node.unixdiag import diag_request
 held = []
 for name in map(bytes.fromhex, sys.argv[1:]):
     s = socket.socket(socket.AF_UNIX); s.bind(name); s.listen()
@@ -219,7 +219,7 @@ def test_a_process_named_kubelet_counts_only_run_by_root(ns: Netns, short_tmp: s
 
 
 READ = (
-    "import json, sys; from sidecar.unixdiag import kubelet_connections as k; "
+    "import json, sys; from hami_guard.node.unixdiag import kubelet_connections as k; "
     "c = k(sys.argv[1], names={sys.argv[2]}); "
     "print(json.dumps(c if isinstance(c, str) else [c.source, c.held(sys.argv[3]), c.owned is not None]))"
 )
@@ -299,7 +299,7 @@ def test_where_the_kubelet_listens_is_not_told_by_a_name(ns: Netns, short_tmp: s
     own table, from another network namespace (HAMi's pod has no hostNetwork; psutil read the reader's
     table there and found no listener at all): a line made up with the inode of the kubelet's real
     listener adds no path, and a line of two words stops nothing (psutil's parser raised RuntimeError)."""
-    from initcheck.kubelet import listeners, listening_paths
+    from hami_guard.node.kubelet import listeners, listening_paths
 
     folder = os.path.join(short_tmp, "var-lib-kubelet-device-plugins-of-a-long-name")  # see below
     os.mkdir(folder)

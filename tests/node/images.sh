@@ -88,9 +88,9 @@ build_image() { # dockerfile name tar inputs... [-- build arguments...]
     mv "$out/$tar.tmp" "$out/$tar"
   fi
 }
-build_image Dockerfile.init "$init_name" init.tar "$repo/initcheck" "$repo/images" "$repo/requirements" \
+build_image Dockerfile.init "$init_name" init.tar "$repo/hami_guard" "$repo/initcheck" "$repo/images" "$repo/requirements" \
   "$repo/.dockerignore"
-build_image Dockerfile.sidecar "$sidecar_name" sidecar.tar "$repo/initcheck" "$repo/sidecar" "$repo/doctor" \
+build_image Dockerfile.sidecar "$sidecar_name" sidecar.tar "$repo/hami_guard" "$repo/initcheck" "$repo/sidecar" "$repo/doctor" \
   "$repo/requirements" "$repo/pyproject.toml" "$repo/.dockerignore"
 build_image tests/node/Dockerfile.standin "$standin_name" standin.tar "$out/sidecar.tar" "$repo/testing" \
   -- --build-arg "SIDECAR_IMAGE=$sidecar_name"

@@ -1,7 +1,7 @@
 """The kernel's table of Unix sockets as `/proc/<pid>/net/unix` prints it, and the sockets a process
 holds (`/proc/<pid>/fd`). Standard library only: the init container reads where the kubelet listens
-with it (`initcheck.kubelet`), the sidecar and hami-doctor the kubelet's connections
-(`sidecar.unixdiag`).
+with it (`hami_guard.node.kubelet`), the sidecar and hami-doctor the kubelet's connections
+(`hami_guard.node.unixdiag`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Standard library only, because initcheck imports it at every plugin start and never
 imports `sidecar`. A value type raises `argparse.ArgumentTypeError` with what it
-expected; argparse puts the flag's name in front of it, and `initcheck.envflags` the
+expected; argparse puts the flag's name in front of it, and `hami_guard.envflags` the
 variable's. Every numeric type has a range. A flag group is a parent parser built
 afresh on each call, with the defaults its caller passes: the defaults live with each
 program's settings, never here (docs/design.md#flags).

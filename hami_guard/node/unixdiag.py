@@ -20,8 +20,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from initcheck.checks import try_connect
-from initcheck.netunix import (
+from hami_guard.node.netunix import (
     ESTABLISHED,
     LISTEN,
     UnixSocket,
@@ -30,8 +29,9 @@ from initcheck.netunix import (
     read_proc_net_unix,
     socket_inodes,
 )
+from hami_guard.node.sockets import try_connect
 
-# The /proc reader lives in initcheck.netunix (the init container reads where the kubelet listens with
+# The /proc reader lives in hami_guard.node.netunix (the init container reads where the kubelet listens with
 # it); these of its names are this module's too.
 __all__ = ["ESTABLISHED", "LISTEN", "UnixSocket", "normalise", "proc_net_unix"]
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from initcheck.netunix import LISTEN, ProcTable, read_proc_net_unix, socket_inodes
-from initcheck.proc import distribution, no_kubelet, process_names
+from hami_guard.node.netunix import LISTEN, ProcTable, read_proc_net_unix, socket_inodes
+from hami_guard.node.proc import distribution, no_kubelet, process_names
 
 
 class KubeletLookupError(Exception):
@@ -67,7 +67,7 @@ def listening_paths(name: str) -> KubeletSockets:
     """Where the kubelet listens: the listeners among its own socket descriptors (`/proc/<pid>/fd`), by
     the lines of its `/proc/<pid>/net/unix` (its network namespace's, wherever this process runs) that
     the kernel printed as lines (a name bound to print a made-up line there is not one:
-    `initcheck.netunix`)."""
+    `hami_guard.node.netunix`)."""
     proc = find_kubelet(name)
     try:
         comm = proc.name()

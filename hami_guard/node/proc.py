@@ -1,6 +1,6 @@
 """Is the kubelet visible, and under which name? A cheap /proc scan shared by the checks and psutil.
 
-Standard library only: `initcheck.checks` asks here first, so psutil (`initcheck.kubelet`)
+Standard library only: `initcheck.checks` asks here first, so psutil (`hami_guard.node.kubelet`)
 is imported only when there is a kubelet to inspect.
 
 The kubelet is not always a process of its own: k3s runs it inside the `k3s` process
