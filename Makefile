@@ -183,7 +183,7 @@ dra-oracle-new dra-oracle-old: dra-oracle-%: $(STAMP) dra-fixtures
 stress: $(STAMP)
 	$(PY) -m bench.stress
 
-# Everything that runs aiohttp's server (sidecar/serving.py, sidecar/http.py), against the oldest and
+# Everything that runs aiohttp's server (sidecar/server/serving.py, sidecar/server/views.py), against the oldest and
 # the newest aiohttp pyproject.toml allows, each in a venv of its own. serving.py depends on documented
 # aiohttp API only and refuses to start on a version that does not take its limits.
 AIOHTTP_TESTS := tests/test_serving.py tests/test_sidecar_cli.py tests/e2e/test_sidecar.py

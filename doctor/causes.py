@@ -30,7 +30,7 @@ from doctor.logscan import (
 from doctor.shell import command
 from hami_guard.flags import AUTO_DEVICES
 from initcheck.checks import Finding
-from sidecar.registration import (
+from sidecar.deviceplugin.verdicts import (
     accepted_devices,
     iso,
     matching_plugins,

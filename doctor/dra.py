@@ -1,6 +1,6 @@
 """hami-doctor for DRA drivers: the sidecar's DRA evidence once, the kubelet's DRA log lines, the causes.
 
-The rules read `sidecar.dra`'s evidence of one moment (a snapshot: no grace, so "not registered"
+The rules read `sidecar.dra.verdicts`'s evidence of one moment (a snapshot: no grace, so "not registered"
 may be a registration under way; the fix says to look again) and the kubelet's own log lines, whose
 wording is the kubelet's (docs/kubelet.md#dra; tests/test_doctor_dra.py reads them from the real
 plugin manager and DRA manager). Pure but for `gather_dra`.
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from doctor.causes import Cause
 from doctor.logscan import LogFindings, Pattern
-from sidecar.dra import KUBELET_CALL_TIMEOUT, DraSpec, Evidence, Judgement
-from sidecar.draslices import ApiAccess
+from sidecar.dra.slices import ApiAccess
+from sidecar.dra.verdicts import KUBELET_CALL_TIMEOUT, DraSpec, Evidence, Judgement
 from sidecar.health import Status
 
 RESTART_DRIVER = (
@@ -88,7 +88,7 @@ async def gather_dra(
     """One round of the sidecar's DRA evidence, judged with no grace (a snapshot); the node's
     ResourceSlices too when `api` is given."""
     from hami_guard.node.unixdiag import KUBELET_PROCESS_NAMES
-    from sidecar.drawatch import DraWatch
+    from sidecar.dra.watch import DraWatch
 
     watch = DraWatch(
         specs,

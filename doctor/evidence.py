@@ -55,8 +55,8 @@ from hami_guard.node.unixdiag import (
     socket_owner,
 )
 from initcheck.checks import Finding, options_for, run_checks
-from sidecar.checkpoint import CHECKPOINT_NAME, Checkpoint
-from sidecar.probes import (
+from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME, Checkpoint
+from sidecar.deviceplugin.probes import (
     ProbeResult,
     Reading,
     SocketId,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from doctor.evidence import NodeEvidence
 from doctor.shell import command
 from hami_guard.node.sockets import try_connect
-from sidecar.checkpoint import CHECKPOINT_NAME
+from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
 
 STALE = "a plugin socket nothing listens on (the plugin died)"
 MIN_AGE = 5.0  # seconds: a younger socket may be a plugin's between bind() and listen()

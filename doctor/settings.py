@@ -19,9 +19,9 @@ from hami_guard.flags import PluginSpec
 from hami_guard.node.sockets import DEFAULT_KUBELET_PROCESS
 from sidecar.config import DEFAULTS as SIDECAR
 from sidecar.config import dra_api, dra_drivers, dra_flags
-from sidecar.dra import DraSpec
-from sidecar.draslices import ApiAccess
-from sidecar.hamiconfig import NODE_NAME_ENV
+from sidecar.deviceplugin.hamiconfig import NODE_NAME_ENV
+from sidecar.dra.slices import ApiAccess
+from sidecar.dra.verdicts import DraSpec
 
 Output = Literal["text", "json"]
 

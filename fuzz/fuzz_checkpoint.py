@@ -1,9 +1,9 @@
-"""The kubelet's device manager checkpoint (sidecar/checkpoint.py): `parse_registered` answers the resources
-and their device IDs, or raises `CheckpointError`, the one failure its callers handle."""
+"""The kubelet's device manager checkpoint (sidecar/deviceplugin/checkpoint.py): `parse_registered` answers
+the resources and their device IDs, or raises `CheckpointError`, the one failure its callers handle."""
 
 from __future__ import annotations
 
-from sidecar.checkpoint import CheckpointError, parse_registered
+from sidecar.deviceplugin.checkpoint import CheckpointError, parse_registered
 
 
 def TestOneInput(data: bytes) -> None:

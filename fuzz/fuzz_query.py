@@ -1,6 +1,6 @@
 """Fuzz the HTTP query handling: request targets (paths, ?exclude=, ?verbose, /healthz/<check>) through
-the real stack, socket to view: sidecar/serving.py's front and limits, aiohttp's parser, the views of
-sidecar/http.py, for a sidecar before and after its first probe round and for a bad configuration.
+the real stack, socket to view: sidecar/server/serving.py's front and limits, aiohttp's parser, the views of
+sidecar/server/views.py, for a sidecar before and after its first probe round and for a bad configuration.
 
 Fails (an escaping exception) when a view raises (a 500: the serving middleware counts it) or when
 the liveness answer is not the view's (a /healthz that is neither 200 nor 503, a 404 or 400 aside).
@@ -18,9 +18,9 @@ from aiohttp import web
 
 from sidecar.app import Sidecar
 from sidecar.config import BadConfig, Settings
-from sidecar.http import build_app, build_error_app
-from sidecar.metrics import Metrics
-from sidecar.serving import BoundedServer
+from sidecar.server.metrics import Metrics
+from sidecar.server.serving import BoundedServer
+from sidecar.server.views import build_app, build_error_app
 
 _METHODS = (b"GET", b"HEAD", b"POST", b"OPTIONS")
 

@@ -71,7 +71,7 @@ def logscan() -> None:
 
 
 async def _checkpoints(tmp: str) -> None:
-    from sidecar.checkpoint import CHECKPOINT_NAME
+    from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
     from testing.realkubelet import RealKubelet, RealPlugin, missing_reason
 
     folder = os.path.join(tmp, "device-plugins")

@@ -1,7 +1,8 @@
 """The sidecar's wiring: folder events and probe rounds in, `Registrar` verdicts out, one asyncio loop.
 
-Data flows one way: watcher events and probe results -> Registrar (sidecar.registration) -> HTTP views
-and metrics. Everything here is I/O and timing; every decision is made in sidecar.registration.
+Data flows one way: watcher events and probe results -> Registrar (sidecar.deviceplugin.verdicts)
+-> HTTP views and metrics. Everything here is I/O and timing; every decision is made in
+sidecar.deviceplugin.verdicts.
 """
 
 from __future__ import annotations
@@ -29,14 +30,11 @@ from hami_guard.node.unixdiag import (
     kubelet_connections,
     socket_owner,
 )
-from sidecar import __version__, hamiconfig
-from sidecar.checkpoint import CHECKPOINT_NAME
+from sidecar import __version__
 from sidecar.config import PluginSpec, Settings
-from sidecar.dra import RESTART_BUDGET as DRA_RESTART_BUDGET
-from sidecar.drawatch import DraWatch
-from sidecar.health import Check, CheckKey, Kind, Status
-from sidecar.metrics import Metrics
-from sidecar.probes import (
+from sidecar.deviceplugin import hamiconfig
+from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
+from sidecar.deviceplugin.probes import (
     ProbeResult,
     Reading,
     SocketId,
@@ -47,7 +45,11 @@ from sidecar.probes import (
     socket_identity,
     socket_refuses,
 )
-from sidecar.registration import PluginRound, Registrar, Round, Rules, Vanish, iso
+from sidecar.deviceplugin.verdicts import PluginRound, Registrar, Round, Rules, Vanish, iso
+from sidecar.dra.verdicts import RESTART_BUDGET as DRA_RESTART_BUDGET
+from sidecar.dra.watch import DraWatch
+from sidecar.health import Check, CheckKey, Kind, Status
+from sidecar.server.metrics import Metrics
 from sidecar.tasks import TaskSet
 from sidecar.watcher import FolderWatcher, FsEvent
 
@@ -150,7 +152,7 @@ class Sidecar:
             self.metrics.restart_requests.labels(s.plugin_label, p.resource)
             self.metrics.budget_spent.labels(s.plugin_label, p.resource).set(0)
         self._publish = publish
-        # DRA drivers (sidecar.dra): their checks are judged there, with their own grace.
+        # DRA drivers (sidecar.dra.verdicts): their checks are judged there, with their own grace.
         self.dra: DraWatch | None = None
         if s.dra_drivers:
             names = {*KUBELET_PROCESS_NAMES, s.kubelet_process_name}
@@ -414,7 +416,7 @@ class Sidecar:
         self._schedule_refresh()
 
     async def _dra_round(self) -> None:
-        """The DRA drivers' verdicts (sidecar.dra), into the same checks and metrics."""
+        """The DRA drivers' verdicts (sidecar.dra.verdicts), into the same checks and metrics."""
         assert self.dra is not None
         label = self.settings.plugin_label
         for name, (ev, j) in (await self.dra.round()).items():

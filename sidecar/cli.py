@@ -86,12 +86,12 @@ def setup_logging(fmt: str, level: str) -> None:
 async def serve(settings: Settings, stop: asyncio.Event, sidecar: Sidecar | None = None) -> Sidecar:
     """Run until `stop` is set; returns the sidecar (for tests that look at it afterwards).
 
-    HTTP is served within sidecar/serving.py's bounds (connections, descriptors, deadlines) and is
+    HTTP is served within sidecar/server/serving.py's bounds (connections, descriptors, deadlines) and is
     closed first on the way out, so that no client can hold the exit.
     """
     from sidecar.app import Sidecar
-    from sidecar.http import build_app
-    from sidecar.serving import BoundedServer
+    from sidecar.server.serving import BoundedServer
+    from sidecar.server.views import build_app
 
     sidecar = sidecar or Sidecar(settings)
     http = BoundedServer(build_app(sidecar), settings.host, settings.port)
@@ -107,10 +107,10 @@ async def serve(settings: Settings, stop: asyncio.Event, sidecar: Sidecar | None
 
 
 async def serve_error(problem: BadConfig, stop: asyncio.Event) -> None:
-    """Serve a configuration the sidecar cannot run with until `stop` is set (sidecar/http.py)."""
-    from sidecar.http import build_error_app
-    from sidecar.metrics import Metrics
-    from sidecar.serving import BoundedServer
+    """Serve a configuration the sidecar cannot run with until `stop` is set (sidecar/server/views.py)."""
+    from sidecar.server.metrics import Metrics
+    from sidecar.server.serving import BoundedServer
+    from sidecar.server.views import build_error_app
 
     http = BoundedServer(build_error_app(problem, Metrics()), problem.host, problem.port)
     try:

@@ -17,10 +17,10 @@ from hami_guard import flags
 from hami_guard.envflags import env_name, parse_with_env
 from hami_guard.flags import AUTO_DEVICES, PluginSpec
 from hami_guard.node.sockets import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, DEFAULT_SOCKET
-from sidecar import hamiconfig
-from sidecar.dra import DEFAULT_GRACE as DEFAULT_DRA_GRACE
-from sidecar.dra import DEFAULT_REGISTRY, DraSpec, dra_spec
-from sidecar.draslices import DEFAULT_CA_FILE, DEFAULT_TOKEN_FILE, ApiAccess, in_cluster
+from sidecar.deviceplugin import hamiconfig
+from sidecar.dra.slices import DEFAULT_CA_FILE, DEFAULT_TOKEN_FILE, ApiAccess, in_cluster
+from sidecar.dra.verdicts import DEFAULT_GRACE as DEFAULT_DRA_GRACE
+from sidecar.dra.verdicts import DEFAULT_REGISTRY, DraSpec, dra_spec
 
 if TYPE_CHECKING:
     from sidecar.watcher import WatchMode
@@ -76,10 +76,10 @@ class Settings(flags.DeviceFolder):
     # The kubelet's process, besides kubelet, k3s and kubelite: its network namespace holds its
     # connections to the plugins (read from /proc/<pid>/net/unix under hostPID).
     kubelet_process_name: str = DEFAULT_KUBELET_PROCESS
-    # DRA drivers (sidecar.dra): judged besides, or instead of, the device plugins.
+    # DRA drivers (sidecar.dra.verdicts): judged besides, or instead of, the device plugins.
     dra_drivers: tuple[DraSpec, ...] = ()
     dra_grace: float = DEFAULT_DRA_GRACE
-    # The API server to read the node's ResourceSlices from (sidecar.draslices); None: never asked.
+    # The API server to read the node's ResourceSlices from (sidecar.dra.slices); None: never asked.
     dra_api: ApiAccess | None = None
 
 

@@ -24,7 +24,7 @@ class Kind(enum.Enum):
     PLUGIN = "plugin"
     REGISTERED = "registered"
     DEVICES = "devices"
-    DRA_PLUGIN = "dra-plugin"  # a DRA driver answers GetInfo (sidecar.dra)
+    DRA_PLUGIN = "dra-plugin"  # a DRA driver answers GetInfo (sidecar.dra.verdicts)
     DRA_REGISTERED = "dra-registered"  # the kubelet holds the DRA driver's service connection
 
 
@@ -163,7 +163,7 @@ class HealthState:
     def assign(
         self, name: str, status: Status, reason: str, *, restarts: bool = True, latency: float | None = None
     ) -> None:
-        """A verdict judged elsewhere, with its own graces (sidecar.dra): taken as it is, never
+        """A verdict judged elsewhere, with its own graces (sidecar.dra.verdicts): taken as it is, never
         failed by this state's grace."""
         check = self.checks[name]
         check.judged_elsewhere = True

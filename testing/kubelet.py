@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from sidecar.checkpoint import CHECKPOINT_NAME
+from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
 from sidecar.proto import deviceplugin_v1beta1_pb2 as dp
 from sidecar.proto import podresources_v1_pb2 as pr
 from sidecar.rpc import (

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from sidecar.checkpoint import CHECKPOINT_NAME
+from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
 
 Release = Literal["new", "old"]
 # The two releases the fixture is built at: the newest served, and the newest without PR 135437.

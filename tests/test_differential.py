@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import pytest
 
-from sidecar.checkpoint import CHECKPOINT_NAME
+from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
 from sidecar.proto import deviceplugin_v1beta1_pb2 as dp
 from sidecar.proto import podresources_v1_pb2 as pr
 from sidecar.rpc import POD_RESOURCES, insecure_channel, unary

@@ -75,9 +75,9 @@ from hami_guard.flags import AUTO_DEVICES, PluginSpec
 from hami_guard.node.sockets import try_connect
 from hami_guard.node.unixdiag import SocketOwner, kubelet_connections
 from initcheck.checks import Finding
-from sidecar.checkpoint import Checkpoint, CheckpointError, read_checkpoint
-from sidecar.probes import Reading, SocketId
-from sidecar.registration import iso
+from sidecar.deviceplugin.checkpoint import Checkpoint, CheckpointError, read_checkpoint
+from sidecar.deviceplugin.probes import Reading, SocketId
+from sidecar.deviceplugin.verdicts import iso
 from sidecar.rpc import unix_target
 from testing import FakeDevicePlugin, FakeKubelet, netns
 from testing.grpcserve import GoStyleUnimplemented

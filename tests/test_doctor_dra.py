@@ -10,7 +10,7 @@ import os
 
 from doctor.cli import main
 from doctor.dra import dra_causes, gather_dra, scan_dra_log
-from sidecar.dra import DraSpec
+from sidecar.dra.verdicts import DraSpec
 from testing.realdra import RealDraDriver, RealDraKubelet, Release
 
 DRIVER = "gpu.example.com"

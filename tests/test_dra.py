@@ -1,4 +1,4 @@
-"""sidecar.dra's judgement on its own: evidence in, verdicts out, on a clock the test moves.
+"""sidecar.dra.verdicts's judgement on its own: evidence in, verdicts out, on a clock the test moves.
 
 The same rules run against the kubelet's real DRA manager in tests/test_realdra.py and
 tests/e2e/test_dra*.py; here each rule is pinned, including the ones the fixture cannot stage
@@ -16,9 +16,10 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from sidecar import draslices, drawatch
 from sidecar.config import parse_settings
-from sidecar.dra import DEFAULT_GRACE, RESTART_BUDGET, DraJudge, DraSpec, Evidence, Info, dra_spec
+from sidecar.dra import slices as draslices
+from sidecar.dra import watch as drawatch
+from sidecar.dra.verdicts import DEFAULT_GRACE, RESTART_BUDGET, DraJudge, DraSpec, Evidence, Info, dra_spec
 from sidecar.health import HealthState, Status
 
 DRIVER = "gpu.example.com"
@@ -62,7 +63,7 @@ def test_not_held_is_pending_for_the_grace_then_fails_liveness(judge: DraJudge, 
 
 
 def test_the_grace_covers_the_kubelets_longest_retry() -> None:
-    from sidecar.dra import KUBELET_RETRY_CAP
+    from sidecar.dra.verdicts import KUBELET_RETRY_CAP
 
     assert DEFAULT_GRACE > KUBELET_RETRY_CAP
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.hamiconfig import (
+from sidecar.deviceplugin.hamiconfig import (
     Sources,
     expectation,
     parse_gpu_information,

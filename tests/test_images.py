@@ -210,8 +210,9 @@ def test_the_product_wheel_holds_no_test_rig(tmp_path: Path) -> None:
         shutil.copy2(ROOT / name, src / name)
     for package in ROOT.iterdir():
         if (package / "__init__.py").exists():
-            skip = shutil.ignore_patterns("__pycache__", "bin", "*.tar")  # the fixtures' builds
-            shutil.copytree(package, src / package.name, ignore=skip)
+            shutil.copytree(
+                package, src / package.name, ignore=shutil.ignore_patterns("__pycache__", "bin", "*.tar")
+            )
     assert (src / "testing").is_dir()
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
     subprocess.run(

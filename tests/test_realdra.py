@@ -2,7 +2,7 @@
 
 Both releases of the fixture: "new" is k8s.io/kubernetes v1.37.2, "old" v1.36.5. The kubelet's
 truth is its own state (the DRA plugin manager's endpoints and whether gRPC reports them
-connected); the sidecar's verdicts come from `sidecar.drawatch.DraWatch`, whose judge runs on a
+connected); the sidecar's verdicts come from `sidecar.dra.watch.DraWatch`, whose judge runs on a
 clock the test moves. Without the fixture (`make dra-fixtures`) the tests skip; under CI=true
 they fail. Marked slow: `make real-slow` runs them.
 """
@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from sidecar.dra import DEFAULT_GRACE, DraSpec, Judgement
-from sidecar.drawatch import DraWatch, get_info
+from sidecar.dra.verdicts import DEFAULT_GRACE, DraSpec, Judgement
+from sidecar.dra.watch import DraWatch, get_info
 from sidecar.health import Status
 from testing.realdra import FixtureError, RealDraDriver, RealDraKubelet, Release
 from tests.conftest import require_dra_fixture

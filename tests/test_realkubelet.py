@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from sidecar.checkpoint import read_checkpoint
+from sidecar.deviceplugin.checkpoint import read_checkpoint
 from sidecar.proto import podresources_v1_pb2 as pr
 from sidecar.rpc import POD_RESOURCES, insecure_channel, unary
 from testing.realkubelet import (

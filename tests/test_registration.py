@@ -1,4 +1,5 @@
-"""The verdicts of sidecar.registration as a table: observations in, checks out; no sockets, no sleeps."""
+"""The verdicts of sidecar.deviceplugin.verdicts as a table: observations in, checks out; no sockets,
+no sleeps."""
 
 from __future__ import annotations
 
@@ -8,11 +9,9 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from hami_guard.flags import PluginSpec
-from sidecar.checkpoint import Checkpoint
-from sidecar.health import NO_RESTART, Check, Status
-from sidecar.http import _line
-from sidecar.probes import ProbeResult, Reading, SocketId
-from sidecar.registration import (
+from sidecar.deviceplugin.checkpoint import Checkpoint
+from sidecar.deviceplugin.probes import ProbeResult, Reading, SocketId
+from sidecar.deviceplugin.verdicts import (
     RESTART_BUDGET,
     PluginRound,
     Registrar,
@@ -21,6 +20,8 @@ from sidecar.registration import (
     Vanish,
     physical_devices,
 )
+from sidecar.health import NO_RESTART, Check, Status
+from sidecar.server.views import _line
 
 GPU = "nvidia.com/gpu"
 SOCK = "nvidia-gpu.sock"

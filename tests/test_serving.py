@@ -1,4 +1,5 @@
-"""The serving limits (sidecar/serving.py) on real sockets over loopback, and the duration flags' bounds.
+"""The serving limits (sidecar/server/serving.py) on real sockets over loopback, and the duration flags'
+bounds.
 
 Most tests serve a two-route app with small limits in this loop; the last ones start the real
 `hami-sidecar` process (under `ulimit -n 256`, and with bad flags). Every wait is bounded; no
@@ -20,8 +21,8 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from sidecar import serving
-from sidecar.serving import BoundedServer, is_probe_path, open_fds
+from sidecar.server import serving
+from sidecar.server.serving import BoundedServer, is_probe_path, open_fds
 from testing import FakeDevicePlugin, FakeKubelet, free_port
 from tests.conftest import wait_for
 

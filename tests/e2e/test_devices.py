@@ -25,7 +25,7 @@ import pytest
 
 from sidecar.app import Sidecar
 from sidecar.config import Settings
-from sidecar.registration import RESTART_BUDGET
+from sidecar.deviceplugin.verdicts import RESTART_BUDGET
 from testing import FakeKubelet, free_port
 from testing.plugin import hami_device_ids
 from tests.conftest import wait_for

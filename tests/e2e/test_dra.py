@@ -17,7 +17,7 @@ import pytest
 
 from sidecar.app import Sidecar
 from sidecar.config import Settings
-from sidecar.dra import DraSpec
+from sidecar.dra.verdicts import DraSpec
 from testing import free_port
 from testing.realdra import RealDraDriver, RealDraKubelet, Release
 from tests.conftest import wait_for

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from sidecar.dra import RESTART_BUDGET, DraSpec, Judgement
-from sidecar.drawatch import DraWatch
+from sidecar.dra.verdicts import RESTART_BUDGET, DraSpec, Judgement
+from sidecar.dra.watch import DraWatch
 from sidecar.health import Status
 from testing.realdra import RealDraDriver, RealDraKubelet, Release
 from tests.test_realdra import Clock

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from sidecar.dra import DraSpec, Judgement
-from sidecar.draslices import ApiAccess, read_slices
-from sidecar.drawatch import SLICES_EVERY, DraWatch
+from sidecar.dra.slices import ApiAccess, read_slices
+from sidecar.dra.verdicts import DraSpec, Judgement
+from sidecar.dra.watch import SLICES_EVERY, DraWatch
 from sidecar.health import Status
 from testing import free_port
 from testing.realdra import RealDraDriver, RealDraKubelet

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from sidecar.registration import RESTART_BUDGET
+from sidecar.deviceplugin.verdicts import RESTART_BUDGET
 from tests.conftest import wait_for
 from tests.e2e.conftest import GPU, Node, NodeFactory, Watch
 

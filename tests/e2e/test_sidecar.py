@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.config import PluginSpec
-from sidecar.probes import probe_kubelet, socket_identity
+from sidecar.deviceplugin.probes import probe_kubelet, socket_identity
 from sidecar.rpc import unix_target
 from testing import FakeDevicePlugin, FakeKubelet, free_port
 from testing.grpcserve import GoStyleUnimplemented

@@ -19,8 +19,8 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.checkpoint import CheckpointError, read_checkpoint
 from sidecar.config import Settings
+from sidecar.deviceplugin.checkpoint import CheckpointError, read_checkpoint
 from testing import FakeDevicePlugin, FakeKubelet, free_port
 from testing.kubelet import STOP_GRACE
 from testing.realkubelet import RealKubelet, RealPlugin, Release

@@ -121,7 +121,7 @@ class Evidence:
     service_silent_since: float | None = None
     service_reason: str = ""  # the last service reading, for the verdicts
     # The node's ResourceSlices of the driver (slices, devices) from the API server, when configured
-    # (sidecar.draslices): reasons only, never a verdict. None: not read; slices_why says why.
+    # (sidecar.dra.slices): reasons only, never a verdict. None: not read; slices_why says why.
     slices: tuple[int, int] | None = None
     slices_why: str = ""
 

@@ -18,7 +18,7 @@ from sidecar import __version__
 from sidecar.app import Sidecar
 from sidecar.config import BadConfig
 from sidecar.health import Check, HealthState, Status
-from sidecar.metrics import CONTENT_TYPE, Metrics
+from sidecar.server.metrics import CONTENT_TYPE, Metrics
 
 SIDECAR_KEY = web.AppKey("sidecar", Sidecar)
 

@@ -2,7 +2,7 @@
 
 `/healthz` is the device plugin's livenessProbe: answered late or not at all, it restarts a healthy
 GPU plugin. So nothing a client does may hold the loop, the memory or the file descriptors that
-answer it. aiohttp parses HTTP and runs the views (sidecar/http.py); this module owns, below them:
+answer it. aiohttp parses HTTP and runs the views (sidecar/server/views.py); this module owns, below them:
 
 - the accept loop (not asyncio's: that one accepts a whole backlog at once and, out of descriptors,
   retries a second later with the fd table full, which is when gRPC's core aborts the process);
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 # The paths the kubelet probes (the plugin's liveness and readiness, the sidecar's own): never rate
 # limited, answered from memory, and served before other work queued in the same turn of the loop.
-# sidecar/http.py routes them; this is the one list of which are probes.
+# sidecar/server/views.py routes them; this is the one list of which are probes.
 PROBE_PATHS = frozenset({"/healthz", "/livez", "/readyz", "/sidecarz", "/sidecarz/live"})
 PROBE_PREFIXES = ("/healthz/", "/readyz/")
 

@@ -19,10 +19,10 @@ from typing import Any, Protocol
 
 from hami_guard.flags import PluginSpec
 from hami_guard.node.unixdiag import Owner
-from sidecar.checkpoint import Checkpoint
-from sidecar.hamiconfig import Expectation
+from sidecar.deviceplugin.checkpoint import Checkpoint
+from sidecar.deviceplugin.hamiconfig import Expectation
+from sidecar.deviceplugin.probes import ProbeResult, Reading, SocketId
 from sidecar.health import Check, CheckKey, HealthState, Kind, Status
-from sidecar.probes import ProbeResult, Reading, SocketId
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Generic, Literal, TypeVar
 import grpc
 
 from hami_guard.node.sockets import try_connect
-from sidecar.checkpoint import Checkpoint, CheckpointError, read_checkpoint
+from sidecar.deviceplugin.checkpoint import Checkpoint, CheckpointError, read_checkpoint
 from sidecar.proto import deviceplugin_v1beta1_pb2 as dp
 from sidecar.proto import podresources_v1_pb2 as pr
 from sidecar.rpc import DEVICE_PLUGIN, POD_RESOURCES, REGISTRATION, insecure_channel, unary, unary_path

@@ -1,4 +1,4 @@
-"""A DRA driver's evidence, read from the node each round; `sidecar.dra` judges it.
+"""A DRA driver's evidence, read from the node each round; `sidecar.dra.verdicts` judges it.
 
 Read-only towards the driver: `GetInfo` on its registration socket, and on its DRA service an
 empty `NodePrepareResources` (no claims: the call the drivers' own probes make, which prepares
@@ -29,7 +29,8 @@ from hami_guard.node.unixdiag import (
     kubelet_connections,
     normalise,
 )
-from sidecar.dra import (
+from sidecar.dra.slices import ApiAccess, Slices, read_slices
+from sidecar.dra.verdicts import (
     DEFAULT_GRACE,
     KUBELET_CALL_TIMEOUT,
     DraJudge,
@@ -39,7 +40,6 @@ from sidecar.dra import (
     Info,
     Judgement,
 )
-from sidecar.draslices import ApiAccess, Slices, read_slices
 from sidecar.proto import pluginregistration_v1_pb2 as reg
 from sidecar.rpc import insecure_channel, unary
 
@@ -237,7 +237,7 @@ class DraWatch:
         self.endpoints: dict[str, str] = {}
         self.methods: dict[str, str] = {}  # the NodePrepareResources GetInfo's services name
         self.services = {s.name: ServiceProbe(clock) for s in self.specs}
-        # The node's ResourceSlices (sidecar.draslices), only with API access configured and a node
+        # The node's ResourceSlices (sidecar.dra.slices), only with API access configured and a node
         # name: read at most every SLICES_EVERY seconds.
         self.api = api if node else None
         self.node = node

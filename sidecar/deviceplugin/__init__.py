@@ -1,0 +1,2 @@
+"""Device plugins: the evidence of registration (`probes`, `checkpoint`, `hamiconfig`) and its pure
+verdicts (`verdicts`)."""

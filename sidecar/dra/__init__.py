@@ -1,0 +1,1 @@
+"""DRA drivers: their evidence and rounds (`watch`, `slices`) and pure verdicts (`verdicts`)."""
