@@ -1,6 +1,6 @@
-"""The sidecar's wiring: folder events and probe rounds in, `Registrar` verdicts out, one asyncio loop.
+"""The sidecar's wiring: folder events and probe rounds in, the judges' verdicts out, one asyncio loop.
 
-Data flows one way: watcher events and probe results -> Registrar (sidecar.deviceplugin.verdicts)
+Data flows one way: watcher events and probe results -> DevicePluginJudge (sidecar.deviceplugin.verdicts)
 -> HTTP views and metrics. Everything here is I/O and timing; every decision is made in
 sidecar.deviceplugin.verdicts.
 """
@@ -45,7 +45,14 @@ from sidecar.deviceplugin.probes import (
     socket_identity,
     socket_refuses,
 )
-from sidecar.deviceplugin.verdicts import PluginRound, Registrar, Round, Rules, Vanish, iso
+from sidecar.deviceplugin.verdicts import (
+    AfterDeletion,
+    DevicePluginJudge,
+    PluginEvidence,
+    RoundEvidence,
+    Rules,
+    iso,
+)
 from sidecar.dra.verdicts import RESTART_BUDGET as DRA_RESTART_BUDGET
 from sidecar.dra.watch import DraWatch
 from sidecar.health import Check, CheckKey, Kind, Status
@@ -61,8 +68,8 @@ MIN_ROUND_GAP = 0.01
 DEVICE_SOURCES = ("pod_resources", "checkpoint", "host")
 
 
-class _Publish:
-    """The registrar's listener: metrics, and one log line per transition."""
+class MetricsPublisher:
+    """The judge's listener: metrics, and one log line per transition."""
 
     def __init__(self, metrics: Metrics, label: str) -> None:
         self.m = metrics
@@ -141,9 +148,9 @@ class Sidecar:
             device_glob=s.device_glob,
             drop_confirm=s.drop_confirm,
         )
-        publish = _Publish(self.metrics, s.plugin_label)
-        self.registrar = Registrar(rules, publish, clock, wall)
-        self.state = self.registrar.state
+        publish = MetricsPublisher(self.metrics, s.plugin_label)
+        self.judge = DevicePluginJudge(rules, publish, clock, wall)
+        self.state = self.judge.state
         for p in s.plugins:
             # Every series exists from start: a series first seen at 1 hides that increase from increase().
             self.metrics.attempts.labels(s.plugin_label, p.resource)
@@ -263,28 +270,28 @@ class Sidecar:
     def _on_fs_event(self, event: FsEvent) -> None:
         """Runs on the loop (the observer thread hands events over); decides, never blocks."""
         s = self.settings
-        plugin = self.registrar.plugin(event.name)
+        plugin = self.judge.plugin(event.name)
         if event.kind == "folder-gone":
-            self.registrar.folder_gone()
+            self.judge.folder_gone()
             self._await_folder()
         elif event.name == s.kubelet_socket:
-            self.registrar.kubelet_socket_event(event.kind, socket_identity(s.kubelet_path))
+            self.judge.kubelet_socket_event(event.kind, socket_identity(s.kubelet_path))
         elif plugin is not None:
             if event.kind == "deleted":
                 self._judge_vanished(plugin)
             elif event.kind == "created":
                 identity = socket_identity(os.path.join(s.device_plugin_dir, plugin.socket))
-                self.registrar.plugin_socket_created(plugin.resource, identity)
+                self.judge.plugin_socket_created(plugin.resource, identity)
         elif event.name != CHECKPOINT_NAME:
             return
         self.trigger()
 
     def _judge_vanished(self, plugin: PluginSpec) -> None:
-        self.registrar.plugin_socket_deleted(plugin.resource)
+        self.judge.plugin_socket_deleted(plugin.resource)
         self._tasks.spawn(self._observe_vanished(plugin), f"vanish:{plugin.resource}")
 
     async def _observe_vanished(self, plugin: PluginSpec) -> None:
-        """Look at the folder a moment after a plugin socket was deleted; the registrar judges.
+        """Look at the folder a moment after a plugin socket was deleted; the judge judges.
 
         First once kubelet.sock's own events have landed; where no kubelet restart explains the
         removal, again when the restart window is over (a plugin re-creating its socket).
@@ -293,17 +300,17 @@ class Sidecar:
         try:
             await asyncio.sleep(s.vanish_settle)
             for window_over in (False, True):
-                seen = Vanish(
+                seen = AfterDeletion(
                     plugin=socket_identity(os.path.join(s.device_plugin_dir, plugin.socket)),
                     kubelet=socket_identity(s.kubelet_path),
                     kubelet_refuses=socket_refuses(s.kubelet_path),
                 )
-                if not self.registrar.judge_vanished(plugin.resource, seen, window_over):
+                if not self.judge.judge_vanished(plugin.resource, seen, window_over):
                     break
                 await asyncio.sleep(max(0.0, s.plugin_restart_window - s.vanish_settle))
         finally:
             # Never left waiting for a verdict that will not come: the next round judges the socket.
-            self.registrar.end_judgement(plugin.resource)
+            self.judge.end_judgement(plugin.resource)
             self._schedule_refresh()
             self.trigger()
 
@@ -329,7 +336,7 @@ class Sidecar:
         s = self.settings
         if self._folder_id is not None and self._folder_replaced():
             self._await_folder()
-        generation = self.registrar.generation
+        generation = self.judge.generation
         # The kubelet's connections before the probes: a probe's own connection lingers a few ms.
         # Only the sockets bound to the files that matter are kept (a host namespace holds thousands).
         files = [s.kubelet_path, *(s.plugin_path(p) for p in s.plugins)]
@@ -392,11 +399,11 @@ class Sidecar:
                 if result.ok and not isinstance(mine, str) and _file_id(path) in listed
                 else SocketOwner("unknown", "")
             )
-            observed[plugin.resource] = PluginRound(
+            observed[plugin.resource] = PluginEvidence(
                 result, socket_identity(path), held, owner.verdict, owner.reason, ids
             )
         self._connections_source = connections if isinstance(connections, str) else connections.source
-        seen = Round(
+        seen = RoundEvidence(
             kubelet,
             observed,
             checkpoint,
@@ -406,10 +413,8 @@ class Sidecar:
             expectation=expectation,
             others=others,
         )
-        for resource in self.registrar.round(seen):
-            self._tasks.spawn(
-                self._observe_vanished(self.registrar.plugin_for(resource)), f"vanish:{resource}"
-            )
+        for resource in self.judge.round(seen):
+            self._tasks.spawn(self._observe_vanished(self.judge.plugin_for(resource)), f"vanish:{resource}")
         if self.dra is not None:
             await self._dra_round()
         self.rounds += 1
@@ -451,11 +456,11 @@ class Sidecar:
     # -- state changes -----------------------------------------------------------------
     def _schedule_refresh(self) -> None:
         """Fail pending checks when their grace runs out, and confirm a lost connection, unprobed."""
-        deadline = self.registrar.refresh()
+        deadline = self.judge.refresh()
         if self._refresh_handle is not None:
             self._refresh_handle.cancel()
             self._refresh_handle = None
-        confirm = self.registrar.wake_at()
+        confirm = self.judge.wake_at()
         wake = min((t for t in (deadline, confirm) if t is not None), default=None)
         if wake is not None:
             with contextlib.suppress(RuntimeError):
@@ -518,12 +523,12 @@ class Sidecar:
             },
             "kubelet_connections_from": self._connections_source,
             **({"dra": self._dra_document()} if self.dra is not None else {}),
-            "kubelet_restarts": self.registrar.kubelet_restarts,
+            "kubelet_restarts": self.judge.kubelet_restarts,
             "probe_rounds": self.rounds,
             "runtime": _runtime(),
-            "registration": self.registrar.registration(),
-            "registration_history": [a.as_dict() for a in self.registrar.history],
-            "devices": self.registrar.devices(),
+            "registration": self.judge.registration(),
+            "registration_history": [a.as_dict() for a in self.judge.history],
+            "devices": self.judge.devices(),
             "expected_devices": self._expected_devices(),
             "settings": {
                 "device_plugin_dir": s.device_plugin_dir,

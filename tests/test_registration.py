@@ -13,11 +13,11 @@ from sidecar.deviceplugin.checkpoint import Checkpoint
 from sidecar.deviceplugin.probes import ProbeResult, Reading, SocketId
 from sidecar.deviceplugin.verdicts import (
     RESTART_BUDGET,
-    PluginRound,
-    Registrar,
-    Round,
+    AfterDeletion,
+    DevicePluginJudge,
+    PluginEvidence,
+    RoundEvidence,
     Rules,
-    Vanish,
     physical_devices,
 )
 from sidecar.health import NO_RESTART, Check, Status
@@ -41,7 +41,7 @@ class Clock:
 
 @dataclass
 class Published:
-    """What the registrar told the wiring."""
+    """What the judge told the wiring."""
 
     attempts: int = 0
     successes: list[float] = field(default_factory=list)
@@ -104,15 +104,19 @@ class Node:
     def connect(self, *ids: int) -> None:
         self.connection_ids, self.connections = frozenset(ids), len(ids)
 
-    def round(self) -> Round:
+    def round(self) -> RoundEvidence:
         conns = Reading(self.connections) if self.connections is not None else Reading.failed("not visible")
         cp = (
             Reading(self.checkpoint) if self.checkpoint is not None else Reading.failed(self.checkpoint_error)
         )
         pr = Reading(self.pod_resources) if self.pod_resources is not None else Reading.failed("not mounted")
-        return Round(
+        return RoundEvidence(
             self.kubelet,
-            {GPU: PluginRound(self.plugin, self.plugin.identity, conns, connection_ids=self.connection_ids)},
+            {
+                GPU: PluginEvidence(
+                    self.plugin, self.plugin.identity, conns, connection_ids=self.connection_ids
+                )
+            },
             cp,
             pr,
             self.host,
@@ -120,23 +124,23 @@ class Node:
         )
 
 
-def make(grace: float = 60.0, **rules: object) -> tuple[Registrar, Clock, Published]:
+def make(grace: float = 60.0, **rules: object) -> tuple[DevicePluginJudge, Clock, Published]:
     clock, seen = Clock(), Published()
     base = Rules(plugins=(PluginSpec(GPU, SOCK),), grace=grace)
-    return Registrar(replace(base, **rules), seen, clock, clock), clock, seen  # type: ignore[arg-type]
+    return DevicePluginJudge(replace(base, **rules), seen, clock, clock), clock, seen  # type: ignore[arg-type]
 
 
-def status(reg: Registrar, name: str) -> tuple[str, bool]:
+def status(reg: DevicePluginJudge, name: str) -> tuple[str, bool]:
     """(state, whether it fails liveness)."""
     check = reg.state.checks[name]
     return check.status.value, check.live_failed
 
 
-def reason(reg: Registrar, name: str) -> str:
+def reason(reg: DevicePluginJudge, name: str) -> str:
     return reg.state.checks[name].reason
 
 
-def verdicts(reg: Registrar) -> tuple[bool, bool]:
+def verdicts(reg: DevicePluginJudge) -> tuple[bool, bool]:
     """(liveness, readiness)."""
     return reg.state.healthy(), reg.state.all_ok()
 
@@ -492,7 +496,7 @@ def test_a_vanished_plugin_socket_in_either_removal_order(
     reg, _, _ = make()
     reg.round(Node().round())
     reg.plugin_socket_deleted(GPU)
-    seen = Vanish(plugin=None, kubelet=kubelet_now, kubelet_refuses=refuses)
+    seen = AfterDeletion(plugin=None, kubelet=kubelet_now, kubelet_refuses=refuses)
     waits = reg.judge_vanished(GPU, seen, restart_window_over=False)
     assert waits is (verdict == "stopped")  # the plugin gets its restart window first
     if waits:
@@ -507,8 +511,8 @@ def test_a_plugin_that_serves_a_new_socket_within_its_window_is_no_crash() -> No
     reg, _, seen = make()
     reg.round(Node().round())
     reg.plugin_socket_deleted(GPU)
-    assert reg.judge_vanished(GPU, Vanish(None, K1, False), restart_window_over=False)
-    reg.judge_vanished(GPU, Vanish(P2, K1, False), restart_window_over=True)
+    assert reg.judge_vanished(GPU, AfterDeletion(None, K1, False), restart_window_over=False)
+    reg.judge_vanished(GPU, AfterDeletion(P2, K1, False), restart_window_over=True)
     assert status(reg, f"plugin:{GPU}") == ("pending", False)  # a new cycle: the next round probes it
     assert seen.attempts == 1
 
@@ -521,7 +525,7 @@ def test_a_probe_that_saw_the_new_kubelet_first_does_not_turn_the_cleanup_into_a
     node.plugin = down("absent")
     reg.plugin_socket_deleted(GPU)
     reg.round(node.round())
-    assert not reg.judge_vanished(GPU, Vanish(None, K2, False), restart_window_over=False)
+    assert not reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=False)
     assert status(reg, f"plugin:{GPU}") == ("pending", False)
     assert reg.kubelet_restarts == 1  # the probe counted it; the removal's verdict is the same restart
 
@@ -531,8 +535,8 @@ def test_a_plugin_socket_newer_than_the_answering_kubelet_sock_was_not_removed_b
     node = Node(kubelet=alive(K2), plugin=alive(P2))  # P2 was created after K2 listened
     reg.round(node.round())
     reg.plugin_socket_deleted(GPU)
-    assert reg.judge_vanished(GPU, Vanish(None, K2, False), restart_window_over=False)
-    reg.judge_vanished(GPU, Vanish(None, K2, False), restart_window_over=True)
+    assert reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=False)
+    reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=True)
     assert status(reg, f"plugin:{GPU}") == ("failed", True)
 
 
@@ -623,7 +627,7 @@ def test_a_round_begun_before_a_kubelet_restart_was_seen_is_dropped() -> None:
     reg.round(node.round())
     stale = replace(node.round(), generation=reg.generation)
     reg.plugin_socket_deleted(GPU)
-    reg.judge_vanished(GPU, Vanish(None, K1, kubelet_refuses=True), restart_window_over=False)
+    reg.judge_vanished(GPU, AfterDeletion(None, K1, kubelet_refuses=True), restart_window_over=False)
     assert reg.kubelet_restarts == 1
     reg.round(stale)  # the in-flight round lands: ignored
     node.kubelet = alive(K2)  # the new kubelet answers: the same restart, not a second one
@@ -635,7 +639,7 @@ def test_a_round_begun_before_a_kubelet_restart_was_seen_is_dropped() -> None:
 def test_another_plugin_owning_the_socket_never_restarts_ours_through_registered() -> None:
     reg, clock, seen = make(grace=1)
     node = Node(connections=1, plugin=alive(P2))  # connected, but nothing recorded since P2
-    judge = PluginRound(node.plugin, P2, Reading(1), "elsewhere", "another device plugin serves it")
+    judge = PluginEvidence(node.plugin, P2, Reading(1), "elsewhere", "another device plugin serves it")
     for _ in range(3):
         reg.round(replace(node.round(), plugins={GPU: judge}))
         clock.now += 1
@@ -791,7 +795,7 @@ def test_another_socket_coming_and_going_spends_nothing_for_a_plugin_that_had_se
     reg.round(node.round())
     node.plugin, node.connections = down("absent"), 0
     reg.plugin_socket_deleted(GPU)  # it stopped: the same kubelet.sock answers
-    reg.judge_vanished(GPU, Vanish(None, K1, False), restart_window_over=True)
+    reg.judge_vanished(GPU, AfterDeletion(None, K1, False), restart_window_over=True)
     for n in range(RESTART_BUDGET + 2):
         node.others = {VGPU_SOCK: SocketId(30 + n, n)}
         clock.now += 1
@@ -812,7 +816,7 @@ def test_a_plugin_whose_own_socket_came_and_went_between_two_rounds_had_served(
     reg.round(node.round())  # started before the plugin: its socket is missing, within the grace
     reg.plugin_socket_created(GPU, identity)  # the event; no round probes it before it goes
     reg.plugin_socket_deleted(GPU)
-    reg.judge_vanished(GPU, Vanish(None, K1, False), restart_window_over=True)
+    reg.judge_vanished(GPU, AfterDeletion(None, K1, False), restart_window_over=True)
     assert status(reg, f"plugin:{GPU}") == ("failed", True)  # a crash: at once
     for n in range(RESTART_BUDGET + 2):
         node.others = {VGPU_SOCK: SocketId(30 + n, n)} if n % 2 == 0 else {}
@@ -839,7 +843,7 @@ def test_a_missing_socket_with_nothing_else_in_the_folder_spends_nothing() -> No
 # -- what each [!] line says, state by state --------------------------------------------------------
 
 
-def _missed_kubelet_restart(reg: Registrar, clock: Clock) -> None:
+def _missed_kubelet_restart(reg: DevicePluginJudge, clock: Clock) -> None:
     """The kubelet restarted and removed the plugin's socket; the plugin never served a new one."""
     node = Node()
     reg.round(node.round())
@@ -849,7 +853,7 @@ def _missed_kubelet_restart(reg: Registrar, clock: Clock) -> None:
     reg.round(node.round())
 
 
-def _kubelet_restarting(reg: Registrar, clock: Clock) -> None:
+def _kubelet_restarting(reg: DevicePluginJudge, clock: Clock) -> None:
     node = Node()
     reg.round(node.round())
     node.kubelet, node.connections = down("absent"), None
@@ -858,22 +862,22 @@ def _kubelet_restarting(reg: Registrar, clock: Clock) -> None:
     reg.round(node.round())
 
 
-def _unverified_kubelet(reg: Registrar, clock: Clock) -> None:
+def _unverified_kubelet(reg: DevicePluginJudge, clock: Clock) -> None:
     node = Node(kubelet=alive(K1, verified=False), connections=0)
     reg.round(node.round())
     clock.now += 61
     reg.round(node.round())
 
 
-def _another_plugin_owns_the_socket(reg: Registrar, clock: Clock) -> None:
-    obs = PluginRound(alive(P1), P1, Reading(0), "elsewhere", "another process listens")
+def _another_plugin_owns_the_socket(reg: DevicePluginJudge, clock: Clock) -> None:
+    obs = PluginEvidence(alive(P1), P1, Reading(0), "elsewhere", "another process listens")
     base = Node().round()
     reg.round(replace(base, plugins={GPU: obs}))
     clock.now += 61
     reg.round(replace(base, plugins={GPU: obs}))
 
 
-def _budget_spent_never_registering(reg: Registrar, clock: Clock) -> None:
+def _budget_spent_never_registering(reg: DevicePluginJudge, clock: Clock) -> None:
     node = Node(connections=0, checkpoint=None, checkpoint_error="no checkpoint")
     reg.round(node.round())
     for plugin in (P2, P3, SocketId(14, 8_000), SocketId(15, 9_000)):
@@ -886,16 +890,16 @@ def _budget_spent_never_registering(reg: Registrar, clock: Clock) -> None:
     reg.round(node.round())
 
 
-def _zero_devices(reg: Registrar, clock: Clock) -> None:
+def _zero_devices(reg: DevicePluginJudge, clock: Clock) -> None:
     reg.round(Node(pod_resources={GPU: frozenset()}).round())
     clock.now += 61
     reg.round(Node(pod_resources={GPU: frozenset()}).round())
 
 
-def _renamed(restarts: int) -> Callable[[Registrar, Clock], None]:
+def _renamed(restarts: int) -> Callable[[DevicePluginJudge, Clock], None]:
     """The plugin serves nvidia-vgpu.sock, never its own socket; the kubelet restarted it `restarts` times."""
 
-    def build(reg: Registrar, clock: Clock) -> None:
+    def build(reg: DevicePluginJudge, clock: Clock) -> None:
         node = Node(plugin=down("absent"), connections=0, checkpoint=None, checkpoint_error="no checkpoint")
         node.others = {VGPU_SOCK: SocketId(20, 1)}
         reg.round(node.round())

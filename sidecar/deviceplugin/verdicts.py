@@ -148,7 +148,7 @@ class Rules:
 
 
 @dataclass(frozen=True)
-class PluginRound:
+class PluginEvidence:
     """One probe round's view of one plugin."""
 
     probe: ProbeResult
@@ -162,13 +162,13 @@ class PluginRound:
 
 
 @dataclass(frozen=True)
-class Round:
+class RoundEvidence:
     kubelet: ProbeResult
-    plugins: Mapping[str, PluginRound]  # by resource
+    plugins: Mapping[str, PluginEvidence]  # by resource
     checkpoint: Reading[Checkpoint]
     pod_resources: Reading[dict[str, frozenset[str]]]  # healthy device IDs by resource
     host_devices: int | None = None
-    generation: int | None = None  # Registrar.generation when the round began (None: current)
+    generation: int | None = None  # DevicePluginJudge.generation when the round began (None: current)
     # auto's expectation (the host's devices less HAMi's filtered ones); None: `host_devices` stands
     expectation: Expectation | None = None
     # Other sockets served in the folder (name, identity), read while a plugin's own socket is missing.
@@ -176,7 +176,7 @@ class Round:
 
 
 @dataclass(frozen=True)
-class Vanish:
+class AfterDeletion:
     """What the folder shows a moment after a plugin socket was deleted."""
 
     plugin: SocketId | None  # the plugin socket now (back already?)
@@ -265,7 +265,7 @@ KUBELET = CheckKey(Kind.KUBELET)
 CHECKPOINT = CheckKey(Kind.CHECKPOINT)
 
 
-class Registrar:
+class DevicePluginJudge:
     """The node's registration state: kubelet restarts, plugin crashes, registration cycles."""
 
     def __init__(
@@ -385,7 +385,7 @@ class Registrar:
         """The observation of a deleted socket ended (or failed): its verdict, if any, is in."""
         self._plugins[resource].judging = False
 
-    def judge_vanished(self, resource: str, seen: Vanish, restart_window_over: bool) -> bool:
+    def judge_vanished(self, resource: str, seen: AfterDeletion, restart_window_over: bool) -> bool:
         """A deleted plugin socket: a kubelet restart (pending) or the plugin gone (failed)?
 
         kubelet.sock tells: a kubelet restart leaves it gone, dead, or a new file; the plugin's own
@@ -423,7 +423,7 @@ class Registrar:
         self.state.report(name, False, verdict, definitive=not restart, restarts=not self._kubelet_down)
         return False
 
-    def _restart_removed(self, p: _PluginState, seen: Vanish) -> str:
+    def _restart_removed(self, p: _PluginState, seen: AfterDeletion) -> str:
         """Why a kubelet restart explains the plugin socket's removal, or "" (it does not).
 
         A new kubelet deletes the sockets before it listens: while it does, kubelet.sock is gone or a
@@ -504,7 +504,7 @@ class Registrar:
             self.listener.attempt_closed(resource, None)
 
     # -- probe rounds -------------------------------------------------------------------------
-    def round(self, seen: Round) -> list[str]:
+    def round(self, seen: RoundEvidence) -> list[str]:
         """Judge one probe round; returns the resources whose socket vanished unannounced (the caller
         observes the folder and calls `judge_vanished` for each).
 
@@ -556,7 +556,7 @@ class Registrar:
         else:
             self.state.report(CHECKPOINT.name, False, checkpoint.error, definitive=True, restarts=False)
 
-    def _judge_plugin(self, plugin: PluginSpec, obs: PluginRound) -> bool:
+    def _judge_plugin(self, plugin: PluginSpec, obs: PluginEvidence) -> bool:
         """The plugin check; True when its socket vanished unannounced and awaits `judge_vanished`."""
         p, result = self._plugins[plugin.resource], obs.probe
         name = CheckKey(Kind.PLUGIN, plugin.resource).name
@@ -633,7 +633,7 @@ class Registrar:
         )
         return False
 
-    def _watch_others(self, plugin: PluginSpec, seen: Round) -> None:
+    def _watch_others(self, plugin: PluginSpec, seen: RoundEvidence) -> None:
         """A restart in vain: the plugin failed liveness for a socket it never served, and a socket came
         back in the folder under another name (a new file where the last round saw none, or another)."""
         r = plugin.resource
@@ -656,7 +656,7 @@ class Registrar:
                 )
         p.others = now
 
-    def _judge_registration(self, plugin: PluginSpec, obs: PluginRound, seen: Round) -> None:
+    def _judge_registration(self, plugin: PluginSpec, obs: PluginEvidence, seen: RoundEvidence) -> None:
         r = plugin.resource
         p, name = self._plugins[r], CheckKey(Kind.REGISTERED, r).name
         if self._kubelet_down:
@@ -690,7 +690,7 @@ class Registrar:
             name, held, why, definitive=definitive, restarts=restarts, quiet=self._quiet(plugin, obs, seen)
         )
 
-    def _quiet(self, plugin: PluginSpec, obs: PluginRound, seen: Round) -> str:
+    def _quiet(self, plugin: PluginSpec, obs: PluginEvidence, seen: RoundEvidence) -> str:
         """Why `registered:` restarts nothing, true for the state at hand."""
         p = self._plugins[plugin.resource]
         sock = self.state.checks[CheckKey(Kind.PLUGIN, plugin.resource).name]
@@ -709,7 +709,7 @@ class Registrar:
         return ""
 
     def _held(
-        self, plugin: PluginSpec, p: _PluginState, obs: PluginRound, seen: Round
+        self, plugin: PluginSpec, p: _PluginState, obs: PluginEvidence, seen: RoundEvidence
     ) -> tuple[bool | None, str, bool, bool]:
         """Does the kubelet hold the plugin now? (held, why, whether waiting cannot mend it, whether a
         plugin restart can). The precedence is docs/design.md#registration's."""
@@ -860,8 +860,8 @@ class Registrar:
         self,
         plugin: PluginSpec,
         p: _PluginState,
-        obs: PluginRound,
-        seen: Round,
+        obs: PluginEvidence,
+        seen: RoundEvidence,
         pair: tuple[SocketId | None, SocketId | None],
     ) -> tuple[str, bool] | None:
         """What, newer than the connection that made this pair held, says the kubelet no longer holds
@@ -939,26 +939,26 @@ class Registrar:
             return "", True
         return why, True
 
-    def _recorded(self, r: str, seen: Round, obs: PluginRound) -> bool:
+    def _recorded(self, r: str, seen: RoundEvidence, obs: PluginEvidence) -> bool:
         """The kubelet has the plugin's first ListAndWatch answer: the end of the latency SLI."""
         live = seen.pod_resources.value
         return bool(live and live.get(r)) or self._accepted(r, seen, obs) is not None
 
-    def _accepted(self, r: str, seen: Round, obs: PluginRound) -> int | None:
+    def _accepted(self, r: str, seen: RoundEvidence, obs: PluginEvidence) -> int | None:
         """Healthy devices the checkpoint lists for `r`, if rewritten since both sockets were made."""
         return accepted_devices(seen.checkpoint.value, r, obs.identity_after, self._kubelet_id)
 
-    def _not_held(self, r: str, seen: Round, obs: PluginRound) -> str:
+    def _not_held(self, r: str, seen: RoundEvidence, obs: PluginEvidence) -> str:
         return not_held_reason(seen.checkpoint, r, obs.identity_after, self._plugins[r].connected_since)
 
-    def _device_note(self, r: str, seen: Round) -> str:
+    def _device_note(self, r: str, seen: RoundEvidence) -> str:
         live = seen.pod_resources.value
         if live is None:
             return ""
         n = len(physical_devices(live.get(r, ())))
         return f"; pod-resources lists {n} healthy device(s)" if n else "; no healthy device listed"
 
-    def _count_devices(self, plugin: PluginSpec, seen: Round) -> None:
+    def _count_devices(self, plugin: PluginSpec, seen: RoundEvidence) -> None:
         """Healthy physical devices the kubelet lists now; a stale checkpoint's count is never one."""
         r = plugin.resource
         p = self._plugins[r]
@@ -1007,7 +1007,7 @@ class Registrar:
                 quiet=quiet,
             )
 
-    def _wanted(self, expect: int | None, seen: Round) -> tuple[int, str]:
+    def _wanted(self, expect: int | None, seen: RoundEvidence) -> tuple[int, str]:
         """The minimum of healthy devices, and where it comes from."""
         if expect is None:
             return (

@@ -26,7 +26,7 @@ SETTINGS = Settings(probe_interval=0.5, probe_timeout=0.3, registration_grace=1.
 
 
 def restarts_seen(node: RealNode, count: int) -> bool:
-    return node.sidecar.registrar.kubelet_restarts >= count
+    return node.sidecar.judge.kubelet_restarts >= count
 
 
 class Asks:

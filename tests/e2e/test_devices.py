@@ -128,7 +128,7 @@ def fast_node(dp_dir: str, short_tmp: str, **overrides: float) -> tuple[str, Set
 
 
 def counted(sidecar: Sidecar, n: int) -> bool:
-    return bool(sidecar.registrar.registration()[GPU]["restarts_without_registration"] == n)
+    return bool(sidecar.judge.registration()[GPU]["restarts_without_registration"] == n)
 
 
 def rounds_past(sidecar: Sidecar, n: int) -> bool:
@@ -253,4 +253,4 @@ async def test_a_plugin_that_had_served_and_crashed_still_fails_at_once_whatever
             async with plugin_process(dp_dir, VGPU, "nvidia-vgpu.sock"):  # another socket comes and goes
                 await wait_for(partial(rounds_past, sidecar, sidecar.rounds + 3))
                 assert (await answer(http))[0] == 503
-        assert sidecar.registrar.registration()[GPU]["restarts_without_registration"] == 0
+        assert sidecar.judge.registration()[GPU]["restarts_without_registration"] == 0

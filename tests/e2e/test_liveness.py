@@ -28,7 +28,7 @@ def registered_since(node: Node, count: int) -> bool:
 
 
 def restarts_seen(node: Node, count: int) -> bool:
-    return node.sidecar.registrar.kubelet_restarts >= count
+    return node.sidecar.judge.kubelet_restarts >= count
 
 
 def probe_paths() -> tuple[str, str]:
@@ -102,7 +102,7 @@ async def test_hami_split_ids_count_once_per_gpu_and_losing_one_gpu_fails_readin
     ids = [f"{u}-{n}" for u in UUIDS for n in range(10)]  # HAMi's deviceSplitCount 10
     async with make_node(plugin_kwargs={"devices": ids}, expect_devices=2) as node:
         await node.until(READY, 200)
-        assert node.sidecar.registrar.devices()[GPU]["pod_resources"] == 2
+        assert node.sidecar.judge.devices()[GPU]["pod_resources"] == 2
         for n in range(10):
             node.plugin.set_health(f"{UUIDS[1]}-{n}", False)
         body = await node.until(f"{READY}?verbose", 503, contains=f"devices:{GPU} failed")
@@ -218,7 +218,7 @@ async def test_both_socket_removal_orders_of_a_kubelet_restart_are_pending_never
                 await asyncio.sleep(0.002)
                 os.unlink(second)
                 await wait_for(partial(restarts_seen, node, n + 1), what="the sidecar seeing the restart")
-                assert node.sidecar.registrar.kubelet_restarts == n + 1
+                assert node.sidecar.judge.kubelet_restarts == n + 1
                 before = node.plugin.registrations
                 await k.start()  # listens on a new kubelet.sock; the plugin registers again
                 await wait_for(partial(registered_since, node, before), what="re-registration")
@@ -227,7 +227,7 @@ async def test_both_socket_removal_orders_of_a_kubelet_restart_are_pending_never
             answers = await watch.stop()
         assert answers
         assert set(answers) == {200}
-        assert node.sidecar.registrar.kubelet_restarts == 4
+        assert node.sidecar.judge.kubelet_restarts == 4
 
 
 async def test_a_dropped_plugin_fails_liveness_within_an_interval_and_a_plugin_restart_mends_it(

@@ -56,7 +56,7 @@ class Oracle:
         """(registered ok, live, ready, healthy physical devices by pod-resources)."""
         state = self.node.sidecar.state
         registered = state.checks[f"registered:{GPU}"].status.value == "ok"
-        count = self.node.sidecar.registrar.devices()[GPU].get("pod_resources")
+        count = self.node.sidecar.judge.devices()[GPU].get("pod_resources")
         return registered, state.healthy(), self.node.sidecar.ready and state.all_ok(), count
 
     async def settle(self) -> None:

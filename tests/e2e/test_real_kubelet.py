@@ -62,7 +62,7 @@ async def test_a_held_plugin_is_registered_and_a_numa_spanning_device_counts_onc
     async with node_factory(expect_devices=2) as node:
         await node.plugin(devices=["GPU-0@0", "GPU-1@0,1"])  # GPU-1 spans two NUMA nodes
         await node.until("/readyz", 200)
-        assert node.sidecar.registrar.devices()[GPU]["pod_resources"] == 2
+        assert node.sidecar.judge.devices()[GPU]["pod_resources"] == 2
         doc = node.sidecar.status_document()
         assert doc["kubelet_connections_from"] == "this network namespace (sock_diag)"
         assert "holds a connection" in doc["checks"][f"registered:{GPU}"]["reason"]
@@ -83,13 +83,13 @@ async def test_a_kubelet_restart_with_reregistration_never_fails_liveness(
                 await plugin.wait_event("stream-open", after=mark)
                 await wait_for(partial(restarts_seen, node, i + 1), what="the restart seen")
                 # Registered again in the sidecar's eyes (its cycle closed), not merely ready from before.
-                await wait_for(lambda: node.sidecar.registrar.history[-1].outcome == "registered")
+                await wait_for(lambda: node.sidecar.judge.history[-1].outcome == "registered")
                 await node.until("/readyz", 200)
         finally:
             answers = await watch.stop()
         assert answers
         assert set(answers) == {200}
-        assert node.sidecar.registrar.kubelet_restarts == 3
+        assert node.sidecar.judge.kubelet_restarts == 3
 
 
 async def test_a_kubelet_restart_without_reregistration_fails_liveness_and_a_plugin_restart_mends_it(
@@ -330,7 +330,7 @@ async def test_a_second_register_on_its_own_socket_then_the_first_stream_ends(no
             assert took <= limit + 1.0
             assert await plugin.streams_open() == 0
             assert (await node.kubelet.capacity())["allocatable"] == {GPU: 0}
-            assert node.sidecar.registrar.devices()[GPU]["pod_resources"] == 0
+            assert node.sidecar.judge.devices()[GPU]["pod_resources"] == 0
             await says(node, "pod-resources lists no device")
             # The remedy: a plugin restart (the livenessProbe's) registers it again.
             mark = plugin.mark()

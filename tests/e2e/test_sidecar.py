@@ -95,7 +95,7 @@ async def test_kubelet_restart_with_reregistration_never_fails(node: Node) -> No
     await node.kubelet.restart()
     await wait_for(lambda: node.kubelet.healthy_devices(GPU), what="re-registration")
     await wait_for(
-        lambda: node.sidecar.registrar.history and node.sidecar.registrar.history[-1].outcome == "registered"
+        lambda: node.sidecar.judge.history and node.sidecar.judge.history[-1].outcome == "registered"
     )
     ended = time.monotonic()
     await node.wait_rounds()
@@ -110,8 +110,8 @@ async def test_kubelet_restart_with_reregistration_never_fails(node: Node) -> No
     hist = "device_plugin_listandwatch_latency_seconds_count"
     assert metric(after, hist, **labels) - metric(before, hist, **labels) == 1
     assert metric(after, "device_plugin_kubelet_restarts_total") == 1
-    assert node.sidecar.registrar.history[-1].latency is not None
-    assert node.sidecar.registrar.history[-1].latency < 2.0
+    assert node.sidecar.judge.history[-1].latency is not None
+    assert node.sidecar.judge.history[-1].latency < 2.0
 
 
 # 5
@@ -141,7 +141,7 @@ async def test_kubelet_restart_without_reregistration_fails_when_the_grace_runs_
         assert metric(after, "device_plugin_registration_success_total", **labels) == metric(
             before, "device_plugin_registration_success_total", **labels
         )
-        assert node.sidecar.registrar.history[-1].outcome == "not registered within the grace"
+        assert node.sidecar.judge.history[-1].outcome == "not registered within the grace"
 
 
 # 6
@@ -288,7 +288,7 @@ async def test_pre_1_20_checkpoint_is_read(node: Node) -> None:
     write_checkpoint_bytes(node.kubelet.checkpoint_path, json.dumps(old).encode())
     await node.wait_rounds()
     assert await node.get("/readyz") == (200, "ok")
-    assert node.sidecar.registrar.devices()[GPU]["checkpoint"] == 2
+    assert node.sidecar.judge.devices()[GPU]["checkpoint"] == 2
 
 
 # 9
@@ -414,7 +414,7 @@ SPEC_METRICS = {
 async def test_metrics_status_readyz_and_errors(node: Node) -> None:
     await node.kubelet.restart()
     await wait_for(
-        lambda: node.sidecar.registrar.history and node.sidecar.registrar.history[-1].outcome == "registered"
+        lambda: node.sidecar.judge.history and node.sidecar.judge.history[-1].outcome == "registered"
     )
     await node.wait_rounds()  # the round after the registration reads the rewritten checkpoint
     text = await metrics(node)
@@ -651,7 +651,7 @@ async def test_restart_in_any_removal_order_is_pending_not_failed(node: Node, or
         os.unlink(node.plugin.socket_path)  # the new kubelet's cleanup reaches the plugin socket first
     else:
         await node.kubelet.stop(unlink_socket=True)  # a graceful stop unlinks kubelet.sock first
-        await wait_for(lambda: node.sidecar.registrar.kubelet_restarts == 1, what="the stop seen")
+        await wait_for(lambda: node.sidecar.judge.kubelet_restarts == 1, what="the stop seen")
         os.unlink(node.plugin.socket_path)
     plugin = node.sidecar.state.checks[f"plugin:{GPU}"]
     await wait_for(lambda: "removed by a kubelet restart" in plugin.reason, what="the removal's verdict")
@@ -660,7 +660,7 @@ async def test_restart_in_any_removal_order_is_pending_not_failed(node: Node, or
     await node.until("/healthz?verbose", 200, contains=f"[+]registered:{GPU} ok")
     codes = await watch.stop()
     assert set(codes) == {200}, [b for _, c, b in watch.seen if c != 200][:1]
-    assert node.sidecar.registrar.kubelet_restarts == 1
+    assert node.sidecar.judge.kubelet_restarts == 1
 
 
 class _ReplacedWhileProbed(grpc.GenericRpcHandler):
