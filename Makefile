@@ -89,7 +89,7 @@ kubelet-fixtures-check:
 demo: $(STAMP)
 	$(PY) -m testing.demo
 
-# A real node in a box (tests/node, README.md#a-real-node): etcd, kube-apiserver, kube-controller-manager,
+# A real node in a box (tests/node, docs/testing.md#a-real-node): etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler and the kubelet from k8s.io/kubernetes (tests/node/go.mod), Debian's containerd and runc,
 # the project's images built by buildah, in namespaces of their own. The binaries are rebuilt when
 # tests/node/go.mod changes; the kubelet's binary is named kubelet-e2e (no process named kubelet on the

@@ -31,13 +31,13 @@ from tests.test_manifests import (
     Obj,
     by_name,
     clean_env,
+    doc_commands,
     docs,
     free_port,
     helm_home,
     http_get,
     http_status,
     key,
-    readme_commands,
     run,
     tool,
     validate_files,
@@ -441,14 +441,15 @@ def test_checkov_finds_only_hostpid_added_to_the_dra_charts(tmp_path: Path) -> N
         assert added[1] == cleared[1] and added[1].endswith("-kubelet-plugin")
 
 
-# --- The README's DRA section ------------------------------------------------------------------------
+# --- The DRA install lines of docs/deploy.md ----------------------------------------------------------
 
 
-def test_readme_dra_install_lines_are_the_tested_ones() -> None:
-    """Each `helm upgrade --install` line of the README's DRA section, run as `helm template` on the
+def test_deploy_doc_dra_install_lines_are_the_tested_ones() -> None:
+    """Each `helm upgrade --install` line of docs/deploy.md's DRA section, run as `helm template` on the
     fixture of its chart (with the cluster's version, which an install takes from the cluster) gives a
     render the tests above check."""
-    installs = [c for c in readme_commands("DRA drivers") if c.startswith("helm upgrade --install")]
+    commands = doc_commands("docs/deploy.md", "DRA drivers")
+    installs = [c for c in commands if c.startswith("helm upgrade --install")]
     charts = {
         "$HAMI_DRA/chart/hami-dra-driver": ("hami", {"gpus": HAMI_DRIVER}),
         "nvidia/nvidia-dra-driver-gpu": ("nvidia", {"compute-domains": NVIDIA_CD, "gpus": NVIDIA_GPU}),
@@ -466,4 +467,4 @@ def test_readme_dra_install_lines_are_the_tested_ones() -> None:
         assert result.returncode == 0, result.stderr
         check_patched(daemonset(docs(result.stdout)), drivers, "/var/lib/kubelet")
     assert len(seen) == 4
-    assert "helm repo add nvidia https://helm.ngc.nvidia.com/nvidia" in readme_commands("DRA drivers")
+    assert "helm repo add nvidia https://helm.ngc.nvidia.com/nvidia" in commands

@@ -35,7 +35,8 @@ CHART = ROOT / "tests" / "fixtures" / "hami-chart"
 TOOLS = ROOT / ".venv-tools" / "bin"
 KUBERNETES_VERSIONS = ("1.30.0", "1.33.0", "1.37.0")  # native sidecars on from 1.29; the newest
 CRD_KINDS = {"PodMonitor", "PrometheusRule"}  # not in the Kubernetes schemas; promtool checks the rules
-RUNBOOK = "README.md"  # every alert's runbook_url base: manifests/monitoring/runbook.yaml's default
+RUNBOOK = "docs/runbook.md"  # every alert's runbook_url base: manifests/monitoring/runbook.yaml's default
+INSTALL = "Install on a cluster"  # the README's section with the install lines
 REGISTRY = "registry.example.org/platform"  # as manifests/example-hami has it (example.org is reserved)
 GUARD = ("hami-initcheck", "hami-sidecar")
 Obj = dict[str, Any]
@@ -469,19 +470,18 @@ def test_kustomize_route_equals_the_post_renderer() -> None:
     check_patched(ds, "nvidia.com/gpu=nvidia-gpu.sock")
 
 
-def readme_deploying() -> str:
-    return readme_section("Deploying")
-
-
-def readme_section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
+def doc_section(doc: str, title: str) -> str:
+    """The `## title` section of a Markdown file of the repository (README.md, docs/deploy.md), up to
+    the next `## ` heading: a missing heading fails, so a moved section is never silently untested."""
+    text = (ROOT / doc).read_text()
+    assert f"\n## {title}\n" in text, f"{doc} has no section '## {title}'"
     return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
-def readme_commands(title: str = "Deploying") -> list[str]:
+def doc_commands(doc: str, title: str) -> list[str]:
     """The shell lines of a section's code blocks (continuations joined)."""
     lines: list[str] = []
-    for block in re.findall(r"```sh\n(.*?)```", readme_section(title), re.DOTALL):
+    for block in re.findall(r"```sh\n(.*?)```", doc_section(doc, title), re.DOTALL):
         for raw in block.replace("\\\n", " ").splitlines():
             line = raw.strip()
             if line and not line.startswith("#"):
@@ -490,9 +490,10 @@ def readme_commands(title: str = "Deploying") -> list[str]:
 
 
 def test_readme_install_lines_are_the_tested_ones(tmp_path: Path) -> None:
-    """Each `helm upgrade --install` line of the README, run as `helm template` on the fixture with the
-    registry filled in, gives the render the tests check; `helm plugin install` is the line Helm uses."""
-    commands = readme_commands()
+    """Each `helm upgrade --install` line of the README's install section, run as `helm template` on the
+    fixture with the registry filled in, gives the render the tests check; `helm plugin install` is the
+    line Helm uses."""
+    commands = doc_commands("README.md", INSTALL)
     installs = [c for c in commands if c.startswith("helm upgrade --install")]
     assert len(installs) == 2, installs  # Helm 3 (the script) and Helm 4 (the plugin)
     assert "helm plugin install ./manifests/hami-patch" in commands
@@ -705,13 +706,12 @@ def shipped_rules() -> list[dict[str, Any]]:
     return [r for g in doc["spec"]["groups"] for r in g["rules"]]
 
 
-def readme_anchors() -> set[str]:
-    """The anchors GitHub makes of README.md's headings, and its explicit <a id="...">s."""
-    import re
-
-    text = (ROOT / "README.md").read_text()
+def doc_anchors(doc: str) -> set[str]:
+    """The anchors GitHub makes of a Markdown file's headings (outside code blocks), and its explicit
+    <a id="...">s."""
+    text = (ROOT / doc).read_text()
     anchors = set(re.findall(r'<a id="([^"]+)"></a>', text))
-    for heading in re.findall(r"^#+ (.+)$", text, re.MULTILINE):
+    for heading in re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", text, flags=re.DOTALL), re.MULTILINE):
         anchors.add(re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-"))
     return anchors
 
@@ -728,11 +728,10 @@ def test_promtool_checks_the_rules(tmp_path: Path) -> None:
     assert len(shipped_rules()) == 11
 
 
-def test_every_alert_names_its_node_and_links_its_fix_in_the_readme() -> None:
-    """summary, description and a runbook_url into README.md#monitoring; `node` in every aggregation."""
-    import re
-
-    anchors = readme_anchors()
+def test_every_alert_names_its_node_and_links_its_fix_in_the_runbook() -> None:
+    """summary, description and a runbook_url into a section of docs/runbook.md; `node` in every
+    aggregation."""
+    anchors = doc_anchors(RUNBOOK)
     alerts = [r for r in shipped_rules() if "alert" in r]
     assert alerts
     for rule in alerts:
@@ -750,7 +749,7 @@ def test_every_alert_names_its_node_and_links_its_fix_in_the_readme() -> None:
             else [anchor]
         )
         for a in wanted:
-            assert a in anchors, f"{rule['alert']}: README.md has no #{a}"
+            assert a in anchors, f"{rule['alert']}: {RUNBOOK} has no #{a}"
         assert rule["labels"]["severity"] in {"warning", "critical"}
     for rule in shipped_rules():
         for by in re.findall(r"\bby \(([^)]*)\)", rule["expr"]):
@@ -776,7 +775,7 @@ def test_the_runbook_base_is_one_setting_that_reaches_every_alert(tmp_path: Path
     assert all(u.startswith(f"{RUNBOOK}#") for u in urls(shipped))
     copy_ = tmp_path / "monitoring"
     shutil.copytree(MANIFESTS / "monitoring", copy_)
-    base = "https://git.example.org/platform/hami-guard/-/blob/main/README.md"  # example.org: reserved
+    base = "https://git.example.org/platform/hami-guard/-/blob/main/docs/runbook.md"  # example.org: reserved
     runbook = yaml.safe_load((copy_ / "runbook.yaml").read_text())
     runbook["data"]["base"] = base
     (copy_ / "runbook.yaml").write_text(yaml.safe_dump(runbook))
@@ -971,7 +970,7 @@ def test_network_policy_admits_prometheus_on_the_sidecar_and_keeps_hamis_nodepor
 
 def test_readme_kustomization_is_the_examples() -> None:
     """The README's kustomization for the kustomize route is manifests/example-hami's (the tested one)."""
-    (block,) = re.findall(r"```yaml\n(.*?)```", readme_deploying(), re.DOTALL)
+    (block,) = re.findall(r"```yaml\n(.*?)```", doc_section("README.md", INSTALL), re.DOTALL)
     shown = yaml.safe_load(block)
     example = yaml.safe_load((MANIFESTS / "example-hami" / "kustomization.yaml").read_text())
     assert shown["resources"] == example["resources"]

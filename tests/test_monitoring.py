@@ -476,7 +476,7 @@ async def test_live_prometheus_scrapes_three_sidecars_and_alerts_for_the_faulty_
         for x in fired:
             assert x["labels"]["node"] == FAULTY
             assert FAULTY in x["annotations"]["summary"]
-            assert x["annotations"]["runbook_url"].startswith("README.md#")
+            assert x["annotations"]["runbook_url"].startswith("docs/runbook.md#")
 
         # 5. Every dashboard panel's queries, as Grafana would send them over the test's time range.
         await dashboard_queries_return_data(prom, started, time.time())
