@@ -759,6 +759,45 @@ def test_every_alert_names_its_node_and_links_its_fix_in_the_runbook() -> None:
             )
 
 
+def doc_links(path: Path) -> Iterator[tuple[str, Path, str]]:
+    """Every reference into a Markdown file of the repository that `path` holds: Markdown links in the
+    docs; in comments and manifests a path of docs/ or README.md with its anchor (a template such as
+    `#check-{{ $labels.check }}` aside). Each as (as written, the file it names, the anchor or "")."""
+    text = path.read_text()
+    if path.suffix == ".md":
+        text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+        found = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", t)]
+    else:
+        found = re.findall(r"(?<![\w/.-])((?:docs/)?[\w-]+\.md(?:#[\w-]+)?)(?![\w{-])", text)
+    for target in found:
+        name, _, anchor = target.partition("#")
+        if not name:
+            yield target, path, anchor
+            continue
+        near, top = path.parent / name, ROOT / name  # relative to the file, else to the repository
+        yield target, near if near.exists() else top, anchor
+
+
+def test_every_link_into_the_docs_resolves() -> None:
+    """Every link of README.md, BENCHMARKS.md and docs/, and every reference to a section of them in the
+    code, the tests and the manifests, names a file that exists and a section it has: a section moved
+    out of the README, or renamed, leaves no reference behind."""
+    sources = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+    kinds = {".py", ".yaml", ".proto", ".sh"}
+    for folder in ("hami_guard", "initcheck", "sidecar", "doctor", "testing", "tests", "manifests", "bench"):
+        sources += [p for p in sorted((ROOT / folder).rglob("*")) if p.suffix in kinds]
+    sources += [ROOT / "Makefile", ROOT / ".ci" / "run"]
+    broken = []
+    for source in sources:
+        for target, doc, anchor in doc_links(source):
+            where = source.relative_to(ROOT)
+            if not doc.exists():
+                broken.append(f"{where}: {target}: no such file")
+            elif anchor and doc.suffix == ".md" and anchor not in doc_anchors(str(doc.relative_to(ROOT))):
+                broken.append(f"{where}: {target}: no such section")
+    assert broken == []
+
+
 def test_the_runbook_base_is_one_setting_that_reaches_every_alert(tmp_path: Path) -> None:
     """kubectl kustomize of manifests/monitoring: runbook.yaml's base starts every alert's runbook_url (and
     is left out of the output); set to another base, every runbook_url follows, its section unchanged."""
