@@ -23,7 +23,11 @@ HELM4_VERSION := v4.3.2
 # share two cores well (4 min 8 s in one, 2 min 23 s in three, on this 2-core machine).
 PYTEST_WORKERS ?= 3
 
-.PHONY: test lint typecheck pytest demo proto bench soak clean lock manifests dashboard fuzz
+.PHONY: help check test lint typecheck pytest demo proto bench soak clean lock manifests dashboard fuzz
+.DEFAULT_GOAL := help
+
+help: ## this list
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-20s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,14 +42,23 @@ $(TOOLS): requirements/tools.txt
 	.venv-tools/bin/python -m pip install --quiet -r requirements/tools.txt
 	touch $(TOOLS)
 
-test: lint typecheck pytest
+test: lint typecheck pytest ## lint, types and every test (builds the Go fixtures and Helm when Go is on PATH)
 
-lint: $(STAMP)
+# The quick loop: lint, types, and the tests of the verdicts, settings, serving and simulator, none of
+# which needs a Go build or an outside tool (the figure is in BENCHMARKS.md).
+CHECK_TESTS := tests/test_layers.py tests/test_registration.py tests/test_health.py tests/test_dra.py \
+	tests/test_config.py tests/test_hamiconfig.py tests/test_proto.py tests/test_dra_proto.py \
+	tests/test_serving.py tests/test_sidecar_cli.py tests/test_simulator.py tests/test_doctor_dra.py
+check: lint typecheck ## lint, types and the tests that need no Go build (about a minute)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(CHECK_TESTS)
+
+lint: $(STAMP) ## ruff check and ruff format --check
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-typecheck: $(STAMP)
+typecheck: $(STAMP) ## mypy --strict over the packages, the post-renderer and the dashboard script
 	$(PY) -m mypy
+	$(PY) -m mypy --strict manifests/hami-patch/render.py manifests/monitoring/dashboard.py
 
 # With Go on PATH, pytest first (re)builds the real-kubelet and DRA fixtures and Helm; without it their tests skip.
 pytest: $(STAMP) $(TOOLS) $(if $(shell command -v $(GO) 2>/dev/null),kubelet-fixtures dra-fixtures helm-binaries)
@@ -86,7 +99,7 @@ kubelet-fixtures-check:
 	cd tests/node && files="$$(gofmt -l pause)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
 	cd tests/node && $(GO) vet ./pause
 
-demo: $(STAMP)
+demo: $(STAMP) ## the sidecar against the embedded kubelet simulator (testing/)
 	$(PY) -m testing.demo
 
 # A real node in a box (tests/node, docs/testing.md#a-real-node): etcd, kube-apiserver, kube-controller-manager,
@@ -100,7 +113,7 @@ NODE_BINS    := $(addprefix $(NODE_DIR)/bin/,kubelet-e2e kube-apiserver kube-con
 NODE_LDFLAGS := -s -w $(foreach p,k8s.io/component-base/version k8s.io/client-go/pkg/version,\
 	-X $(p).gitVersion=$(NODE_VERSION) -X $(p).gitMajor=1 -X $(p).gitMinor=37 -X $(p).gitTreeState=clean)
 .PHONY: node-e2e node-bins node-images
-node-e2e: $(STAMP) node-bins node-images
+node-e2e: $(STAMP) node-bins node-images ## a real node in a box: the kubelet, the control plane, containerd (root)
 	$(NODE_DIR)/node.sh
 
 node-bins: $(NODE_BINS) $(NODE_DIR)/bin/kube-state-metrics
@@ -124,11 +137,11 @@ node-images:
 
 # A DRA driver's tour against the kubelet's own plugin manager and DRA manager (tests/realdra).
 .PHONY: demo-dra
-demo-dra: $(STAMP) dra-fixture-new
+demo-dra: $(STAMP) dra-fixture-new ## a DRA driver's tour against the kubelet's own DRA manager
 	DEMO_KUBELET=dra $(PY) -m testing.demo
 
 # Figures for BENCHMARKS.md (each script prints medians and ratios from one run).
-bench: $(STAMP)
+bench: $(STAMP) ## the benchmark scripts behind BENCHMARKS.md
 	$(PY) bench/initcheck_startup.py
 	$(PY) -m bench.healthz_load
 	$(PY) -m bench.probe_cost
@@ -137,13 +150,13 @@ bench: $(STAMP)
 	$(PY) bench/doctor_log.py
 	$(PY) -m bench.sidecar_listen
 
-soak: $(STAMP)
+soak: $(STAMP) ## random faults against the simulator, wrong verdicts counted
 	$(PY) -m bench.soak
 
 # Coverage-guided fuzzing (atheris): each fuzz/fuzz_<name>.py for FUZZ_SECONDS, seeded from fuzz/corpus/<name>/.
 # Fails on an escaping exception or an input over 100 ms of CPU; the input goes to fuzz/crashes/.
 FUZZ_SECONDS ?= 60
-fuzz: $(STAMP)
+fuzz: $(STAMP) ## coverage-guided fuzzing of every parser that reads the node
 	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS)
 
 # Slow real-kubelet checks: the kubelet's 5-minute stop grace against both releases and the simulator,
@@ -151,7 +164,7 @@ fuzz: $(STAMP)
 # four side by side (the DRA oracles' 18 minutes bound it); then the DRA fixture's scenarios and the
 # demos' tours against the real device manager and DRA manager.
 .PHONY: real-slow
-real-slow: $(STAMP) kubelet-fixtures dra-fixtures
+real-slow: $(STAMP) kubelet-fixtures dra-fixtures ## the slow real-kubelet checks: stop grace, oracles, DRA scenarios
 	$(MAKE) -j4 stop-grace device-oracle dra-oracle-new dra-oracle-old
 	$(PY) -m pytest -q -m slow tests/test_realdra.py
 	DEMO_KUBELET=real DEMO_TOUR_ONLY=1 $(PY) -m testing.demo > /dev/null
@@ -180,7 +193,7 @@ dra-oracle-new dra-oracle-old: dra-oracle-%: $(STAMP) dra-fixtures
 # The serving-limits floods on loopback (about 75 s): /healthz p99 during each, peak RSS, fds, exit on
 # SIGTERM (BENCHMARKS.md#stress). STRESS_CPU_LIMIT=0.2 adds the manifests' CPU limit where cgroups allow.
 .PHONY: stress
-stress: $(STAMP)
+stress: $(STAMP) ## the serving limits' floods on loopback
 	$(PY) -m bench.stress
 
 # Everything that runs aiohttp's server (sidecar/server/serving.py, sidecar/server/views.py), against the oldest and
@@ -188,7 +201,7 @@ stress: $(STAMP)
 # aiohttp API only and refuses to start on a version that does not take its limits.
 AIOHTTP_TESTS := tests/test_serving.py tests/test_sidecar_cli.py tests/e2e/test_sidecar.py
 .PHONY: test-aiohttp-range
-test-aiohttp-range:
+test-aiohttp-range: ## the HTTP tests on the oldest and newest aiohttp allowed
 	@range=$$($(PYTHON) -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print(next(d for d in deps if d.startswith("aiohttp"))[len("aiohttp"):])') && \
 	oldest=$$(echo "$$range" | sed -n 's/.*>=\([0-9.]*\).*/\1/p') && test -n "$$oldest" && \
 	for which in oldest newest; do \
@@ -202,12 +215,12 @@ test-aiohttp-range:
 	done
 
 # Regenerate the protobuf code from sidecar/proto/*.proto (tests/test_proto.py checks it is current).
-proto: $(STAMP)
+proto: $(STAMP) ## regenerate the protobuf code
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. sidecar/proto/*.proto
 
 # Regenerate manifests/example-hami/hami.yaml: the chart fixture as the README's kustomize route renders
 # HAMi's chart (tests/test_manifests.py checks it is current).
-manifests: helm-binaries
+manifests: helm-binaries ## regenerate manifests/example-hami/hami.yaml
 	$(HELM_BIN)/helm-$(HELM3_VERSION) template hami tests/fixtures/hami-chart --namespace kube-system \
 		--kube-version 1.33.0 > manifests/example-hami/hami.yaml
 
@@ -223,11 +236,11 @@ $(HELM_BIN)/helm-%:
 
 # Regenerate the Grafana dashboard (manifests/monitoring/dashboard.json) with grafana-foundation-sdk, a dev
 # dependency (tests/test_monitoring.py checks the committed JSON is current).
-dashboard: $(STAMP)
+dashboard: $(STAMP) ## regenerate the Grafana dashboard
 	$(PY) -m manifests.monitoring.dashboard
 
 # Re-pin the images' dependencies (requirements/*.txt) from a clean install of the project.
-lock:
+lock: ## re-pin the images' dependencies
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install --quiet .
 	{ head -2 requirements/sidecar.txt; .venv-lock/bin/pip freeze --exclude hami-guard; } > requirements/sidecar.txt.new
 	mv requirements/sidecar.txt.new requirements/sidecar.txt
@@ -235,5 +248,5 @@ lock:
 	mv requirements/init.txt.new requirements/init.txt
 	rm -rf .venv-lock
 
-clean:
+clean: ## remove the venvs, caches and built fixtures
 	rm -rf $(VENV) .venv-tools .venv-aiohttp-oldest .venv-aiohttp-newest build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(REALKUBELET)/bin $(REALDRA)/bin $(NODE_DIR)/bin

@@ -14,11 +14,12 @@ import aiohttp
 import pytest
 
 from sidecar.app import Sidecar
-from sidecar.cli import serve
 from sidecar.config import PluginSpec, Settings
 from testing import FakeDevicePlugin, FakeKubelet, free_port
 from testing.realkubelet import Release
 from tests.conftest import wait_for
+from tests.e2e.realnode import real_node
+from tests.e2e.running import sidecar_running
 from tests.test_realkubelet import require_fixture
 
 GPU = "nvidia.com/gpu"
@@ -70,19 +71,6 @@ class Node:
             await asyncio.sleep(0.005)
 
 
-@contextlib.asynccontextmanager
-async def sidecar_running(settings: Settings) -> AsyncIterator[tuple[Sidecar, asyncio.Task[Sidecar]]]:
-    stop = asyncio.Event()
-    sidecar = Sidecar(settings)
-    task = asyncio.get_running_loop().create_task(serve(settings, stop, sidecar))
-    try:
-        await wait_for(lambda: sidecar.ready or task.done(), what="the first probe round")
-        yield sidecar, task
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 5)
-
-
 NodeFactory = Callable[..., contextlib.AbstractAsyncContextManager[Node]]
 
 
@@ -122,7 +110,6 @@ def release(request: pytest.FixtureRequest) -> Release:
 @pytest.fixture
 def node_factory(dp_dir: str, short_tmp: str, release: Release) -> Any:
     """Nodes whose kubelet is the real device manager of `release` (tests/e2e/realnode.py)."""
-    from tests.e2e.realnode import real_node
 
     def make(**overrides: Any) -> contextlib.AbstractAsyncContextManager[Any]:
         return real_node(dp_dir, short_tmp, release, **overrides)

@@ -18,7 +18,7 @@ from sidecar.config import PluginSpec, Settings
 from testing import free_port
 from testing.realkubelet import RealKubelet, RealPlugin, Release
 from tests.conftest import wait_for
-from tests.e2e.conftest import sidecar_running
+from tests.e2e.running import sidecar_running
 
 GPU = "nvidia.com/gpu"
 UUIDS = ("GPU-6b8a5c0e-2f0e-4d4c-9c4b-0a1b2c3d4e5f", "GPU-7c9b6d1f-3a1f-5e5d-ad5c-1b2c3d4e5f60")
