@@ -7,27 +7,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
 
-from doctor.evidence import (
+from doctor.dra.causes import dra_causes
+from doctor.patterns import ALREADY_CONNECTED, DRIVER_FIX, RESTART_PLUGIN, RUNTIME_FIX
+from doctor.shell import command
+from doctor.types import (
+    CAUSES,
+    DRA_CAUSES,
+    Cause,
     DriverNodes,
     KubeletProcess,
+    LogFindings,
+    LogHit,
     NodeEvidence,
     PluginEvidence,
     PluginProcesses,
     SocketProbe,
 )
-from doctor.logscan import (
-    ALREADY_CONNECTED,
-    DRIVER_FIX,
-    REFUSED_FIX,
-    RESTART_PLUGIN,
-    RUNTIME_FIX,
-    LogFindings,
-    LogHit,
-)
-from doctor.shell import command
 from hami_guard.flags import AUTO_DEVICES
 from initcheck.checks import Finding
 from sidecar.deviceplugin.verdicts import (
@@ -41,32 +38,6 @@ from sidecar.deviceplugin.verdicts import (
     unrecorded_connection,
 )
 
-Verdict = Literal["problem", "ok", "unknown"]
-
-# Root causes, in the order a cause explains the ones after it: the most likely first.
-CAUSES = (
-    ("socket-path", "socket path mismatch"),
-    ("socket-name", "plugin socket under another name"),
-    ("socket-permission", "socket permission"),
-    ("protocol", "API/protocol mismatch"),
-    ("driver-runtime", "GPU driver or runtime"),
-    ("socket-owner", "another plugin owns the socket"),
-    ("plugin-not-serving", "plugin not serving"),
-    ("plugin-not-registered", "plugin not registered"),
-    ("devices-not-registered", "devices visible, not registered"),
-    ("kubelet-log", "kubelet registration errors"),
-    ("plugin-log", "plugin registration errors"),
-    ("plugin-growth", "plugin resource growth"),
-    ("kubelet-version", "kubelet version"),
-)
-# DRA drivers' rows (doctor/dra.py), only when --dra-driver names any: after the device plugins'.
-DRA_CAUSES = (
-    ("dra-not-serving", "DRA driver not serving"),
-    ("dra-service-silent", "DRA service not answering"),
-    ("dra-not-registered", "DRA driver not registered"),
-    ("dra-log", "kubelet DRA log lines"),
-)
-TITLES = dict(CAUSES + DRA_CAUSES)
 ORDER = {cause: i for i, (cause, _) in enumerate(CAUSES)}
 RANK = {cause: i for i, (cause, _) in enumerate(CAUSES + DRA_CAUSES)}
 # initcheck's checks that are about permission; the others are about the socket's path.
@@ -89,6 +60,12 @@ DRIVER_FIRST = (
     "plugin alone does not help"
 )
 REREGISTER_FIX = ("restart the plugin so that it registers again:", RESTART_PLUGIN)
+# The kubelet refused a Register at a path it holds (the catalogue's "already connected" refinement).
+REFUSED_FIX = (
+    "a plugin restart is refused the same way: restart the kubelet, then the plugin registers again "
+    "(HAMi does when kubelet.sock is created); never run two instances of the plugin on one socket path",
+    "$ systemctl restart kubelet",
+)
 UNRECORDED_FIX = (
     "run hami-doctor again in a few seconds: a Register under way has its device list recorded by then",
     "if it stays so, the kubelet refused the Register: restart the plugin; on Kubernetes 1.37 a kubelet "
@@ -98,35 +75,6 @@ UNRECORDED_FIX = (
 # Growth between two samples that no healthy plugin shows.
 FD_GROWTH = 100
 THREAD_GROWTH = 20
-
-
-@dataclass
-class Cause:
-    id: str
-    verdict: Verdict
-    evidence: list[str] = field(default_factory=list)
-    fix: list[str] = field(default_factory=list)
-    _problems: int = field(default=0, repr=False, compare=False)
-
-    @property
-    def title(self) -> str:
-        return TITLES[self.id]
-
-    def problem(self, evidence: str, fix: Iterable[str] = ()) -> None:
-        """A problem's evidence goes before every note, so that the first line is the failing check."""
-        self.verdict = "problem"
-        self.evidence.insert(self._problems, evidence)
-        self._problems += 1
-        self.fix += [f for f in fix if f not in self.fix]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "title": self.title,
-            "verdict": self.verdict,
-            "evidence": self.evidence,
-            "fix": self.fix,
-        }
 
 
 def diagnose(e: NodeEvidence) -> list[Cause]:
@@ -153,8 +101,6 @@ def diagnose(e: NodeEvidence) -> list[Cause]:
             if c.verdict == "problem":
                 c.fix = [DRIVER_FIRST]
     if e.dra is not None:
-        from doctor.dra import dra_causes
-
         causes += dra_causes(e.dra, e.dra_logs, e.kubelet.version)
     causes.sort(key=lambda c: (c.verdict != "problem", RANK[c.id]))
     return causes
@@ -517,7 +463,7 @@ def log_cause(cause_id: str, findings: Sequence[LogFindings]) -> Cause:
                 cause.problem(_hit_line(f.source, h), REFUSED_FIX if refused else h.pattern.fix)
         if not any(not h.history for h in mine):
             last = f"; newest registration: {f.registered}" if f.registered else ""
-            cause.evidence.insert(cause._problems, f"{f.source}: no current registration error{last}")
+            cause.note_first(f"{f.source}: no current registration error{last}")
     return cause
 
 

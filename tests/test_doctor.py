@@ -25,13 +25,11 @@ import grpc
 import pytest
 
 from doctor.causes import (
-    CAUSES,
     DRIVER_FIRST,
     ORDER,
     OTHER_PLUGIN_FIX,
     REREGISTER_FIX,
     UNRECORDED_FIX,
-    Cause,
     devices_cause,
     diagnose,
     growth_cause,
@@ -41,36 +39,36 @@ from doctor.causes import (
     serving_cause,
     version_cause,
 )
-from doctor.evidence import (
-    DriverNodes,
-    KubeletProcess,
-    NodeEvidence,
-    PluginEvidence,
-    PluginProcesses,
-    ProcessGrowth,
-    ProcessSample,
-    SocketFile,
-    SocketProbe,
-    folder_sockets,
-)
+from doctor.evidence import folder_sockets
 from doctor.logscan import (
-    DRIVER_FIX,
-    KUBELET_PATTERNS,
     MAX_JOINED,
     MAX_LINE,
-    PLUGIN_PATTERNS,
-    RESTART_PLUGIN,
-    RUNTIME_FIX,
-    LogFindings,
     lines_of,
     read_tail,
     scan,
     scan_file,
     scan_journal,
 )
-from doctor.render import Report, as_json, as_text, fix_lines, npd_line, shell_lines
-from doctor.repairs import MIN_AGE, STALE, Repair, apply, plan, removal
+from doctor.patterns import DRIVER_FIX, KUBELET_PATTERNS, PLUGIN_PATTERNS, RESTART_PLUGIN, RUNTIME_FIX
+from doctor.render import as_json, as_text, fix_lines, npd_line, shell_lines
+from doctor.repairs import MIN_AGE, STALE, apply, plan, removal
 from doctor.shell import quote, split_words
+from doctor.types import (
+    CAUSES,
+    Cause,
+    DriverNodes,
+    KubeletProcess,
+    LogFindings,
+    NodeEvidence,
+    PluginEvidence,
+    PluginProcesses,
+    ProcessGrowth,
+    ProcessSample,
+    Repair,
+    Report,
+    SocketFile,
+    SocketProbe,
+)
 from hami_guard.flags import AUTO_DEVICES, PluginSpec
 from hami_guard.node.sockets import try_connect
 from hami_guard.node.unixdiag import SocketOwner, kubelet_connections
