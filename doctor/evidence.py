@@ -74,6 +74,7 @@ class Gathering:
         self.errors: list[str] = []
 
     def take(self, what: str, read: Callable[[], T], fallback: T) -> T:
+        """`read()`, or `fallback` when it raises (said in `errors` as `what`)."""
         try:
             return read()
         except Exception as e:  # one broken reader never costs the whole report
@@ -82,6 +83,7 @@ class Gathering:
 
 
 async def gather(s: DoctorSettings) -> NodeEvidence:
+    """Everything the doctor reads from the node, once; a reader that fails is said in `errors`."""
     options = options_for(
         s.kubelet_path,
         plugin_uid=s.plugin_uid,
