@@ -1,6 +1,7 @@
 """Everything hami-doctor reads from the node, once, into one typed `NodeEvidence`.
 
-This is the only module of the doctor that does I/O to learn about the node: initcheck's
+This stage is the only one of the doctor that does I/O to learn about the node (with its
+helpers: `doctor.logscan` reads the logs, `doctor.dra.evidence` the DRA drivers): initcheck's
 checks, the sidecar's probes, its view of the kubelet's connections to the plugins and
 its reading of the kubelet's records (the same code, not a second implementation), the
 host's device nodes, the logs, the kubelet's and the plugin's processes, and the sockets

@@ -55,7 +55,7 @@ class Catalogue:
 
 
 class _Shared:
-    """The [shared] table, each reference resolved on first use, and which entries were used."""
+    """The [shared] table: "@name" references resolved, and which entries they used."""
 
     def __init__(self, table: object, where: str) -> None:
         if not isinstance(table, dict):

@@ -52,7 +52,7 @@ class DoctorSettings(flags.DeviceFolder):
     output: Output = "text"
     fix: bool = False
     npd: bool = False
-    dra_drivers: tuple[DraSpec, ...] = ()  # DRA drivers to diagnose (doctor/dra.py)
+    dra_drivers: tuple[DraSpec, ...] = ()  # DRA drivers to diagnose (doctor/dra/)
     # --dra-resourceslices: the API server to read the node's ResourceSlices from, and the node's name
     # ($NODE_NAME, else the host's name); None: the API is never called.
     dra_api: ApiAccess | None = None

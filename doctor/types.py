@@ -5,8 +5,9 @@ imports run one way (settings → evidence → causes → repairs → render →
 The types of the evidence (`NodeEvidence` and its parts), of the logs' findings (`Pattern`,
 `LogHit`, `LogFindings`), of the DRA drivers' readings (`DraReading`), of the verdicts
 (`Cause`, with the rows' ids and titles), of the repairs (`Repair`) and of the report
-(`Report`). The other packages' types are imported for annotations only: this module stays as
-light as the command line, which imports it before it knows whether grpc can be imported.
+(`Report`). The other packages' types are imported for annotations only (but `SocketOwner`, for
+a default): this module stays as light as the command line, which imports it before it knows
+whether grpc can be imported.
 """
 
 from __future__ import annotations
