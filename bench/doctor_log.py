@@ -23,7 +23,9 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from doctor.logscan import KUBELET_PATTERNS, PLUGIN_PATTERNS, Pattern, scan_file
+from doctor.logscan import scan_file
+from doctor.patterns import KUBELET_PATTERNS, PLUGIN_PATTERNS
+from doctor.types import Pattern
 
 RUNS = int(os.environ.get("RUNS", "5"))
 SIZE = 10 << 20

@@ -1,3 +1,5 @@
+"""`python -m doctor`: hami-doctor's command line."""
+
 from doctor.cli import main
 
 raise SystemExit(main())

@@ -7,27 +7,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
 
-from doctor.evidence import (
+from doctor.dra.causes import dra_causes
+from doctor.patterns import ALREADY_CONNECTED, DRIVER_FIX, RESTART_PLUGIN, RUNTIME_FIX
+from doctor.shell import command
+from doctor.types import (
+    CAUSES,
+    DRA_CAUSES,
+    Cause,
     DriverNodes,
     KubeletProcess,
+    LogFindings,
+    LogHit,
     NodeEvidence,
     PluginEvidence,
     PluginProcesses,
     SocketProbe,
 )
-from doctor.logscan import (
-    ALREADY_CONNECTED,
-    DRIVER_FIX,
-    REFUSED_FIX,
-    RESTART_PLUGIN,
-    RUNTIME_FIX,
-    LogFindings,
-    LogHit,
-)
-from doctor.shell import command
 from hami_guard.flags import AUTO_DEVICES
 from initcheck.checks import Finding
 from sidecar.deviceplugin.verdicts import (
@@ -41,32 +38,6 @@ from sidecar.deviceplugin.verdicts import (
     unrecorded_connection,
 )
 
-Verdict = Literal["problem", "ok", "unknown"]
-
-# Root causes, in the order a cause explains the ones after it: the most likely first.
-CAUSES = (
-    ("socket-path", "socket path mismatch"),
-    ("socket-name", "plugin socket under another name"),
-    ("socket-permission", "socket permission"),
-    ("protocol", "API/protocol mismatch"),
-    ("driver-runtime", "GPU driver or runtime"),
-    ("socket-owner", "another plugin owns the socket"),
-    ("plugin-not-serving", "plugin not serving"),
-    ("plugin-not-registered", "plugin not registered"),
-    ("devices-not-registered", "devices visible, not registered"),
-    ("kubelet-log", "kubelet registration errors"),
-    ("plugin-log", "plugin registration errors"),
-    ("plugin-growth", "plugin resource growth"),
-    ("kubelet-version", "kubelet version"),
-)
-# DRA drivers' rows (doctor/dra.py), only when --dra-driver names any: after the device plugins'.
-DRA_CAUSES = (
-    ("dra-not-serving", "DRA driver not serving"),
-    ("dra-service-silent", "DRA service not answering"),
-    ("dra-not-registered", "DRA driver not registered"),
-    ("dra-log", "kubelet DRA log lines"),
-)
-TITLES = dict(CAUSES + DRA_CAUSES)
 ORDER = {cause: i for i, (cause, _) in enumerate(CAUSES)}
 RANK = {cause: i for i, (cause, _) in enumerate(CAUSES + DRA_CAUSES)}
 # initcheck's checks that are about permission; the others are about the socket's path.
@@ -89,6 +60,12 @@ DRIVER_FIRST = (
     "plugin alone does not help"
 )
 REREGISTER_FIX = ("restart the plugin so that it registers again:", RESTART_PLUGIN)
+# The kubelet refused a Register at a path it holds (the catalogue's "already connected" refinement).
+REFUSED_FIX = (
+    "a plugin restart is refused the same way: restart the kubelet, then the plugin registers again "
+    "(HAMi does when kubelet.sock is created); never run two instances of the plugin on one socket path",
+    "$ systemctl restart kubelet",
+)
 UNRECORDED_FIX = (
     "run hami-doctor again in a few seconds: a Register under way has its device list recorded by then",
     "if it stays so, the kubelet refused the Register: restart the plugin; on Kubernetes 1.37 a kubelet "
@@ -98,35 +75,6 @@ UNRECORDED_FIX = (
 # Growth between two samples that no healthy plugin shows.
 FD_GROWTH = 100
 THREAD_GROWTH = 20
-
-
-@dataclass
-class Cause:
-    id: str
-    verdict: Verdict
-    evidence: list[str] = field(default_factory=list)
-    fix: list[str] = field(default_factory=list)
-    _problems: int = field(default=0, repr=False, compare=False)
-
-    @property
-    def title(self) -> str:
-        return TITLES[self.id]
-
-    def problem(self, evidence: str, fix: Iterable[str] = ()) -> None:
-        """A problem's evidence goes before every note, so that the first line is the failing check."""
-        self.verdict = "problem"
-        self.evidence.insert(self._problems, evidence)
-        self._problems += 1
-        self.fix += [f for f in fix if f not in self.fix]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "title": self.title,
-            "verdict": self.verdict,
-            "evidence": self.evidence,
-            "fix": self.fix,
-        }
 
 
 def diagnose(e: NodeEvidence) -> list[Cause]:
@@ -153,14 +101,13 @@ def diagnose(e: NodeEvidence) -> list[Cause]:
             if c.verdict == "problem":
                 c.fix = [DRIVER_FIRST]
     if e.dra is not None:
-        from doctor.dra import dra_causes
-
         causes += dra_causes(e.dra, e.dra_logs, e.kubelet.version)
     causes.sort(key=lambda c: (c.verdict != "problem", RANK[c.id]))
     return causes
 
 
 def initcheck_causes(findings: Iterable[Finding]) -> tuple[Cause, Cause]:
+    """initcheck's checks of kubelet.sock, as two rows: its path (socket-path) and its permission."""
     path = Cause("socket-path", "ok")
     perm = Cause("socket-permission", "ok")
     for f in findings:
@@ -223,6 +170,7 @@ def socket_name_cause(e: NodeEvidence) -> Cause:
 
 
 def protocol_cause(kubelet: SocketProbe) -> Cause:
+    """kubelet.sock answers as the kubelet's v1beta1 registration service, not another one."""
     if kubelet.state == "wrong-service":
         return Cause(
             "protocol",
@@ -298,6 +246,7 @@ def owner_cause(plugins: Sequence[PluginEvidence]) -> Cause:
 
 
 def serving_cause(plugins: Sequence[PluginEvidence]) -> Cause:
+    """Each plugin answers on its socket; a dead socket file left behind is named, with its removal."""
     cause = Cause("plugin-not-serving", "ok")
     for p in plugins:
         line = f"{p.spec.socket}: {p.probe.reason}"
@@ -332,52 +281,62 @@ def registration(p: PluginEvidence, e: NodeEvidence) -> Registration:
     (live); the checkpoint is history: it dates an acceptance, and is not rewritten when the kubelet
     drops a plugin (kubernetes issues 121994, 131013).
     """
+    cp, plugin = e.checkpoint.value, p.probe.identity
+    accepted = accepted_devices(cp, p.spec.resource, plugin, e.kubelet_socket.identity)
+    if p.connections.value is not None:
+        return _by_connections(p, e, p.connections.value, accepted)
+    return _without_connections(p, e, accepted)
+
+
+def _by_connections(p: PluginEvidence, e: NodeEvidence, conns: int, accepted: int | None) -> Registration:
+    """The kubelet's connections to the plugin's socket are seen: held, dropped, or refused."""
     r, sock = p.spec.resource, p.spec.socket
-    cp, plugin, live = e.checkpoint.value, p.probe.identity, e.pod_resources.value
-    accepted = accepted_devices(cp, r, plugin, e.kubelet_socket.identity)
-    conns = p.connections.value
-    if conns is not None:
-        if unrecorded_connection(conns, cp, accepted):
-            return Registration(
-                False,
-                f"the kubelet is connected to {sock} but has recorded no device list from it since the "
-                "socket was created (a Register under way, or refused; a kubelet restart clears the "
-                "refused state on Kubernetes 1.37)",
-                UNRECORDED_FIX,
-            )
-        refused = _refused_at(sock, e)
-        if conns > 0 and refused:
-            return Registration(
-                False,
-                f"the kubelet holds a connection to {sock}, but its log says it refused a later Register "
-                f"there ({refused}): it forgot the client of the stream it holds, whose end goes unnoticed, "
-                "and refuses the path until it restarts (Kubernetes 1.37)",
-                REFUSED_FIX,
-            )
-        if conns > 0 and live is not None and not live.get(r) and accepted:
-            # The kubelet marked the devices unhealthy itself, which it does only when it drops the
-            # plugin: a plugin that reports them unhealthy rewrites the checkpoint too.
-            return Registration(
-                False,
-                f"the kubelet holds a connection to {sock}, but pod-resources lists no device of {r} "
-                f"although its checkpoint, written since the socket was created, records {accepted} "
-                "healthy: it dropped the plugin (a connection is not a stream; kubernetes issue 121994)",
-                REREGISTER_FIX,
-            )
-        if conns > 0:  # zero devices, or only unhealthy ones, while held is registered
-            return Registration(
-                True, f"the kubelet holds a connection to {sock}{_device_note(r, e, accepted)}"
-            )
-        if cp is not None and accepted is not None:
-            return Registration(
-                False,
-                f"the kubelet is no longer connected to {sock}, though its checkpoint recorded {accepted} "
-                f"healthy device(s) from it at {iso(cp.mtime_ns / 1e9)} (history): it dropped the plugin, "
-                "which keeps serving (kubernetes issues 121994, 131013)",
-                REREGISTER_FIX,
-            )
-        why = not_held_reason(e.checkpoint, r, plugin, None)
-        return Registration(False, f"the kubelet holds no connection to {sock}: {why}", REREGISTER_FIX)
+    cp, live = e.checkpoint.value, e.pod_resources.value
+    if unrecorded_connection(conns, cp, accepted):
+        return Registration(
+            False,
+            f"the kubelet is connected to {sock} but has recorded no device list from it since the "
+            "socket was created (a Register under way, or refused; a kubelet restart clears the "
+            "refused state on Kubernetes 1.37)",
+            UNRECORDED_FIX,
+        )
+    refused = _refused_at(sock, e)
+    if conns > 0 and refused:
+        return Registration(
+            False,
+            f"the kubelet holds a connection to {sock}, but its log says it refused a later Register "
+            f"there ({refused}): it forgot the client of the stream it holds, whose end goes unnoticed, "
+            "and refuses the path until it restarts (Kubernetes 1.37)",
+            REFUSED_FIX,
+        )
+    if conns > 0 and live is not None and not live.get(r) and accepted:
+        # The kubelet marked the devices unhealthy itself, which it does only when it drops the
+        # plugin: a plugin that reports them unhealthy rewrites the checkpoint too.
+        return Registration(
+            False,
+            f"the kubelet holds a connection to {sock}, but pod-resources lists no device of {r} "
+            f"although its checkpoint, written since the socket was created, records {accepted} "
+            "healthy: it dropped the plugin (a connection is not a stream; kubernetes issue 121994)",
+            REREGISTER_FIX,
+        )
+    if conns > 0:  # zero devices, or only unhealthy ones, while held is registered
+        return Registration(True, f"the kubelet holds a connection to {sock}{_device_note(r, e, accepted)}")
+    if cp is not None and accepted is not None:
+        return Registration(
+            False,
+            f"the kubelet is no longer connected to {sock}, though its checkpoint recorded {accepted} "
+            f"healthy device(s) from it at {iso(cp.mtime_ns / 1e9)} (history): it dropped the plugin, "
+            "which keeps serving (kubernetes issues 121994, 131013)",
+            REREGISTER_FIX,
+        )
+    why = not_held_reason(e.checkpoint, r, p.probe.identity, None)
+    return Registration(False, f"the kubelet holds no connection to {sock}: {why}", REREGISTER_FIX)
+
+
+def _without_connections(p: PluginEvidence, e: NodeEvidence, accepted: int | None) -> Registration:
+    """The kubelet's connections cannot be seen: pod-resources (live), else the checkpoint (history)."""
+    r = p.spec.resource
+    cp, live = e.checkpoint.value, e.pod_resources.value
     unseen = f"the kubelet's connections cannot be seen: {p.connections.error}"
     if live is not None and live.get(r):
         n = len(physical_devices(live[r]))
@@ -386,7 +345,7 @@ def registration(p: PluginEvidence, e: NodeEvidence) -> Registration:
     if cp is None and not e.checkpoint.error.startswith("no checkpoint"):
         return Registration(None, f"cannot be told: {unseen}; {listing}; {e.checkpoint.error}")
     if accepted is None:
-        why = not_held_reason(e.checkpoint, r, plugin, None)
+        why = not_held_reason(e.checkpoint, r, p.probe.identity, None)
         return Registration(False, f"{why} ({unseen})", REREGISTER_FIX)
     if live is not None and accepted:
         return Registration(
@@ -427,6 +386,7 @@ def _device_note(r: str, e: NodeEvidence, accepted: int | None) -> str:
 
 
 def registration_cause(e: NodeEvidence) -> Cause:
+    """Each plugin is held by the kubelet now (`registration`); unknown where that cannot be told."""
     cause = Cause("plugin-not-registered", "ok")
     unknown = []
     for p in e.plugins:
@@ -517,11 +477,12 @@ def log_cause(cause_id: str, findings: Sequence[LogFindings]) -> Cause:
                 cause.problem(_hit_line(f.source, h), REFUSED_FIX if refused else h.pattern.fix)
         if not any(not h.history for h in mine):
             last = f"; newest registration: {f.registered}" if f.registered else ""
-            cause.evidence.insert(cause._problems, f"{f.source}: no current registration error{last}")
+            cause.note_first(f"{f.source}: no current registration error{last}")
     return cause
 
 
 def growth_cause(processes: PluginProcesses, rss_growth_mib: float) -> Cause:
+    """The plugin's memory, descriptors and threads between two samples: a growth no healthy plugin shows."""
     if not processes.visible:
         return Cause(
             "plugin-growth", "unknown", [f"no process named {processes.name} is visible (run with hostPID)"]

@@ -13,14 +13,13 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
+from doctor import render
 from doctor.npd import npd_error, npd_usage, one_line
 from doctor.settings import DoctorSettings, parse_settings
+from doctor.types import Report
 from hami_guard.envflags import env_name
-
-if TYPE_CHECKING:
-    from doctor.render import Report
 
 USAGE = 2
 
@@ -31,11 +30,12 @@ def diagnose(settings: DoctorSettings) -> Report:
     The modules that need grpc and psutil are imported here, so that a broken installation is an
     internal error the command line reports in one line, not a traceback at import.
     """
-    from doctor import causes, evidence, render, repairs
+    # After the flags: a broken grpc or psutil is an internal error said in one line, not a traceback.
+    from doctor import causes, evidence, repairs  # noqa: PLC0415, RUF100
 
     found = asyncio.run(evidence.gather(settings))
     planned = repairs.plan(found)
-    return render.Report(
+    return Report(
         causes.diagnose(found),
         repairs.apply(planned) if settings.fix else planned,
         found.kubelet,
@@ -51,6 +51,7 @@ def wants_npd(argv: Sequence[str], environ: dict[str, str] | os._Environ[str]) -
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run hami-doctor with `argv` (the process's when None), print to `out`; the exit code."""
     out = out or sys.stdout
     argv = sys.argv[1:] if argv is None else list(argv)
     if wants_npd(argv, os.environ):
@@ -67,7 +68,6 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         settings = parse_settings(argv)
     try:
         report = diagnose(settings)
-        from doctor import render
     except Exception as e:  # an internal error is one line in every output, never a traceback
         if settings.npd:
             print(npd_error(e), file=out)

@@ -1,6 +1,7 @@
 """Everything hami-doctor reads from the node, once, into one typed `NodeEvidence`.
 
-This is the only module of the doctor that does I/O to learn about the node: initcheck's
+This stage is the only one of the doctor that does I/O to learn about the node (with its
+helpers: `doctor.logscan` reads the logs, `doctor.dra.evidence` the DRA drivers): initcheck's
 checks, the sidecar's probes, its view of the kubelet's connections to the plugins and
 its reading of the kubelet's records (the same code, not a second implementation), the
 host's device nodes, the logs, the kubelet's and the plugin's processes, and the sockets
@@ -21,25 +22,24 @@ import subprocess
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from doctor.logscan import (
-    KUBELET_PATTERNS,
-    KUBELET_UNITS,
-    PLUGIN_PATTERNS,
-    RKE2_KUBELET_LOG,
-    LogFindings,
-    Pattern,
-    plugin_log_files,
-    scan_file,
-    scan_journal,
-)
+from doctor.dra.evidence import dra_kubelet_logs, gather_dra
+from doctor.logscan import kubelet_logs, plugin_logs
+from doctor.patterns import KUBELET_PATTERNS, PLUGIN_PATTERNS
 from doctor.settings import DoctorSettings
-
-if TYPE_CHECKING:
-    from doctor.dra import DraReading
+from doctor.types import (
+    DriverNodes,
+    KubeletProcess,
+    NodeEvidence,
+    PluginEvidence,
+    PluginProcesses,
+    ProcessGrowth,
+    ProcessSample,
+    SocketFile,
+    SocketProbe,
+)
 from hami_guard.flags import AUTO_DEVICES, PluginSpec
 from hami_guard.node.proc import process_visible
 from hami_guard.node.sockets import try_connect
@@ -54,147 +54,16 @@ from hami_guard.node.unixdiag import (
     kubelet_connections,
     socket_owner,
 )
-from initcheck.checks import Finding, options_for, run_checks
-from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME, Checkpoint
+from initcheck.checks import options_for, run_checks
+from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
 from sidecar.deviceplugin.probes import (
     ProbeResult,
     Reading,
-    SocketId,
     pod_resources_devices,
     probe_kubelet,
     probe_plugin,
     read_checkpoint_async,
 )
-
-
-@dataclass(frozen=True)
-class SocketProbe:
-    """One gRPC probe of a socket, as the sidecar judged it."""
-
-    path: str
-    state: str  # alive, absent, not-socket, refused, timeout, wrong-service, error
-    reason: str
-    identity: SocketId | None = None  # the socket file probed (its mtime: when it was made), if any
-
-    @property
-    def ok(self) -> bool:
-        return self.state == "alive"
-
-    @property
-    def stale(self) -> bool:
-        """The socket file exists and nothing listens on it."""
-        return self.state == "refused"
-
-
-NOT_CHECKED = SocketOwner("unknown", "not checked")
-
-
-@dataclass(frozen=True)
-class PluginEvidence:
-    spec: PluginSpec
-    probe: SocketProbe
-    # The kubelet's open connections to the listener of the plugin's socket file (its ListAndWatch
-    # stream), read before the probes as the sidecar reads them; or why they cannot be seen.
-    connections: Reading[int]
-    owner: SocketOwner = NOT_CHECKED  # whose listener serves the socket file
-
-
-@dataclass(frozen=True)
-class KubeletProcess:
-    visible: bool
-    why: str = ""  # why it is not visible
-    pid: int | None = None
-    version: str | None = None  # "1.29.3", or None when the binary did not say
-    listening: tuple[str, ...] = ()
-    distribution: str = ""  # kubelet, k3s, rke2 or microk8s; "" when not visible
-    process: str = ""  # the process that runs the kubelet (kubelet, k3s-server, kubelite, ...)
-
-    def as_dict(self) -> dict[str, Any]:
-        if not self.visible:
-            return {"visible": False, "why": self.why}
-        return {
-            "visible": True,
-            "pid": self.pid,
-            "listening": list(self.listening),
-            "version": self.version,
-            "distribution": self.distribution,
-            "process": self.process,
-        }
-
-
-@dataclass(frozen=True)
-class DriverNodes:
-    """The host's NVIDIA device nodes, in the folder of --device-glob (checked with --expect-devices auto)."""
-
-    checked: bool
-    folder: str = ""
-    control: bool = False  # <folder>/nvidiactl exists: the driver is loaded
-    gpus: tuple[str, ...] = ()  # <folder>/nvidia[0-9]*
-
-
-@dataclass(frozen=True)
-class ProcessSample:
-    rss: int  # bytes
-    fds: int
-    threads: int
-
-
-@dataclass(frozen=True)
-class ProcessGrowth:
-    """Two samples of one plugin process, `interval` seconds apart (as measured)."""
-
-    pid: int
-    first: ProcessSample
-    second: ProcessSample
-    interval: float
-    uptime: float  # seconds
-
-    @property
-    def rss_mib(self) -> float:
-        return (self.second.rss - self.first.rss) / 2**20
-
-
-@dataclass(frozen=True)
-class PluginProcesses:
-    name: str
-    visible: bool
-    growth: tuple[ProcessGrowth, ...] = ()
-
-
-@dataclass(frozen=True)
-class SocketFile:
-    path: str
-    listening: bool  # connect() was accepted
-    # The file that was judged: (st_dev, st_ino, st_mtime_ns, st_ctime_ns), the same before and after the
-    # connect() test; None when it changed in between (then nothing is concluded about it).
-    identity: tuple[int, int, int, int] | None = None
-    age: float = 0.0  # seconds since it was made (its mtime: bind() sets it, nothing writes a socket)
-
-
-@dataclass(frozen=True)
-class NodeEvidence:
-    findings: tuple[Finding, ...]  # initcheck's checks of kubelet.sock, in their order
-    kubelet_socket: SocketProbe
-    plugins: tuple[PluginEvidence, ...]
-    kubelet: KubeletProcess
-    kubelet_logs: tuple[LogFindings, ...]
-    plugin_logs: tuple[LogFindings, ...]
-    plugin_process: PluginProcesses
-    folder_sockets: tuple[SocketFile, ...]  # every socket file in the device-plugins folder
-    kubelet_path: str
-    checkpoint: Reading[Checkpoint]  # the kubelet's records: history, never proof of a registration now
-    pod_resources: Reading[dict[str, frozenset[str]]]  # healthy device IDs by resource: live
-    # What was asked for: the devices check (None: none; AUTO_DEVICES: the host's glob) and a leak's size.
-    expect_devices: int | None = None
-    device_glob: str = ""
-    host_devices: tuple[str, ...] = ()  # the glob's matches, read only for AUTO_DEVICES
-    rss_growth_mib: float = 20.0
-    driver: DriverNodes = DriverNodes(checked=False)
-    errors: tuple[str, ...] = ()  # evidence that could not be gathered, and why
-    # DRA drivers (doctor/dra.py): None when --dra-driver names none.
-    dra: tuple[DraReading, ...] | None = None
-    dra_logs: tuple[LogFindings, ...] = ()
-
 
 T = TypeVar("T")
 
@@ -206,6 +75,7 @@ class Gathering:
         self.errors: list[str] = []
 
     def take(self, what: str, read: Callable[[], T], fallback: T) -> T:
+        """`read()`, or `fallback` when it raises (said in `errors` as `what`)."""
         try:
             return read()
         except Exception as e:  # one broken reader never costs the whole report
@@ -214,6 +84,7 @@ class Gathering:
 
 
 async def gather(s: DoctorSettings) -> NodeEvidence:
+    """Everything the doctor reads from the node, once; a reader that fails is said in `errors`."""
     options = options_for(
         s.kubelet_path,
         plugin_uid=s.plugin_uid,
@@ -283,8 +154,12 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
         kubelet_socket=_socket_probe(s.kubelet_path, kubelet),
         plugins=plugins,
         kubelet=process,
-        kubelet_logs=tuple(g.take("kubelet log", lambda: kubelet_logs(s.kubelet_log, s.since), [])),
-        plugin_logs=tuple(g.take("plugin log", lambda: plugin_logs(s.plugin_log, s.since), [])),
+        kubelet_logs=tuple(
+            g.take("kubelet log", lambda: kubelet_logs(s.kubelet_log, s.since, KUBELET_PATTERNS), [])
+        ),
+        plugin_logs=tuple(
+            g.take("plugin log", lambda: plugin_logs(s.plugin_log, s.since, PLUGIN_PATTERNS), [])
+        ),
         plugin_process=plugin_process,
         folder_sockets=tuple(g.take("sockets", lambda: folder_sockets(s.device_plugin_dir), [])),
         kubelet_path=os.path.abspath(s.kubelet_path),
@@ -309,9 +184,7 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
 
 
 async def _dra_evidence(s: DoctorSettings, g: Gathering, names: set[str]) -> dict[str, Any]:
-    """The DRA drivers' readings and the kubelet's DRA log lines (doctor/dra.py)."""
-    from doctor.dra import dra_kubelet_logs, gather_dra
-
+    """The DRA drivers' readings and the kubelet's DRA log lines (doctor/dra/evidence.py)."""
     try:
         readings = await gather_dra(
             s.dra_drivers, s.kubelet_path, s.probe_timeout, frozenset(names), api=s.dra_api, node=s.dra_node
@@ -421,7 +294,8 @@ def kubelet_process(name: str) -> KubeletProcess:
     """pid, version and listening paths of the kubelet (in k3s or kubelite too), or why they are unknown."""
     if not process_visible(name):
         return KubeletProcess(False, f"no process named {name} is visible (run with hostPID)")
-    from hami_guard.node.kubelet import KubeletLookupError, listening_paths  # psutil: an ImportError is said
+    # Imports psutil: here, so that a broken psutil costs this reader alone (said in the report's errors).
+    from hami_guard.node.kubelet import KubeletLookupError, listening_paths  # noqa: PLC0415, RUF100
 
     try:
         found = listening_paths(name)
@@ -451,27 +325,9 @@ def kubelet_version(pid: int, process: str) -> str | None:
     return ".".join(m.groups()) if m else None
 
 
-def kubelet_logs(
-    where: str, since: float, patterns: tuple[Pattern, ...] = KUBELET_PATTERNS
-) -> list[LogFindings]:
-    """auto: the journal units of every distribution, and RKE2's kubelet log file when there is one."""
-    if where in ("auto", "journal"):
-        found = [scan_journal(KUBELET_UNITS, patterns, since)]
-        if where == "auto" and os.path.exists(RKE2_KUBELET_LOG):
-            found.append(scan_file(RKE2_KUBELET_LOG, patterns, since))
-        return found
-    return [scan_file(where, patterns, since)] if where else []
-
-
-def plugin_logs(where: str, since: float) -> list[LogFindings]:
-    paths = plugin_log_files() if where == "auto" else [where]
-    found = [scan_file(p, PLUGIN_PATTERNS, since) for p in paths]
-    return found or [LogFindings("/var/log/pods/*device-plugin*", problem="no device plugin log found")]
-
-
 def sample_processes(name: str, interval: float) -> PluginProcesses:
     """Two samples of every process named `name`, `interval` seconds apart (blocks: run it in a thread)."""
-    import psutil
+    import psutil  # noqa: PLC0415, RUF100  # here: a broken psutil costs this reader alone
 
     procs = [p for p in psutil.process_iter(["name"]) if p.info["name"] == name]
     if not procs:

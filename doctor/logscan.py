@@ -1,10 +1,10 @@
-"""What the kubelet's and the plugin's logs say, read from the end and bounded.
+"""The log scanner: what a log says of the patterns it is given, read from the end and bounded.
 
-Every pattern is a line the program really prints (the source is named beside it), mapped to the
-cause row it feeds, what it means and its fix. A line is matched by its message only: a
-generic string such as `context deadline exceeded` (the API server's timeouts print it too)
-never decides a cause; inside a matched line it only makes the meaning more precise. An error
-followed by a later successful registration is history, shown as such, not a problem.
+It knows nothing of the catalogue (doctor/patterns.toml, loaded by `doctor.patterns`): it takes
+the patterns as an argument, so the same scan reads the kubelet's, the plugin's and the DRA
+drivers' lines. A line is matched by the patterns' literal wording only; a pattern's `refine`
+words inside a matched line only make its meaning more precise. An error followed by a later
+successful registration is history, shown as such, not a problem.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import shutil
 import stat
 import subprocess
 import time
-from dataclasses import dataclass, field
-from typing import Literal
+
+from doctor.types import LogFindings, LogHit, Pattern
 
 MAX_BYTES = 10 * 1024 * 1024  # per log: the newest 10 MiB, whatever the file's size
 MAX_LINE = 300  # of a line kept as evidence
@@ -28,391 +28,9 @@ MAX_LINE = 300  # of a line kept as evidence
 MAX_JOINED = 1024 * 1024
 HEAD = 256  # of a line: enough for its time (CRI prefix, then klog's header)
 
-Kind = Literal["error", "attempt", "success"]
-
-RESTART_PLUGIN = (
-    "$ kubectl -n kube-system delete pod -l app.kubernetes.io/component=hami-device-plugin "
-    "--field-selector spec.nodeName=$(hostname)"
-)
-INITCHECK = (
-    "start the plugin only once the kubelet listens (the hami-initcheck init container, --wait 60), "
-    "with the kubelet's own device-plugins folder mounted at the same path"
-)
-RUNTIME_FIX = (
-    "install the NVIDIA Container Toolkit and make it the runtime of the plugin's pod: "
-    "nvidia-ctk runtime configure --runtime=containerd (k3s and RKE2 pick it up when they restart), "
-    "restart containerd, and set runtimeClassName: nvidia on the plugin (HAMi chart: "
-    "devicePlugin.runtimeClassName)",
-)
-DRIVER_FIX = (
-    "load the NVIDIA driver on the host: nvidia-smi must list the GPUs (modprobe nvidia; after a driver "
-    "upgrade, reboot); on a node without GPUs keep the plugin off it with a nodeSelector",
-    "$ nvidia-smi -L",
-)
-
-
-@dataclass(frozen=True)
-class Pattern:
-    text: str  # the program's own wording, matched literally
-    cause: str  # the row it feeds: kubelet-log, plugin-log or driver-runtime
-    meaning: str
-    fix: tuple[str, ...] = ()
-    source: str = ""  # where upstream it is printed
-    kind: Kind = "error"
-    ignore_case: bool = False
-    # A more precise meaning when the same line also says one of these (checked in order).
-    refine: tuple[tuple[str, str], ...] = ()
-
-    def explain(self, line: str) -> str:
-        lower = line.lower()
-        for needle, meaning in self.refine:
-            if needle.lower() in lower:
-                return meaning
-        return self.meaning
-
-
-DIAL_BACK = (
-    ("context deadline exceeded", "the plugin did not answer on its socket within the kubelet's 10 s dial"),
-    ("no such file or directory", "no plugin socket at the path the kubelet joins to its own folder"),
-    ("connection refused", "the plugin's socket is a dead file"),
-)
-# Kubernetes 1.37 (manager.go PluginConnected): an endpoint is still connected at the path.
-ALREADY_CONNECTED = "device plugin already connected"
-REFUSED_MEANING = (
-    "the kubelet already holds an endpoint at that socket path (Kubernetes 1.37) and refused the Register; "
-    "it also forgot the client of the stream it held, so that stream's end goes unnoticed, and it refuses "
-    "every Register at that path until it restarts"
-)
-REFUSED_FIX = (
-    "a plugin restart is refused the same way: restart the kubelet, then the plugin registers again "
-    "(HAMi does when kubelet.sock is created); never run two instances of the plugin on one socket path",
-    "$ systemctl restart kubelet",
-)
-DIAL_BACK_FIX = (
-    "the kubelet dials the plugin back inside Register (Kubernetes 1.25 and later): the plugin must "
-    "serve its socket, in the kubelet's own device-plugins folder, before it registers; mount that "
-    "folder at the same path in the plugin's pod, then restart the plugin:",
-    RESTART_PLUGIN,
-)
-NVML_REFINE = (
-    ("ERROR_LIBRARY_NOT_FOUND", "libnvidia-ml.so.1 is not in the plugin's container: the container runtime "
-     "did not inject the driver (no NVIDIA runtime)"),
-    ("could not load NVML library", "libnvidia-ml.so.1 is not in the plugin's container: the container "
-     "runtime did not inject the driver (no NVIDIA runtime)"),
-    ("ERROR_DRIVER_NOT_LOADED", "the NVIDIA kernel driver is not loaded on the host"),
-    ("Driver Not Loaded", "the NVIDIA kernel driver is not loaded on the host"),
-    ("ERROR_LIB_RM_VERSION_MISMATCH", "the driver's library and kernel module differ (upgraded, not "
-     "rebooted)"),
-    ("version mismatch", "the driver's library and kernel module differ (upgraded, not rebooted)"),
-    ("ERROR_NO_PERMISSION", "the plugin's container may not open the GPU device nodes"),
-    ("ERROR_UNKNOWN", "NVML failed: the plugin's container cannot reach the GPU devices (device cgroup, "
-     "runtime)"),
-)  # fmt: skip
-RUNTIME_OR_DRIVER = RUNTIME_FIX + DRIVER_FIX
-
-# The kubelet's wording: kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/{server,handler,client}.go,
-# and the pod admission of pkg/kubelet (docs/kubelet.md#log-lines).
-KUBELET_PATTERNS = (
-    Pattern(
-        "Got registration request from device plugin with resource",
-        "kubelet-log",
-        "a plugin called Register",
-        source="server.go Register",
-        kind="attempt",
-    ),
-    Pattern(
-        "Bad registration request from device plugin",
-        "kubelet-log",
-        "the kubelet refused the plugin's Register",
-        (
-            "the plugin must speak v1beta1 and register an extended resource name <domain>/<name> (HAMi "
-            "chart: resourceName, e.g. nvidia.com/gpu)",
-        ),
-        "server.go Register",
-        refine=(
-            ("is not supported by kubelet", "the plugin asked for an API version other than v1beta1"),
-            ("is invalid", "the resource name is not <domain>/<name>"),
-        ),
-    ),
-    Pattern(
-        "Error connecting to device plugin client",
-        "kubelet-log",
-        "the kubelet could not dial the plugin back during Register",
-        DIAL_BACK_FIX,
-        "server.go Register",
-        refine=((ALREADY_CONNECTED, REFUSED_MEANING), *DIAL_BACK),
-    ),
-    Pattern(
-        "Failed to connect to new client",
-        "kubelet-log",
-        "the kubelet could not dial the plugin back during Register",
-        DIAL_BACK_FIX,
-        "handler.go connectClient",
-        refine=((ALREADY_CONNECTED, REFUSED_MEANING), *DIAL_BACK),
-    ),
-    Pattern(
-        "Unable to connect to device plugin client with socket path",
-        "kubelet-log",
-        "the kubelet could not dial the plugin back during Register",
-        DIAL_BACK_FIX,
-        "client.go Connect",
-        refine=DIAL_BACK,
-    ),
-    Pattern(
-        "ListAndWatch ended unexpectedly for device plugin",
-        "kubelet-log",
-        "the plugin's device stream ended (it exited or restarted): the kubelet marked its devices "
-        "unhealthy and never dials it again",
-        ("only a new Register brings the devices back: restart the plugin", RESTART_PLUGIN),
-        "client.go Run",
-    ),
-    Pattern(
-        "Error while serving device plugin registration grpc server",
-        "kubelet-log",
-        "the kubelet's registration server stopped serving kubelet.sock",
-        ("read the kubelet's log around it, then restart the kubelet", "$ systemctl restart kubelet"),
-        "plugin/v1beta1/server.go Start",
-    ),
-    Pattern(
-        "Failed to listen to socket while starting device plugin registry",
-        "kubelet-log",
-        "the kubelet could not create kubelet.sock in its device-plugins folder (read-only, full, or "
-        "denied by a security module)",
-        (
-            "check the folder on the host (writable, space left, SELinux label), then restart the kubelet:",
-            "$ ls -ldZ /var/lib/kubelet/device-plugins",
-        ),
-        "server.go serve",
-    ),
-    Pattern(
-        "Failed to cleanup the device plugin directory",
-        "kubelet-log",
-        "the kubelet could not remove the old sockets from its device-plugins folder, so it started no "
-        "registration server",
-        (
-            "find what cannot be removed there (an immutable file, a bind mount), fix it, restart the "
-            "kubelet:",
-            "$ lsattr /var/lib/kubelet/device-plugins",
-        ),
-        "server.go Start",
-    ),
-    Pattern(
-        "Could not set selinux context on socket dir",
-        "kubelet-log",
-        "SELinux: the kubelet could not label its device-plugins folder, so an unprivileged plugin "
-        "container may be denied kubelet.sock",
-        (
-            "label the folder for containers, or run the plugin privileged:",
-            "$ chcon -R -t container_file_t /var/lib/kubelet/device-plugins",
-        ),
-        "server.go Start",
-    ),
-    Pattern(
-        "Allocate failed due to",
-        "kubelet-log",
-        "a GPU pod was rejected at admission (UnexpectedAdmissionError): the kubelet could not allocate "
-        "its devices",
-        (
-            "the rejected pod stays Failed: delete it once the plugin serves healthy devices again; "
-            "kubectl describe pod shows the same message",
-        ),
-        'pkg/kubelet admission ("Pod admission denied")',
-        refine=(
-            (
-                "requested number of devices unavailable",
-                "fewer healthy devices than the pod requested: "
-                "devices unhealthy, or the plugin not registered",
-            ),
-            ("rpc error", "the plugin's Allocate or GetPreferredAllocation call failed"),
-        ),
-    ),
-)
-# A registration attempt that one of these follows failed.
-KUBELET_REJECTIONS = frozenset(
-    (
-        "Bad registration request from device plugin",
-        "Error connecting to device plugin client",
-        "Failed to connect to new client",
-        "Unable to connect to device plugin client with socket path",
-    )
-)
-
-# HAMi (pkg/device-plugin/nvidiadevice/nvinternal/plugin/{server,factory,register}.go,
-# cmd/device-plugin/nvidia/main.go) and NVIDIA's plugin (internal/plugin/{server,factory}.go,
-# cmd/nvidia-device-plugin/main.go) print these alike.
-PLUGIN_PATTERNS = (
-    Pattern(
-        "Registered device plugin for",
-        "plugin-log",
-        "the kubelet accepted the plugin",
-        source="server.go Start",
-        kind="success",
-    ),
-    Pattern(
-        "Could not register device plugin:",
-        "plugin-log",
-        "the plugin's Register call to the kubelet failed (it retries in 30 s)",
-        (INITCHECK, "then restart the plugin:", RESTART_PLUGIN),
-        "server.go Start",
-        refine=(
-            (
-                "failed to dial device plugin",
-                "the kubelet could not dial the plugin back: its socket is not in "
-                "the kubelet's folder, or it did not serve yet",
-            ),
-            ("is not supported by kubelet", "the kubelet refused the API version"),
-            ("is invalid", "the kubelet refused the resource name"),
-            (
-                "context deadline exceeded",
-                "kubelet.sock did not answer within the plugin's 5 s dial: the "
-                "plugin's folder is not the live kubelet's, or the kubelet is restarting",
-            ),
-            ("connection refused", "the plugin's kubelet.sock is a dead file: nothing listens on it"),
-            ("no such file or directory", "no kubelet.sock in the plugin's folder"),
-        ),
-    ),
-    Pattern(
-        "Failed to start one or more plugins. Retrying in 30s...",
-        "plugin-log",
-        "a plugin failed to start and is retried in 30 s (the line before it says why)",
-        (INITCHECK,),
-        "main.go start",
-    ),
-    Pattern(
-        "Could not start device plugin for",
-        "plugin-log",
-        "the plugin could not serve its socket (its folder is read-only or not mounted)",
-        ("mount the host's device-plugins folder read-write in the plugin container", RESTART_PLUGIN),
-        "server.go Start",
-    ),
-    Pattern(
-        "Failed to start plugin:",
-        "plugin-log",
-        "a plugin failed to start",
-        (INITCHECK,),
-        "main.go startPlugins",
-        refine=(
-            (
-                "context deadline exceeded",
-                "a plugin failed to start: a dial timed out (kubelet.sock not "
-                "answering, or its own socket not served)",
-            ),
-        ),
-    ),
-    Pattern(
-        "No devices found. Waiting indefinitely.",
-        "driver-runtime",
-        "the plugin found no GPU in its container and serves nothing",
-        RUNTIME_OR_DRIVER,
-        "main.go startPlugins",
-    ),
-    Pattern(
-        "failed to create FS watcher for",
-        "plugin-log",
-        "the plugin cannot watch the device-plugins folder, so it exits",
-        (
-            "raise the inotify limit on the host (and persist it in /etc/sysctl.d):",
-            "$ sysctl -w fs.inotify.max_user_instances=8192",
-        ),
-        "main.go start",
-        refine=(
-            ("no such file or directory", "the plugin's device-plugins folder does not exist: not mounted"),
-        ),
-    ),
-    Pattern(
-        "has repeatedly crashed recently. Quitting",
-        "plugin-log",
-        "the plugin's gRPC server crashed more than 5 times within an hour and the plugin exited",
-        ("the lines 'GRPC server for ... crashed with error' before it say why; then", RESTART_PLUGIN),
-        "server.go Serve",
-    ),
-    Pattern(
-        "device marked unhealthy",
-        "plugin-log",
-        "the plugin reported a GPU unhealthy (an XID error or a lost GPU); it stays unhealthy until the "
-        "plugin restarts",
-        (
-            "check the GPU (dmesg | grep -i xid; nvidia-smi), then restart the plugin:",
-            RESTART_PLUGIN,
-        ),
-        "server.go ListAndWatch",
-    ),
-    Pattern(
-        "Failed to register annotation:",
-        "plugin-log",
-        "HAMi could not write the node's GPU annotations to the API server: HAMi's scheduler does not "
-        "see this node's GPUs, so GPU pods stay Pending",
-        (
-            "check that the node reaches the API server and that the plugin's service account may patch "
-            "nodes:",
-            "$ kubectl auth can-i patch nodes --as=system:serviceaccount:kube-system:hami-device-plugin",
-        ),
-        "register.go WatchAndRegister",
-    ),
-    Pattern(
-        "Failed to initialize NVML",
-        "driver-runtime",
-        "the plugin cannot start NVML",
-        RUNTIME_OR_DRIVER,
-        "factory.go getResourceManagers",
-        ignore_case=True,
-        refine=NVML_REFINE,
-    ),
-    Pattern(
-        "nvml init failed",
-        "driver-runtime",
-        "the plugin cannot start NVML",
-        RUNTIME_OR_DRIVER,
-        "factory.go getResourceManagers",
-        refine=NVML_REFINE,
-    ),
-    Pattern(
-        "Incompatible strategy detected",
-        "driver-runtime",
-        "the plugin found neither NVML nor Tegra in its container: the container runtime did not inject "
-        "the NVIDIA driver",
-        RUNTIME_FIX,
-        "factory.go getResourceManagers",
-    ),
-)
-ALL_PATTERNS = KUBELET_PATTERNS + PLUGIN_PATTERNS
-
-
-@dataclass(frozen=True)
-class LogHit:
-    """The lines of one pattern: how many, the newest, and whether a later registration made them history."""
-
-    pattern: Pattern
-    count: int
-    newest: str
-    meaning: str
-    history: bool = False
-
-    @property
-    def text(self) -> str:
-        return self.pattern.text
-
-
-@dataclass
-class LogFindings:
-    source: str
-    read: bool = False
-    problem: str = ""  # why the log could not be read
-    lines: int = 0  # lines read within the window
-    hits: list[LogHit] = field(default_factory=list)
-    registered: str = ""  # the newest line that shows a successful registration
-
-    @property
-    def current(self) -> list[LogHit]:
-        return [h for h in self.hits if not h.history]
-
-    @property
-    def history(self) -> list[LogHit]:
-        return [h for h in self.hits if h.history]
-
 
 class NotRegularFile(OSError):
-    pass
+    """A log path that is not a regular file (a FIFO, a device, a folder): never read."""
 
 
 def read_tail(path: str, max_bytes: int = MAX_BYTES) -> bytes:
@@ -668,7 +286,7 @@ def scan(
             if attempt is not None:
                 successes[seen[attempt][3]] = successes[None] = attempt
             attempt = i
-        elif p.text in KUBELET_REJECTIONS:
+        elif p.rejects:
             attempt = None
     if attempt is not None:
         successes[seen[attempt][3]] = successes[None] = attempt
@@ -688,6 +306,7 @@ def scan(
 def scan_file(
     path: str, patterns: tuple[Pattern, ...], since: float | None, now: float | None = None
 ) -> LogFindings:
+    """`scan` of a file's newest MAX_BYTES; a file that cannot be read is said in the findings."""
     try:
         data = read_tail(path)
     except OSError as e:
@@ -704,6 +323,7 @@ RKE2_KUBELET_LOG = "/var/lib/rancher/rke2/agent/logs/kubelet.log"
 
 
 def scan_journal(units: tuple[str, ...], patterns: tuple[Pattern, ...], since: float | None) -> LogFindings:
+    """`scan` of the journal's lines of `units` within `since` seconds (journalctl, bounded)."""
     source = "journalctl " + " ".join(f"-u {u}" for u in units)
     exe = shutil.which("journalctl")
     if exe is None:
@@ -731,3 +351,21 @@ def plugin_log_files(root: str = "/var/log/pods") -> list[str]:
         except OSError:
             continue  # rotated away between the listing and the look
     return [path for _, path in sorted(dated)[-1:]]
+
+
+def kubelet_logs(where: str, since: float, patterns: tuple[Pattern, ...]) -> list[LogFindings]:
+    """The kubelet's log as --kubelet-log names it: a file; journal (the units of every distribution);
+    auto (the journal, and RKE2's kubelet log file when there is one)."""
+    if where in ("auto", "journal"):
+        found = [scan_journal(KUBELET_UNITS, patterns, since)]
+        if where == "auto" and os.path.exists(RKE2_KUBELET_LOG):
+            found.append(scan_file(RKE2_KUBELET_LOG, patterns, since))
+        return found
+    return [scan_file(where, patterns, since)] if where else []
+
+
+def plugin_logs(where: str, since: float, patterns: tuple[Pattern, ...]) -> list[LogFindings]:
+    """The plugin's log as --plugin-log names it: a file, or auto (its container's newest log)."""
+    paths = plugin_log_files() if where == "auto" else [where]
+    found = [scan_file(p, patterns, since) for p in paths]
+    return found or [LogFindings("/var/log/pods/*device-plugin*", problem="no device plugin log found")]

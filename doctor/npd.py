@@ -15,6 +15,7 @@ def one_line(text: str) -> str:
 
 
 def npd_error(error: BaseException) -> str:
+    """An internal error as NPD's Unknown message: one line, within NPD_MAX."""
     return one_line(f"hami-doctor could not diagnose: {type(error).__name__}: {error}")[:NPD_MAX]
 
 

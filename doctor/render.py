@@ -1,50 +1,24 @@
-"""The report, three ways: a text table for people (80 columns), JSON for machines, one line for NPD."""
+"""The report, three ways: a text table for people (80 columns), JSON for machines, one line for NPD.
+
+Reads only the report (`doctor.types.Report`): no I/O, and neither grpc nor psutil is imported
+with it, so the command line imports it before it diagnoses.
+"""
 
 from __future__ import annotations
 
 import json
 import textwrap
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
 
-from doctor.causes import Cause
-from doctor.evidence import KubeletProcess
 from doctor.npd import NPD_MAX, one_line
-from doctor.repairs import Repair
 from doctor.shell import split_words
+from doctor.types import Repair, Report
 
 WIDTH = 80
 
 
-@dataclass(frozen=True)
-class Report:
-    causes: list[Cause]  # problems first, in causal order
-    repairs: list[Repair]
-    kubelet: KubeletProcess
-    errors: tuple[str, ...] = ()  # evidence that could not be gathered
-
-    @property
-    def problems(self) -> list[Cause]:
-        return [c for c in self.causes if c.verdict == "problem"]
-
-    @property
-    def exit_code(self) -> int:
-        return 1 if self.problems else 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "healthy": not self.problems,
-            "exit_code": self.exit_code,
-            "most_likely": self.problems[0].id if self.problems else None,
-            "causes": [c.as_dict() for c in self.causes],
-            "repairs": [r.as_dict() for r in self.repairs],
-            "kubelet": self.kubelet.as_dict(),
-            "errors": list(self.errors),
-        }
-
-
 def as_json(report: Report) -> str:
+    """The report's JSON document, indented."""
     return json.dumps(report.as_dict(), indent=2)
 
 

@@ -17,10 +17,10 @@ import errno
 import os
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from doctor.evidence import NodeEvidence
 from doctor.shell import command
+from doctor.types import NodeEvidence, Repair
 from hami_guard.node.sockets import try_connect
 from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
 
@@ -28,27 +28,8 @@ STALE = "a plugin socket nothing listens on (the plugin died)"
 MIN_AGE = 5.0  # seconds: a younger socket may be a plugin's between bind() and listen()
 
 
-@dataclass(frozen=True)
-class Repair:
-    path: str
-    why: str
-    command: str
-    applied: bool = False
-    error: str = ""
-    # The judged file: (st_dev, st_ino, st_mtime_ns, st_ctime_ns).
-    identity: tuple[int, int, int, int] | None = field(default=None, compare=False)
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "path": self.path,
-            "why": self.why,
-            "command": self.command,
-            "applied": self.applied,
-            "error": self.error,
-        }
-
-
 def removal(path: str, identity: tuple[int, int, int, int] | None = None) -> Repair:
+    """The repair that removes the socket file at `path`, judged as `identity`."""
     return Repair(path, STALE, command("rm", "--", path), identity=identity)
 
 

@@ -28,6 +28,8 @@ Output = Literal["text", "json"]
 
 @dataclass(frozen=True)
 class DoctorSettings(flags.DeviceFolder):
+    """hami-doctor's settings, parsed from its flags and their environment variables."""
+
     device_plugin_dir: str = SIDECAR.device_plugin_dir
     kubelet_socket: str = SIDECAR.kubelet_socket
     plugins: tuple[PluginSpec, ...] = SIDECAR.plugins
@@ -50,7 +52,7 @@ class DoctorSettings(flags.DeviceFolder):
     output: Output = "text"
     fix: bool = False
     npd: bool = False
-    dra_drivers: tuple[DraSpec, ...] = ()  # DRA drivers to diagnose (doctor/dra.py)
+    dra_drivers: tuple[DraSpec, ...] = ()  # DRA drivers to diagnose (doctor/dra/)
     # --dra-resourceslices: the API server to read the node's ResourceSlices from, and the node's name
     # ($NODE_NAME, else the host's name); None: the API is never called.
     dra_api: ApiAccess | None = None
@@ -62,6 +64,7 @@ MAX_SINCE = 3650 * flags.DAY
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """hami-doctor's flags: the sidecar's and initcheck's shared ones, then its own."""
     d = DEFAULTS
     p = flags.Parser(
         prog="hami-doctor",
@@ -116,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> DoctorSettings:
+    """The settings from `argv` and the HAMI_GUARD_* variables of `environ` (the process's when None)."""
     parser = build_parser()
     args = parse_with_env(parser, argv, environ)
     dra = dra_drivers(parser, args)

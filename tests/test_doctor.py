@@ -3,6 +3,7 @@ every rule, repair and rendering in-process from evidence built by hand."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import calendar
 import contextlib
@@ -11,10 +12,12 @@ import io
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+import tomllib
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
@@ -25,13 +28,11 @@ import grpc
 import pytest
 
 from doctor.causes import (
-    CAUSES,
     DRIVER_FIRST,
     ORDER,
     OTHER_PLUGIN_FIX,
     REREGISTER_FIX,
     UNRECORDED_FIX,
-    Cause,
     devices_cause,
     diagnose,
     growth_cause,
@@ -41,36 +42,51 @@ from doctor.causes import (
     serving_cause,
     version_cause,
 )
-from doctor.evidence import (
-    DriverNodes,
-    KubeletProcess,
-    NodeEvidence,
-    PluginEvidence,
-    PluginProcesses,
-    ProcessGrowth,
-    ProcessSample,
-    SocketFile,
-    SocketProbe,
-    folder_sockets,
-)
+from doctor.dra.causes import NOISE
+from doctor.evidence import folder_sockets
 from doctor.logscan import (
-    DRIVER_FIX,
-    KUBELET_PATTERNS,
     MAX_JOINED,
     MAX_LINE,
-    PLUGIN_PATTERNS,
-    RESTART_PLUGIN,
-    RUNTIME_FIX,
-    LogFindings,
     lines_of,
     read_tail,
     scan,
     scan_file,
     scan_journal,
 )
-from doctor.render import Report, as_json, as_text, fix_lines, npd_line, shell_lines
-from doctor.repairs import MIN_AGE, STALE, Repair, apply, plan, removal
+from doctor.patterns import (
+    ALREADY_CONNECTED,
+    CATALOGUE,
+    DRA_PATTERNS,
+    DRIVER_FIX,
+    KUBELET_PATTERNS,
+    PLUGIN_PATTERNS,
+    RESTART_PLUGIN,
+    RUNTIME_FIX,
+    SECTIONS,
+    CatalogueError,
+    load,
+    read,
+)
+from doctor.render import as_json, as_text, fix_lines, npd_line, shell_lines
+from doctor.repairs import MIN_AGE, STALE, apply, plan, removal
 from doctor.shell import quote, split_words
+from doctor.types import (
+    CAUSES,
+    Cause,
+    DriverNodes,
+    KubeletProcess,
+    LogFindings,
+    NodeEvidence,
+    Pattern,
+    PluginEvidence,
+    PluginProcesses,
+    ProcessGrowth,
+    ProcessSample,
+    Repair,
+    Report,
+    SocketFile,
+    SocketProbe,
+)
 from hami_guard.flags import AUTO_DEVICES, PluginSpec
 from hami_guard.node.sockets import try_connect
 from hami_guard.node.unixdiag import SocketOwner, kubelet_connections
@@ -1381,6 +1397,158 @@ def test_each_real_line_names_its_cause_and_fix(text: str) -> None:
     assert [c.id for c in causes if c.verdict == "problem"] == [cause_id]
 
 
+# -- the catalogue as data: doctor/patterns.toml, loaded and checked by doctor/patterns.py -------------------
+def test_the_catalogue_ships_with_the_package_and_loads() -> None:
+    assert load((REPO / "doctor" / "patterns.toml").read_text()) == CATALOGUE == read()
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "patterns.toml" in pyproject["tool"]["setuptools"]["package-data"]["doctor"]
+    for name, patterns in {
+        "kubelet": KUBELET_PATTERNS,
+        "plugin": PLUGIN_PATTERNS,
+        "dra": DRA_PATTERNS,
+    }.items():
+        assert patterns and all(p.cause in SECTIONS[name] and p.source for p in patterns), name
+    # The rules' own words for the catalogue's: the DRA log row tells the 1.36 noise by it.
+    assert [m for p in DRA_PATTERNS for _, m in p.refine if m.startswith(NOISE)]
+    assert any(words == ALREADY_CONNECTED for p in KUBELET_PATTERNS for words, _ in p.refine)
+
+
+@pytest.mark.parametrize(
+    "patterns", [KUBELET_PATTERNS, PLUGIN_PATTERNS, DRA_PATTERNS], ids=["kubelet", "plugin", "dra"]
+)
+def test_every_pattern_compiles_and_each_refinement_is_reachable(patterns: tuple[Pattern, ...]) -> None:
+    """Each pattern, in each spelling it is searched for, is found as itself among its section's; each
+    refinement's words give its meaning (no earlier one of the same pattern hides it)."""
+    for p in patterns:
+        spellings = (
+            {p.text, p.text[:1].swapcase() + p.text[1:], p.text.lower()} if p.ignore_case else {p.text}
+        )
+        for text in spellings:
+            found = scan(klog("E", text).encode(), patterns, "log", None, time.time())
+            if p.kind == "error":
+                assert [(h.pattern, h.meaning) for h in found.hits] == [(p, p.meaning)], text
+            else:  # a registration, or an attempt no rejection follows
+                assert (found.hits, bool(found.registered)) == ([], True), text
+        for words, meaning in p.refine:
+            assert p.explain(f"{p.text}: {words}") == meaning, (p.text, words)
+
+
+MINIMAL_CATALOGUE = """
+[shared]
+restart-plugin = "$ restart the plugin"
+runtime-fix = ["fix the runtime"]
+driver-fix = ["load the driver", "$ nvidia-smi -L"]
+already-connected = "already connected"
+restart-driver = "$ restart the driver"
+both = ["@runtime-fix", "@driver-fix"]
+
+[[kubelet]]
+text = "Bad registration request"
+cause = "kubelet-log"
+meaning = "refused"
+fix = ["@restart-plugin"]
+source = "server.go"
+rejects = true
+
+[[plugin]]
+text = "Could not register"
+cause = "plugin-log"
+meaning = "failed"
+fix = ["@both"]
+source = "server.go"
+refine = [["@already-connected", "refused again"]]
+
+[[dra]]
+text = "RegisterPlugin error"
+cause = "dra-log"
+meaning = "failed"
+fix = ["look at the driver's log:", "@restart-driver"]
+source = "operation_generator.go"
+"""
+
+
+def test_a_catalogue_resolves_its_shared_texts() -> None:
+    c = load(MINIMAL_CATALOGUE, "test.toml")
+    (kubelet,), (plugin,), (dra,) = c.kubelet, c.plugin, c.dra
+    assert (kubelet.fix, kubelet.rejects, kubelet.kind) == (("$ restart the plugin",), True, "error")
+    assert plugin.fix == ("fix the runtime", "load the driver", "$ nvidia-smi -L")
+    assert plugin.refine == (("already connected", "refused again"),)
+    assert dra.fix == ("look at the driver's log:", "$ restart the driver")
+    assert c.fixes["driver-fix"] == ("load the driver", "$ nvidia-smi -L")
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "error"),
+    [
+        ("[[kubelet]]\n", "[[kubelet]\n", "test.toml: not valid TOML"),
+        ("[[dra]]", "[[dri]]", "test.toml: unknown table dri"),
+        (
+            "rejects = true",
+            "rejects = true\nrejetcs = true",
+            "[[kubelet]] #1 ('Bad registration request'): unknown key rejetcs",
+        ),
+        ('source = "operation_generator.go"\n', "", "[[dra]] #1 ('RegisterPlugin error'): source missing"),
+        (
+            'cause = "kubelet-log"',
+            'cause = "plugin-log"',
+            "cause: 'plugin-log' is not a row of this section (kubelet-log)",
+        ),
+        (
+            'cause = "plugin-log"',
+            'cause = "plugin-logs"',
+            "cause: 'plugin-logs' is not a row of this section",
+        ),
+        (
+            'meaning = "refused"',
+            'meaning = "refused"\nkind = "warning"',
+            "kind: 'warning' is not one of error, attempt, success",
+        ),
+        ('meaning = "refused"', 'meaning = "refused\\nfor good"', "meaning: must be one line"),
+        ('meaning = "refused"', 'meaning = ""', "meaning: must be a non-empty string"),
+        ("rejects = true", 'rejects = "yes"', "rejects: must be true or false"),
+        (
+            "rejects = true",
+            'rejects = true\nkind = "attempt"',
+            "rejects: only an error line rejects a Register",
+        ),
+        ('"@restart-plugin"]', '"@restart-plugn"]', "'@restart-plugn' names no entry of [shared]"),
+        ('restart-plugin = "$ restart the plugin"', 'restart-plugin = "@restart-plugin"', "refers to itself"),
+        ("both = [", 'unused = "x"\nboth = [', "[shared] unused: used by no entry"),
+        (
+            'driver-fix = ["load the driver", "$ nvidia-smi -L"]\n',
+            "",
+            "'@driver-fix' names no entry of [shared]",
+        ),
+        (
+            'restart-driver = "$ restart the driver"\n',
+            'restart-driver = ["$ restart the driver"]\n',
+            "[shared] restart-driver (the rules read it): must be a non-empty string",
+        ),
+        (
+            '[["@already-connected", "refused again"]]',
+            '[["@already-connected"]]',
+            "refine[0]: must be a [words, meaning] pair",
+        ),
+        (
+            "[[dra]]",
+            '[[plugin]]\ntext = "could not REGISTER"\ncause = "plugin-log"\nmeaning = "m"\nsource = "s"\n'
+            "[[dra]]",
+            "[[plugin]] 'could not REGISTER' matches the same words as 'Could not register'",
+        ),
+    ],
+)
+def test_a_bad_catalogue_entry_is_named(old: str, new: str, error: str) -> None:
+    assert MINIMAL_CATALOGUE.count(old) == 1, old
+    with pytest.raises(CatalogueError, match=re.escape(error)):
+        load(MINIMAL_CATALOGUE.replace(old, new), "test.toml")
+
+
+def test_a_catalogue_without_a_section_is_refused() -> None:
+    text = MINIMAL_CATALOGUE[: MINIMAL_CATALOGUE.index("[[dra]]")].replace(', "@restart-driver"', "")
+    with pytest.raises(CatalogueError, match=re.escape("test.toml: no [[dra]] entry")):
+        load(text, "test.toml")
+
+
 def test_generic_strings_alone_decide_nothing() -> None:
     """`context deadline exceeded` from an API call, or a dial error quoted alone, is no cause."""
     plugin = (
@@ -1862,3 +2030,71 @@ def test_the_journal_window_from_any_since(
     assert [h.text for h in found.hits] == ["Failed to connect to new client"]
     args = Path(short_tmp, "bin", "args").read_text()
     assert ("--since" in args, asked in args) == (bool(asked), True)
+
+
+# -- the package's shape: imports one way, short rules, every public name said -----------------------------
+def doctor_modules() -> dict[str, ast.Module]:
+    """Every module of doctor/, by its dotted name, parsed."""
+    found = {}
+    for path in sorted((REPO / "doctor").rglob("*.py")):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        found[name] = ast.parse(path.read_text(), str(path))
+    return found
+
+
+def doctor_imports(tree: ast.Module) -> set[str]:
+    """The doctor's modules a module imports, at the top or inside a function alike."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "doctor":
+            names |= {f"doctor.{a.name}" for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("doctor."):
+            names.add(str(node.module))
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names if a.name.startswith("doctor.")}
+    return names
+
+
+def test_the_doctor_imports_run_one_way() -> None:
+    """No circle, whether through imports at the top or inside functions; the records import nothing of
+    the doctor, and the catalogue and the scanner nothing but the records."""
+    graph = {name: doctor_imports(tree) for name, tree in doctor_modules().items()}
+    assert graph["doctor.types"] == set()
+    assert graph["doctor.patterns"] == graph["doctor.logscan"] == {"doctor.types"}
+    assert not graph["doctor.render"] & {"doctor.evidence", "doctor.causes", "doctor.repairs"}
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, " -> ".join((*path, name))
+        if name not in done:
+            for dep in graph.get(name, ()):
+                visit(dep, (*path, name))
+            done.add(name)
+
+    for name in graph:
+        visit(name, ())
+
+
+def test_no_rule_is_longer_than_60_lines() -> None:
+    for name in ("doctor.causes", "doctor.dra.causes"):
+        for node in ast.walk(doctor_modules()[name]):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                assert node.end_lineno is not None
+                assert node.end_lineno - node.lineno < 60, f"{name}.{node.name}"
+
+
+def test_every_public_class_and_function_of_the_doctor_has_a_docstring() -> None:
+    """Modules, and their public classes, functions and methods (not the functions nested in these)."""
+    defs = ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+    missing = []
+    for name, tree in doctor_modules().items():
+        if ast.get_docstring(tree) is None:
+            missing.append(name)
+        members = [n for n in tree.body if isinstance(n, defs)]
+        members += [m for c in members if isinstance(c, ast.ClassDef) for m in c.body if isinstance(m, defs)]
+        missing += [
+            f"{name}: {n.name}"
+            for n in members
+            if not n.name.startswith("_") and ast.get_docstring(n) is None
+        ]
+    assert missing == []

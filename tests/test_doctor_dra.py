@@ -9,7 +9,8 @@ import json
 import os
 
 from doctor.cli import main
-from doctor.dra import dra_causes, gather_dra, scan_dra_log
+from doctor.dra.causes import dra_causes
+from doctor.dra.evidence import gather_dra, scan_dra_log
 from sidecar.dra.verdicts import DraSpec
 from testing.realdra import RealDraDriver, RealDraKubelet, Release
 
