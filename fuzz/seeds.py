@@ -19,6 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
+from testing.realkubelet import RealKubelet, RealPlugin, missing_reason
+from tests.test_doctor import CATALOG, REQUEST, cri, klog
+
 CORPUS = Path(__file__).resolve().parent / "corpus"
 # The log seeds' clock: fuzz_logscan.py scans them at NOW (half an hour later).
 T = calendar.timegm((2026, 12, 3, 6, 0, 0, 0, 0, 0))
@@ -41,7 +45,6 @@ def _klog_at(line: str, at: float) -> str:
 
 
 def logscan() -> None:
-    from tests.test_doctor import CATALOG, REQUEST, cri, klog
 
     # The seeds written here only: an input a fuzz run found (crash-*, fixed since) stays a regression test.
     for old in (CORPUS / "logscan").glob("*"):
@@ -74,8 +77,6 @@ def logscan() -> None:
 
 
 async def _checkpoints(tmp: str) -> None:
-    from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
-    from testing.realkubelet import RealKubelet, RealPlugin, missing_reason
 
     folder = os.path.join(tmp, "device-plugins")
     os.mkdir(folder, 0o750)

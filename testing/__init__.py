@@ -3,6 +3,8 @@
 Like `aiohttp.test_utils`, this is part of the package: `from testing import FakeKubelet`.
 """
 
+import socket
+
 from testing.kubelet import (
     ERR_ALREADY_CONNECTED,
     ERR_DIAL,
@@ -25,7 +27,6 @@ from testing.plugin import FakeDevicePlugin, hami_device_ids
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (as aiohttp.test_utils.unused_port)."""
-    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,7 +22,8 @@ import aiohttp
 
 from sidecar.cli import serve, setup_logging
 from sidecar.config import Settings
-from testing import FakeDevicePlugin, FakeKubelet, free_port
+from testing import FakeDevicePlugin, FakeKubelet, drademo, free_port
+from testing.realdra import missing_reason as dra_missing
 from testing.realkubelet import RealKubelet, RealPlugin, missing_reason
 
 GPU = "nvidia.com/gpu"
@@ -240,9 +241,6 @@ def run_demo() -> int:
     tour_only = os.environ.get("DEMO_TOUR_ONLY", "") not in ("", "0")
     real = os.environ.get("DEMO_KUBELET", "simulator") == "real"
     if os.environ.get("DEMO_KUBELET") == "dra":  # a DRA driver's tour (testing/drademo.py)
-        from testing import drademo
-        from testing.realdra import missing_reason as dra_missing
-
         if (why := dra_missing("new")) is not None:
             print(f"error: DEMO_KUBELET=dra: {why}", file=sys.stderr)
             return 2

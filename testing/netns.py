@@ -29,6 +29,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from testing.plugin import FakeDevicePlugin
+
 HOLDER = "import sys; print('ready', flush=True); sys.stdin.read()"
 
 
@@ -217,7 +219,6 @@ class PluginProcess:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from testing.plugin import FakeDevicePlugin
 
     plugin = FakeDevicePlugin(
         args.device_plugin_dir, args.resource, args.socket, [d for d in args.devices.split(",") if d]

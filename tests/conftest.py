@@ -10,11 +10,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
 from testing import FakeDevicePlugin, FakeKubelet
+from testing.realdra import missing_reason
 
 
 @pytest.fixture
@@ -59,7 +61,6 @@ async def wait_for(predicate: Callable[[], object], timeout: float = 5.0, what: 
 
 def wait_ready(url: str, proc: subprocess.Popen[str], timeout: float) -> None:
     """Poll a sidecar process's /sidecarz until it answers 200; fail with its log if it exits first."""
-    import urllib.request
 
     deadline = time.monotonic() + timeout
     while True:
@@ -132,7 +133,6 @@ def kubelet_elsewhere(short_tmp: str) -> Iterator[tuple[subprocess.Popen[bytes],
 
 def require_dra_fixture(release: str) -> None:
     """Skip where the DRA fixture (tests/realdra) of a release is not built; fail under CI=true."""
-    from testing.realdra import missing_reason
 
     reason = missing_reason(release)
     if reason is not None:

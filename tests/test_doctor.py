@@ -12,6 +12,7 @@ import io
 import json
 import math
 import os
+import random
 import re
 import socket
 import subprocess
@@ -42,6 +43,7 @@ from doctor.causes import (
     serving_cause,
     version_cause,
 )
+from doctor.cli import main
 from doctor.dra.causes import NOISE
 from doctor.evidence import folder_sockets
 from doctor.logscan import (
@@ -100,6 +102,7 @@ from testing.grpcserve import GoStyleUnimplemented
 from testing.netns import Netns
 from testing.plugin import hami_device_ids
 from tests.conftest import wait_for
+from tests.test_initcheck import FLIPPER
 
 GPU = "nvidia.com/gpu"
 PY = sys.executable
@@ -1844,7 +1847,6 @@ for line in sys.stdin:  # a plugin re-binding its socket (HAMi: os.Remove, then 
 def test_fix_never_removes_a_socket_a_plugin_rebinds_meanwhile(short_tmp: str) -> None:
     """500 rounds: an old dead socket is judged, and while --fix removes it the plugin re-binds the path
     at a random moment; the plugin's new socket must stay, reachable, every time."""
-    import random
 
     path = os.path.join(short_tmp, "nvidia-gpu.sock")
     proc = subprocess.Popen(
@@ -1880,8 +1882,6 @@ def test_fix_never_removes_a_socket_a_plugin_rebinds_meanwhile(short_tmp: str) -
 def test_json_under_a_kubelet_restarting_every_3_ms(dp_dir: str, short_tmp: str) -> None:
     """A kubelet.sock deleted and re-created every 3 ms: every run prints its JSON report, never a
     traceback (30 runs in-process, then a small batch of real processes)."""
-    from doctor.cli import main
-    from tests.test_initcheck import FLIPPER
 
     log = os.path.join(short_tmp, "k.log")
     Path(log).write_text(klog("I", REQUEST))

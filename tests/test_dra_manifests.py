@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from testing.realdra import RealDraDriver, RealDraKubelet, Release
 from tests.conftest import require_dra_fixture
 from tests.test_manifests import (
     KUBERNETES_VERSIONS,
@@ -343,7 +344,6 @@ async def test_the_rendered_probes_against_the_kubelets_real_dra_manager(
     The compute-domain driver crashes: its container's liveness command fails on the sidecar's 503,
     while the gpus container's passes and stays ready: one driver's failure restarts no other."""
     require_dra_fixture(release)
-    from testing.realdra import RealDraDriver, RealDraKubelet, Release
 
     rel: Release = "new" if release == "new" else "old"
 

@@ -134,7 +134,6 @@ def test_permission_denied_for_uid_1000_on_a_root_0600_socket(folder: str, liste
     code, out = check(folder, "--plugin-uid", "1000", "--plugin-gid", "1000")
     assert (code, failure_ids(out)) == (100, ["PERMISSION_DENIED"])
     assert "srw------- 0:0" in out
-    import errno
 
     assert connect_as(1000, path) == errno.EACCES  # the kernel agrees
     os.chmod(path, 0o666)

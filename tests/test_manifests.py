@@ -5,6 +5,7 @@ component route; kubernetes-validate, promtool and checkov check what comes out.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
 import http.client
@@ -16,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
+from bench.stress import MEMORY_LIMIT_MIB
 from tests.conftest import require_tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,8 +165,6 @@ class Helm:
 @functools.cache
 def helm_home(which: str) -> Helm:
     """One Helm home a binary for the session, removed when the tests end."""
-    import atexit
-    import tempfile
 
     home = Path(tempfile.mkdtemp(prefix=f"hami-guard-{which}-"))
     atexit.register(shutil.rmtree, home, ignore_errors=True)
@@ -910,7 +911,6 @@ def test_every_checkov_skip_is_justified() -> None:
 
 def test_metrics_the_rules_use_exist_and_pass_promtool(tmp_path: Path) -> None:
     """A running sidecar's /metrics passes `promtool check metrics` and has every series the rules use."""
-    import re
 
     script = (
         "import asyncio, aiohttp, os, socket, sys, tempfile\n"
@@ -951,7 +951,6 @@ def test_metrics_the_rules_use_exist_and_pass_promtool(tmp_path: Path) -> None:
 
 
 def test_the_stress_goal_is_the_sidecars_memory_limit() -> None:
-    from bench.stress import MEMORY_LIMIT_MIB
 
     (ds,) = [o for o in kustomize(MANIFESTS / "example-hami") if o["kind"] == "DaemonSet"]
     sidecar = by_name(ds["spec"]["template"]["spec"]["initContainers"])["hami-sidecar"]

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,7 +31,11 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.cog.plugins import register_default_plugins
+from grafana_foundation_sdk.models.dashboard import Dashboard
 
+from manifests.monitoring import dashboard
 from sidecar.app import Sidecar
 from sidecar.cli import serve
 from sidecar.config import AUTO_DEVICES, Settings
@@ -518,7 +523,6 @@ def dashboard_json() -> dict[str, Any]:
 
 
 def test_the_committed_dashboard_is_the_generators_output() -> None:
-    from manifests.monitoring import dashboard
 
     assert (MONITORING / "dashboard.json").read_text() == dashboard.render(), "run `make dashboard`"
 
@@ -527,9 +531,6 @@ def test_the_dashboard_reads_back_whole_as_grafana_dashboard_json() -> None:
     """grafana-foundation-sdk's models of Grafana's dashboard schema (panels by their plugin's own
     options and field config, Prometheus queries by their data source's model) read every field back:
     nothing unknown, nothing of the wrong type."""
-    from grafana_foundation_sdk.cog.encoder import JSONEncoder
-    from grafana_foundation_sdk.cog.plugins import register_default_plugins
-    from grafana_foundation_sdk.models.dashboard import Dashboard
 
     register_default_plugins()
     committed = dashboard_json()
@@ -581,7 +582,6 @@ def test_the_dashboard_is_laid_out_and_queries_through_its_variables() -> None:
 
 
 def test_kustomize_ships_the_dashboard_as_a_grafana_sidecar_configmap() -> None:
-    import subprocess
 
     out = subprocess.run(
         [require_tool("kubectl"), "kustomize", str(MONITORING)], capture_output=True, text=True, check=True

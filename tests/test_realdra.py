@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -482,7 +483,6 @@ async def test_getinfo_reading_is_total(short_tmp: str) -> None:
         f.write("not a socket")
     assert (await get_info(path, 0.5)).kind == "not-socket"
     os.unlink(path)
-    import socket
 
     s = socket.socket(socket.AF_UNIX)
     s.bind(path)

@@ -3,6 +3,7 @@ namespaces (`testing.netns`: root, as in CI)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -22,7 +23,6 @@ OWNER = (
 
 def owner_seen_from(ns: Netns, *args: str) -> list[str]:
     """socket_owner as a process in `ns` sees it (as a sidecar in that pod would)."""
-    import json
 
     done = ns.run([sys.executable, "-c", OWNER, *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

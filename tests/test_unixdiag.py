@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from hami_guard.node.kubelet import listeners, listening_paths
 from hami_guard.node.netunix import (
     ESTABLISHED,
     LISTEN,
@@ -299,7 +300,6 @@ def test_where_the_kubelet_listens_is_not_told_by_a_name(ns: Netns, short_tmp: s
     own table, from another network namespace (HAMi's pod has no hostNetwork; psutil read the reader's
     table there and found no listener at all): a line made up with the inode of the kubelet's real
     listener adds no path, and a line of two words stops nothing (psutil's parser raised RuntimeError)."""
-    from hami_guard.node.kubelet import listeners, listening_paths
 
     folder = os.path.join(short_tmp, "var-lib-kubelet-device-plugins-of-a-long-name")  # see below
     os.mkdir(folder)
