@@ -20,7 +20,7 @@ HELM3_VERSION := v3.22.0
 HELM4_VERSION := v4.3.2
 
 # The suite's processes: its tests mostly wait (on sockets, children, the kubelet fixtures), so three
-# share two cores well (4 min 8 s in one, 2 min 23 s in three, on this 2-core machine).
+# share two cores well (BENCHMARKS.md, the test suite).
 PYTEST_WORKERS ?= 3
 
 .PHONY: help check test lint typecheck pytest demo proto bench soak clean lock manifests dashboard fuzz
