@@ -18,7 +18,7 @@ from hami_guard.envflags import env_name, parse_with_env
 from hami_guard.flags import AUTO_DEVICES, PluginSpec
 from hami_guard.node.sockets import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, DEFAULT_SOCKET
 from sidecar.deviceplugin import hamiconfig
-from sidecar.dra.slices import DEFAULT_CA_FILE, DEFAULT_TOKEN_FILE, ApiAccess, in_cluster
+from sidecar.dra.spec import DEFAULT_CA_FILE, DEFAULT_TOKEN_FILE, ApiAccess, in_cluster
 from sidecar.dra.verdicts import DEFAULT_GRACE as DEFAULT_DRA_GRACE
 from sidecar.dra.verdicts import DEFAULT_REGISTRY, DraSpec, dra_spec
 
@@ -259,7 +259,7 @@ def dra_api(
     """--dra-resourceslices' API server (a usage error on a bad one); None when not asked for."""
     if not args.dra_resourceslices:
         return None
-    server = args.kube_api_server or in_cluster(dict(os.environ if environ is None else environ))
+    server = args.kube_api_server or in_cluster(os.environ if environ is None else environ)
     if not server:
         parser.error("--dra-resourceslices: no --kube-api-server and no KUBERNETES_SERVICE_HOST/PORT")
     if not server.startswith("https://"):

@@ -19,6 +19,7 @@ import pytest
 from sidecar.config import parse_settings
 from sidecar.dra import probes as draprobes
 from sidecar.dra import slices as draslices
+from sidecar.dra import spec as draspec
 from sidecar.dra.verdicts import DEFAULT_GRACE, RESTART_BUDGET, DraJudge, DraSpec, Evidence, Info, dra_spec
 from sidecar.health import HealthState, Status
 
@@ -370,7 +371,7 @@ def test_resourceslices_are_asked_only_when_configured() -> None:
     assert parse_settings(base, env).dra_api is None  # in a Pod, but not asked for
     api = parse_settings([*base, "--dra-resourceslices"], env).dra_api
     assert api is not None and api.server == "https://10.96.0.1:443"
-    assert draslices.in_cluster({"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443"}) == (
+    assert draspec.in_cluster({"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443"}) == (
         "https://[fd00::1]:443"
     )
     for bad in ([], ["--kube-api-server", "http://10.0.0.1:8080"]):
