@@ -4,6 +4,10 @@ The readings of the driver's sockets (`GetInfo`, the DRA service's silence, the 
 come from `sidecar.dra.probes`; the kubelet's connections to the service socket from the kernel's
 socket table (`hami_guard.node.unixdiag`), as for the device plugins' sockets
 (`sidecar.deviceplugin.watch`); the node's ResourceSlices, when configured, from `sidecar.dra.slices`.
+
+In the sidecar (`DraWatch.attach`), each round's verdicts go into the sidecar's checks
+(`dra-plugin:<driver>`, `dra-registered:<driver>`) and metrics beside the device plugins'; hami-doctor
+reads them as they are.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import asyncio
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
+from typing import Protocol
 
 from hami_guard.node.netunix import socket_inodes
 from hami_guard.node.unixdiag import (
@@ -24,10 +29,27 @@ from hami_guard.node.unixdiag import (
 )
 from sidecar.dra.probes import ServiceProbe, get_info, kubelet_alive, prepare_path, socket_file
 from sidecar.dra.slices import ApiAccess, Slices, read_slices
-from sidecar.dra.verdicts import DEFAULT_GRACE, DraJudge, DraSpec, Evidence, Info, Judgement
+from sidecar.dra.verdicts import DEFAULT_GRACE, RESTART_BUDGET, DraJudge, DraSpec, Evidence, Info, Judgement
+from sidecar.health import CheckKey, HealthState, Kind
 
 # The ResourceSlices are read at most this often: the kubelet's wiping delay.
 SLICES_EVERY = 30.0
+
+
+class Publisher(Protocol):
+    """What the sidecar publishes of a driver's verdicts (`sidecar.server.metrics.MetricsPublisher`)."""
+
+    def series(self, resource: str, *, registrations: bool = True) -> None:
+        """Every series of a driver, from the start."""
+
+    def restart_requested(self, resource: str) -> None:
+        """The driver's liveness failure episode began."""
+
+    def connected(self, resource: str, count: int | None) -> None:
+        """The kubelet's connections to the driver's service socket (None: cannot be seen)."""
+
+    def budget(self, resource: str, spent: bool) -> None:
+        """Whether the driver's restart budget is spent."""
 
 
 class DraWatch:
@@ -66,6 +88,33 @@ class DraWatch:
         self.clock = clock
         self.slices: Slices | None = None
         self.slices_read = 0.0
+        self._into: tuple[HealthState, Publisher] | None = None
+
+    def attach(self, state: HealthState, publish: Publisher) -> None:
+        """From now on each round's verdicts go into `state`'s checks and `publish`'s metrics: two checks
+        per driver, judged here whole (the DRA judge has its own graces)."""
+        for spec in self.specs:
+            for kind in (Kind.DRA_PLUGIN, Kind.DRA_REGISTERED):
+                key = CheckKey(kind, spec.name)
+                state.add(key)
+                state.checks[key.name].judged_elsewhere = True
+            publish.series(spec.name, registrations=False)
+        self._into = (state, publish)
+
+    def _publish(self, verdicts: dict[str, tuple[Evidence, Judgement]]) -> None:
+        """The round's verdicts into the attached checks and metrics."""
+        if self._into is None:
+            return
+        state, publish = self._into
+        for name, (ev, j) in verdicts.items():
+            for kind, v in ((Kind.DRA_PLUGIN, j.plugin), (Kind.DRA_REGISTERED, j.registered)):
+                key = CheckKey(kind, name).name
+                was = state.checks[key].live_failed
+                state.assign(key, v.status, v.reason, restarts=v.restarts)
+                if v.live_failed and not was:
+                    publish.restart_requested(name)
+            publish.connected(name, ev.connections)
+            publish.budget(name, j.restarts_in_vain >= RESTART_BUDGET)
 
     async def _slices(self) -> Slices | None:
         if self.api is None:
@@ -96,7 +145,8 @@ class DraWatch:
             probe.close()
 
     async def round(self) -> dict[str, tuple[Evidence, Judgement]]:
-        """Every driver's evidence and the judge's verdict on it, by driver name (also kept in `last`)."""
+        """Every driver's evidence and the judge's verdict on it, by driver name (also kept in `last`, and
+        published when attached)."""
         infos = await asyncio.gather(*(self._info(s) for s in self.specs))
         services = [s.service or self.endpoints.get(s.name, "") for s in self.specs]
         up, kubelet_id = kubelet_alive(self.kubelet_socket)
@@ -152,4 +202,5 @@ class DraWatch:
             )
             out[spec.name] = (ev, self.judge.judge(spec.name, ev))
         self.last = out
+        self._publish(out)
         return out

@@ -566,7 +566,9 @@ async def test_one_log_line_per_transition_none_per_probe(
         rounds = node.sidecar.rounds
         await wait_for(lambda: node.sidecar.rounds >= rounds + 5)
         lines = [
-            r.getMessage() for r in caplog.records if r.name == "sidecar.app" and "check " in r.getMessage()
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "sidecar.server.metrics" and "check " in r.getMessage()
         ]
         assert sorted(lines) == sorted(
             [
