@@ -40,7 +40,7 @@ from doctor.settings import DoctorSettings
 
 if TYPE_CHECKING:
     from doctor.dra import DraReading
-from hami_guard.flags import AUTO_DEVICES, PluginSpec
+from hami_guard.flags import ANY_DEVICES, AUTO_DEVICES, DeviceExpectation, PluginSpec
 from hami_guard.node.proc import process_visible
 from hami_guard.node.sockets import try_connect
 from hami_guard.node.unixdiag import (
@@ -184,8 +184,8 @@ class NodeEvidence:
     kubelet_path: str
     checkpoint: Reading[Checkpoint]  # the kubelet's records: history, never proof of a registration now
     pod_resources: Reading[dict[str, frozenset[str]]]  # healthy device IDs by resource: live
-    # What was asked for: the devices check (None: none; AUTO_DEVICES: the host's glob) and a leak's size.
-    expect_devices: int | None = None
+    # What was asked for: the devices check (ANY: none; AUTO_DEVICES: the host's glob) and a leak's size.
+    expect_devices: DeviceExpectation = ANY_DEVICES
     device_glob: str = ""
     host_devices: tuple[str, ...] = ()  # the glob's matches, read only for AUTO_DEVICES
     rss_growth_mib: float = 20.0

@@ -33,7 +33,7 @@ class DoctorSettings(flags.DeviceFolder):
     plugins: tuple[PluginSpec, ...] = SIDECAR.plugins
     pod_resources_socket: str = SIDECAR.pod_resources_socket
     probe_timeout: float = SIDECAR.probe_timeout
-    expect_devices: int | None = SIDECAR.expect_devices  # None: no devices check; AUTO_DEVICES: the glob
+    expect_devices: flags.DeviceExpectation = SIDECAR.expect_devices  # ANY: no devices check; AUTO: the glob
     device_glob: str = SIDECAR.device_glob
     plugin_uid: int | None = None  # None: this process's
     plugin_gid: int | None = None

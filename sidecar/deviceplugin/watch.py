@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, TypeVar
 
+from hami_guard.flags import Expect
 from hami_guard.node.unixdiag import (
     KUBELET_BOUND_PATH,
     KUBELET_PROCESS_NAMES,
@@ -135,7 +136,7 @@ class DevicePluginWatch:
         # the file, so the other order can see devices recorded healthy that it no longer lists.
         pod_resources = await pod_resources_devices(s.pod_resources_socket, s.probe_timeout)
         checkpoint = await self._checkpoint()
-        auto = s.expect_devices == hamiconfig.AUTO
+        auto = s.expect_devices.kind is Expect.AUTO
         host_devices = len(glob.glob(s.device_glob)) if auto else None
         self.expectation = await self._off_loop(self._expected, self.expectation) if auto else None
         others = await self._served_elsewhere(plugins)

@@ -12,6 +12,7 @@ import stat
 import threading
 from typing import TYPE_CHECKING, Any
 
+from hami_guard.flags import DeviceExpectation, Expect
 from sidecar import __version__
 from sidecar.deviceplugin import hamiconfig
 from sidecar.deviceplugin.verdicts import iso
@@ -72,14 +73,14 @@ def status_document(sidecar: Sidecar) -> dict[str, Any]:
     }
 
 
-def _expected_devices(expect: int | None, auto: hamiconfig.Expectation | None) -> dict[str, Any]:
+def _expected_devices(expect: DeviceExpectation, auto: hamiconfig.Expectation | None) -> dict[str, Any]:
     """What the devices check wants, and why (auto: which devices HAMi registers, which it filters)."""
-    if expect == 0:
+    if expect.kind is Expect.OFF:
         return {"check": "off (--expect-devices 0)"}
-    if expect is None:
+    if expect.kind is Expect.ANY:
         return {"check": "at least one healthy device", "want": 1}
-    if expect != hamiconfig.AUTO:
-        return {"check": "--expect-devices", "want": expect}
+    if expect.kind is Expect.AT_LEAST:
+        return {"check": "--expect-devices", "want": expect.count}
     if auto is None:
         return {"check": "--expect-devices auto", "want": None, "notes": ["not read yet"]}
     return {"check": "--expect-devices auto", **auto.as_dict()}
