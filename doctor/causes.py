@@ -25,7 +25,7 @@ from doctor.types import (
     PluginProcesses,
     SocketProbe,
 )
-from hami_guard.flags import AUTO_DEVICES
+from hami_guard.flags import AUTO_DEVICES, Expect
 from initcheck.checks import Finding
 from sidecar.deviceplugin.verdicts import (
     accepted_devices,
@@ -423,7 +423,7 @@ def devices_cause(e: NodeEvidence) -> Cause:
     counts = {p.spec.resource: listed(p, e) for p in plugins}
     cause = Cause("devices-not-registered", "ok")
     listing = "; ".join(f"{r}: the kubelet lists {n}" for r, n in counts.items())
-    if expect is None:
+    if expect.kind is Expect.ANY:
         cause.verdict = "unknown"
         cause.evidence.append(f"not checked: give --expect-devices N, or auto to count {device_glob}")
         if listing:
@@ -433,7 +433,7 @@ def devices_cause(e: NodeEvidence) -> Cause:
         cause.verdict = "unknown"
         cause.evidence.append(f"no host device matches {device_glob}")
         return cause
-    want = len(host) if expect == AUTO_DEVICES else expect
+    want = len(host) if expect == AUTO_DEVICES else expect.count
     source = (
         f"the host has {want} device node(s) ({device_glob})"
         if expect == AUTO_DEVICES

@@ -20,7 +20,7 @@ from hami_guard.node.sockets import DEFAULT_KUBELET_PROCESS
 from sidecar.config import DEFAULTS as SIDECAR
 from sidecar.config import dra_api, dra_drivers, dra_flags
 from sidecar.deviceplugin.hamiconfig import NODE_NAME_ENV
-from sidecar.dra.slices import ApiAccess
+from sidecar.dra.spec import ApiAccess
 from sidecar.dra.verdicts import DraSpec
 
 Output = Literal["text", "json"]
@@ -35,7 +35,7 @@ class DoctorSettings(flags.DeviceFolder):
     plugins: tuple[PluginSpec, ...] = SIDECAR.plugins
     pod_resources_socket: str = SIDECAR.pod_resources_socket
     probe_timeout: float = SIDECAR.probe_timeout
-    expect_devices: int | None = SIDECAR.expect_devices  # None: no devices check; AUTO_DEVICES: the glob
+    expect_devices: flags.DeviceExpectation = SIDECAR.expect_devices  # ANY: no devices check; AUTO: the glob
     device_glob: str = SIDECAR.device_glob
     plugin_uid: int | None = None  # None: this process's
     plugin_gid: int | None = None

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from hami_guard.flags import ANY_DEVICES, DeviceExpectation
 from hami_guard.node.unixdiag import SocketOwner
 
 if TYPE_CHECKING:
@@ -262,8 +263,8 @@ class NodeEvidence:
     kubelet_path: str
     checkpoint: Reading[Checkpoint]  # the kubelet's records: history, never proof of a registration now
     pod_resources: Reading[dict[str, frozenset[str]]]  # healthy device IDs by resource: live
-    # What was asked for: the devices check (None: none; AUTO_DEVICES: the host's glob) and a leak's size.
-    expect_devices: int | None = None
+    # What was asked for: the devices check (ANY: none; AUTO_DEVICES: the host's glob) and a leak's size.
+    expect_devices: DeviceExpectation = ANY_DEVICES
     device_glob: str = ""
     host_devices: tuple[str, ...] = ()  # the glob's matches, read only for AUTO_DEVICES
     rss_growth_mib: float = 20.0

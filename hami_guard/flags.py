@@ -11,9 +11,11 @@ program's settings, never here (docs/design.md#flags).
 from __future__ import annotations
 
 import argparse
+import enum
 import math
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple, NoReturn
 
 DAY = 86400.0
@@ -22,7 +24,6 @@ DAY = 86400.0
 MIN_PERIOD = 0.005
 MAX_ID = 2**32 - 2  # uid_t and gid_t: (uid_t)-1 means "unchanged" to the kernel
 MAX_DEVICES = 65536
-AUTO_DEVICES = -1  # --expect-devices auto: count the host's --device-glob matches
 
 
 class PluginSpec(NamedTuple):
@@ -172,7 +173,38 @@ def plugin_spec(value: str) -> PluginSpec:
     return PluginSpec(resource, sock)
 
 
-def expect_devices(value: str) -> int:
+class Expect(enum.Enum):
+    """What the devices check asks of the kubelet's healthy devices (`--expect-devices`)."""
+
+    ANY = "any"  # absent: at least one
+    OFF = "off"  # 0: no devices check
+    AUTO = "auto"  # auto: the host's --device-glob matches, less the GPUs HAMi's configuration filters
+    AT_LEAST = "at-least"  # N: at least N
+
+
+@dataclass(frozen=True)
+class DeviceExpectation:
+    """`--expect-devices` read: what is expected, and N for `Expect.AT_LEAST` (0 for the others)."""
+
+    kind: Expect = Expect.ANY
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        """A count for AT_LEAST only, within MAX_DEVICES."""
+        if (self.kind is Expect.AT_LEAST) != (self.count > 0) or not 0 <= self.count <= MAX_DEVICES:
+            raise ValueError(f"{self.kind.name} with a count of {self.count}")
+
+    @classmethod
+    def at_least(cls, count: int) -> DeviceExpectation:
+        """`--expect-devices N`: at least N healthy devices; 0 is no devices check."""
+        return cls(Expect.AT_LEAST, count) if count else cls(Expect.OFF)
+
+
+ANY_DEVICES = DeviceExpectation(Expect.ANY)  # no --expect-devices
+AUTO_DEVICES = DeviceExpectation(Expect.AUTO)  # --expect-devices auto
+
+
+def expect_devices(value: str) -> DeviceExpectation:
     """`auto` (AUTO_DEVICES: the host's --device-glob matches HAMi registers) or a count from 0 (no devices
     check) to MAX_DEVICES."""
     if value.strip() == "auto":
@@ -180,7 +212,7 @@ def expect_devices(value: str) -> int:
     count = _digits(value.strip())
     if count is None or not 0 <= count <= MAX_DEVICES:
         raise argparse.ArgumentTypeError(f"expected a number from 0 to {MAX_DEVICES} or auto, got {value!r}")
-    return count
+    return DeviceExpectation.at_least(count)
 
 
 def listen_address(value: str) -> tuple[str, int]:
@@ -245,8 +277,8 @@ def plugin_flags(
     """The plugins to probe and how (hami-sidecar, hami-doctor).
 
     `--plugin` has no default in the parser (an appended list would be added to, not
-    replaced): a caller takes `args.plugin or plugins`. `--expect-devices` has none
-    either: absent means at least one healthy device, 0 no devices check.
+    replaced): a caller takes `args.plugin or plugins`. `--expect-devices` absent is
+    `Expect.ANY`: at least one healthy device (0 is no devices check).
     """
     shown = ",".join(f"{p.resource}={p.socket}" for p in plugins)
     p = _group()
@@ -270,6 +302,7 @@ def plugin_flags(
     p.add_argument(
         "--expect-devices",
         type=expect_devices,
+        default=ANY_DEVICES,
         help="the fewest healthy devices the kubelet must list to be ready: N (0: no devices check), or "
         "auto: --device-glob on the host less the GPUs HAMi's node configuration filters "
         "(absent: at least one)",

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 from hami_guard import flags
 from hami_guard.envflags import env_name, parse_with_env
-from hami_guard.flags import AUTO_DEVICES, PluginSpec
+from hami_guard.flags import ANY_DEVICES, AUTO_DEVICES, DeviceExpectation, Expect, PluginSpec
 from hami_guard.node.sockets import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, DEFAULT_SOCKET
 from sidecar.deviceplugin import hamiconfig
-from sidecar.dra.slices import DEFAULT_CA_FILE, DEFAULT_TOKEN_FILE, ApiAccess, in_cluster
+from sidecar.dra.spec import DEFAULT_CA_FILE, DEFAULT_TOKEN_FILE, ApiAccess, in_cluster
 from sidecar.dra.verdicts import DEFAULT_GRACE as DEFAULT_DRA_GRACE
 from sidecar.dra.verdicts import DEFAULT_REGISTRY, DraSpec, dra_spec
 
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 __all__ = [
     "AUTO_DEVICES",
     "BadConfig",
+    "DeviceExpectation",
+    "Expect",
     "PluginSpec",
     "Settings",
     "build_parser",
@@ -43,6 +45,8 @@ DEFAULT_DEVICE_GLOB = "/dev/nvidia[0-9]*"
 
 @dataclass(frozen=True)
 class Settings(flags.DeviceFolder):
+    """Everything hami-sidecar is told, with every default (the parser takes its defaults from here)."""
+
     device_plugin_dir: str = DEFAULT_DIR
     kubelet_socket: str = DEFAULT_SOCKET
     plugins: tuple[PluginSpec, ...] = (DEFAULT_PLUGIN,)
@@ -52,8 +56,8 @@ class Settings(flags.DeviceFolder):
     probe_interval: float = 10.0
     probe_timeout: float = 2.0
     registration_grace: float = 60.0
-    # None: at least one healthy device; 0: no devices check; AUTO_DEVICES (-1): the host's less HAMi's filter
-    expect_devices: int | None = None
+    # At least one healthy device; N; none (0: no devices check); auto: the host's less HAMi's filter.
+    expect_devices: DeviceExpectation = ANY_DEVICES
     device_glob: str = DEFAULT_DEVICE_GLOB
     # HAMi's node configuration (its device-plugin ConfigMap's config.json) and this node's name in it.
     hami_config: str = hamiconfig.CONFIG_PATH
@@ -88,6 +92,7 @@ PERIOD = flags.seconds(flags.MIN_PERIOD, flags.DAY)  # a probe interval, grace o
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """hami-sidecar's flags: the shared vocabulary's (`hami_guard.flags`) and its own."""
     d = DEFAULTS
     p = flags.Parser(
         prog="hami-sidecar",
@@ -259,7 +264,7 @@ def dra_api(
     """--dra-resourceslices' API server (a usage error on a bad one); None when not asked for."""
     if not args.dra_resourceslices:
         return None
-    server = args.kube_api_server or in_cluster(dict(os.environ if environ is None else environ))
+    server = args.kube_api_server or in_cluster(os.environ if environ is None else environ)
     if not server:
         parser.error("--dra-resourceslices: no --kube-api-server and no KUBERNETES_SERVICE_HOST/PORT")
     if not server.startswith("https://"):

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
+from hami_guard.flags import DeviceExpectation
 from sidecar.cli import serve, setup_logging
 from sidecar.config import Settings
 from testing import FakeDevicePlugin, FakeKubelet, drademo, free_port
@@ -186,7 +187,7 @@ async def _tour(tour_only: bool, real: bool) -> int:
         probe_interval=2.0,
         probe_timeout=0.5,
         registration_grace=3.0,
-        expect_devices=2,
+        expect_devices=DeviceExpectation.at_least(2),
     )
     url = f"http://127.0.0.1:{settings.port}"
     stop = asyncio.Event()

@@ -13,7 +13,7 @@ from doctor.settings import build_parser as doctor_parser
 from doctor.settings import parse_settings as doctor_settings
 from hami_guard import flags
 from hami_guard.envflags import env_name, parse_with_env
-from hami_guard.flags import AUTO_DEVICES
+from hami_guard.flags import AUTO_DEVICES, DeviceExpectation, Expect
 from initcheck.cli import build_parser as initcheck_parser
 from sidecar.config import BadConfig, PluginSpec, Settings, parse_settings, read_settings
 from sidecar.config import build_parser as sidecar_parser
@@ -43,7 +43,7 @@ def test_every_flag_has_an_environment_twin_and_a_flag_wins() -> None:
     s = parse_settings([], environ=env)
     assert (s.probe_interval, s.probe_timeout, s.host, s.port) == (5.0, 0.5, "127.0.0.1", 9000)
     assert [p.resource for p in s.plugins] == ["nvidia.com/gpu", "huawei.com/Ascend910B3"]
-    assert s.expect_devices == -1
+    assert s.expect_devices == AUTO_DEVICES
     assert s.log_format == "json"
     s = parse_settings(["--probe-interval", "7", "--plugin", "a.com/x=x.sock"], environ=env)
     assert s.probe_interval == 7.0
@@ -148,10 +148,10 @@ def test_expect_devices_means_the_same_everywhere(prog: str, capsys: pytest.Capt
     def expect(argv: list[str]) -> object:
         return parse_with_env(PARSERS[prog](), argv, {}).expect_devices
 
-    assert expect([]) is None  # absent: at least one healthy device
-    assert expect(["--expect-devices", "auto"]) == AUTO_DEVICES == -1
-    assert expect(["--expect-devices", "4"]) == 4
-    assert expect(["--expect-devices", "0"]) == 0  # no devices check
+    assert expect([]) == DeviceExpectation(Expect.ANY)  # absent: at least one healthy device
+    assert expect(["--expect-devices", "auto"]) == AUTO_DEVICES == DeviceExpectation(Expect.AUTO)
+    assert expect(["--expect-devices", "4"]) == DeviceExpectation(Expect.AT_LEAST, 4)
+    assert expect(["--expect-devices", "0"]) == DeviceExpectation(Expect.OFF)  # no devices check
     assert "expected a number from 0 to 65536 or auto" in usage_error(
         PARSERS[prog](), ["--expect-devices", "-1"], {}, capsys
     )

@@ -89,7 +89,7 @@ from doctor.types import (
     SocketFile,
     SocketProbe,
 )
-from hami_guard.flags import AUTO_DEVICES, PluginSpec
+from hami_guard.flags import AUTO_DEVICES, DeviceExpectation, PluginSpec
 from hami_guard.node.sockets import try_connect
 from hami_guard.node.unixdiag import SocketOwner, kubelet_connections
 from initcheck.checks import Finding
@@ -942,7 +942,7 @@ def test_a_registration_of_several_plugins_is_judged_per_plugin() -> None:
 @pytest.mark.parametrize(
     ("expect", "host", "listed", "verdict", "evidence"),
     [
-        (None, 3, 2, "unknown", "not checked: give --expect-devices N, or auto"),
+        (DeviceExpectation(), 3, 2, "unknown", "not checked: give --expect-devices N, or auto"),
         (AUTO_DEVICES, 0, 2, "unknown", f"no host device matches {GLOB}"),
         (
             AUTO_DEVICES,
@@ -952,12 +952,18 @@ def test_a_registration_of_several_plugins_is_judged_per_plugin() -> None:
             f"{GPU}: the host has 3 device node(s) ({GLOB}), the kubelet lists 2",
         ),
         (AUTO_DEVICES, 2, 2, "ok", f"{GPU}: the kubelet lists 2 of 2"),
-        (4, 0, 2, "problem", f"{GPU}: 4 device(s) expected (--expect-devices), the kubelet lists 2"),
-        (2, 0, 20, "ok", f"{GPU}: the kubelet lists 20 of 2"),
+        (
+            DeviceExpectation.at_least(4),
+            0,
+            2,
+            "problem",
+            f"{GPU}: 4 device(s) expected (--expect-devices), the kubelet lists 2",
+        ),
+        (DeviceExpectation.at_least(2), 0, 20, "ok", f"{GPU}: the kubelet lists 20 of 2"),
     ],
 )
 def test_devices_row_follows_expect_devices(
-    expect: int | None, host: int, listed: int, verdict: str, evidence: str
+    expect: DeviceExpectation, host: int, listed: int, verdict: str, evidence: str
 ) -> None:
     nodes = tuple(f"/dev/nvidia{i}" for i in range(host))
     uuids = [f"GPU-{i:08x}-0000-0000-0000-000000000000" for i in range(listed)]
@@ -983,7 +989,7 @@ def test_without_pod_resources_the_devices_are_counted_from_a_current_checkpoint
         HEALTHY,
         pod_resources=Reading.failed(NOT_MOUNTED),
         checkpoint=Reading(checkpoint),
-        expect_devices=None,
+        expect_devices=DeviceExpectation(),
     )
     assert devices_cause(evidence).evidence[-1] == f"{GPU}: the kubelet lists {listed}"
 

@@ -17,8 +17,9 @@ import grpc
 import pytest
 
 from sidecar.config import parse_settings
+from sidecar.dra import probes as draprobes
 from sidecar.dra import slices as draslices
-from sidecar.dra import watch as drawatch
+from sidecar.dra import spec as draspec
 from sidecar.dra.verdicts import DEFAULT_GRACE, RESTART_BUDGET, DraJudge, DraSpec, Evidence, Info, dra_spec
 from sidecar.health import HealthState, Status
 
@@ -241,7 +242,7 @@ def test_a_socket_bound_again_on_its_path_is_another_file(short_tmp: str) -> Non
     for _ in range(2):
         with socket.socket(socket.AF_UNIX) as s:
             s.bind(path)
-            ids.append(drawatch.socket_file(path))
+            ids.append(draprobes.socket_file(path))
             inodes.append(os.stat(path).st_ino)
         os.unlink(path)
         time.sleep(0.01)  # a restart takes longer than the clock's tick
@@ -322,7 +323,7 @@ async def test_a_hostile_getinfo_answer_is_a_reading_not_an_exception(
     server.add_insecure_port(f"unix:{path}")
     await server.start()
     try:
-        info = await drawatch.get_info(path, 1.0)
+        info = await draprobes.get_info(path, 1.0)
     finally:
         await server.stop(None)
     assert info.kind == kind, info
@@ -370,7 +371,7 @@ def test_resourceslices_are_asked_only_when_configured() -> None:
     assert parse_settings(base, env).dra_api is None  # in a Pod, but not asked for
     api = parse_settings([*base, "--dra-resourceslices"], env).dra_api
     assert api is not None and api.server == "https://10.96.0.1:443"
-    assert draslices.in_cluster({"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443"}) == (
+    assert draspec.in_cluster({"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443"}) == (
         "https://[fd00::1]:443"
     )
     for bad in ([], ["--kube-api-server", "http://10.0.0.1:8080"]):
@@ -382,12 +383,12 @@ async def test_service_probe_readings_over_real_sockets(short_tmp: str) -> None:
     """A listener that never accepts is silent; a server that answers anything (here: no such
     service) answers; no socket is no reading; one call in flight at most."""
     clock = Clock()
-    method = drawatch.prepare_path(("v1.DRAPlugin",))
+    method = draprobes.prepare_path(("v1.DRAPlugin",))
     quiet = os.path.join(short_tmp, "quiet.sock")
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(quiet)
     listener.listen(16)  # the kernel completes each connect; nothing reads
-    probe = drawatch.ServiceProbe(clock, deadline=30.0)
+    probe = draprobes.ServiceProbe(clock, deadline=30.0)
     try:
         since, why = await probe.read(quiet, method, 0.3)
         assert since == clock.now, why
@@ -403,11 +404,11 @@ async def test_service_probe_readings_over_real_sockets(short_tmp: str) -> None:
     server.add_insecure_port(f"unix:{answering}")
     await server.start()
     try:
-        since, why = await drawatch.ServiceProbe(clock).read(answering, method, 2.0)
+        since, why = await draprobes.ServiceProbe(clock).read(answering, method, 2.0)
         assert since is None and "UNIMPLEMENTED" in why, why
     finally:
         await server.stop(None)
-    since, why = await drawatch.ServiceProbe(clock).read(os.path.join(short_tmp, "none.sock"), method, 0.3)
+    since, why = await draprobes.ServiceProbe(clock).read(os.path.join(short_tmp, "none.sock"), method, 0.3)
     assert since is None and "does not exist" in why
-    assert drawatch.prepare_path(("v1beta1.DRAPlugin",)).endswith("v1beta1.DRAPlugin/NodePrepareResources")
-    assert drawatch.prepare_path(("v1.DRAResourceHealth",)) == ""
+    assert draprobes.prepare_path(("v1beta1.DRAPlugin",)).endswith("v1beta1.DRAPlugin/NodePrepareResources")
+    assert draprobes.prepare_path(("v1.DRAResourceHealth",)) == ""

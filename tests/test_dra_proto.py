@@ -15,7 +15,7 @@ import pytest
 from google.protobuf import descriptor_pool, json_format, message_factory
 from google.protobuf.message import Message
 
-from sidecar.dra.watch import REGISTRATION
+from sidecar.dra.probes import REGISTRATION
 from sidecar.proto import dra_v1_pb2, pluginregistration_v1_pb2
 from sidecar.rpc import method_path
 from testing.realdra import Release, fixture_binary

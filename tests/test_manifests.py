@@ -645,7 +645,7 @@ def http_get(port: int, path: str) -> tuple[int, str]:
 
 GATE_SCRIPT = """
 import asyncio, json, os, socket, sys, tempfile, aiohttp
-from sidecar.config import Settings
+from sidecar.config import DeviceExpectation, Settings
 from sidecar.cli import serve
 from testing import FakeKubelet, FakeDevicePlugin
 READY = sys.argv[1]
@@ -656,8 +656,8 @@ async def phase(register):
     d = tempfile.mkdtemp(prefix='hg-'); dp = d + '/dp'; os.mkdir(dp)
     s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()
     st = Settings(device_plugin_dir=dp, pod_resources_socket=d + '/pr.sock', host='127.0.0.1', port=port,
-                  expect_devices=8, device_glob=d + '/nvidia[0-9]*', probe_interval=1, probe_timeout=0.5,
-                  registration_grace=30)
+                  expect_devices=DeviceExpectation.at_least(8), device_glob=d + '/nvidia[0-9]*',
+                  probe_interval=1, probe_timeout=0.5, registration_grace=30)
     stop = asyncio.Event()
     async with FakeKubelet(dp, d + '/pr.sock', dial_timeout=1) as k, FakeDevicePlugin(dp) as p:
         p.register_enabled = register
@@ -914,13 +914,13 @@ def test_metrics_the_rules_use_exist_and_pass_promtool(tmp_path: Path) -> None:
 
     script = (
         "import asyncio, aiohttp, os, socket, sys, tempfile\n"
-        "from sidecar.config import Settings\nfrom sidecar.cli import serve\n"
+        "from sidecar.config import AUTO_DEVICES, Settings\nfrom sidecar.cli import serve\n"
         "from testing import FakeKubelet, FakeDevicePlugin\n"
         "async def main():\n"
         "    d = tempfile.mkdtemp(prefix='hg-'); dp = d + '/dp'; os.mkdir(dp)\n"
         "    s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
         "    st = Settings(device_plugin_dir=dp, pod_resources_socket=d+'/pr.sock', host='127.0.0.1',\n"
-        "                  port=port, expect_devices=-1, device_glob=d + '/nvidia[0-9]*',\n"
+        "                  port=port, expect_devices=AUTO_DEVICES, device_glob=d + '/nvidia[0-9]*',\n"
         "                  probe_interval=1, probe_timeout=0.5)\n"
         "    stop = asyncio.Event()\n"
         "    async with FakeKubelet(dp, d+'/pr.sock', dial_timeout=1) as k, FakeDevicePlugin(dp) as p:\n"

@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from sidecar.dra.probes import get_info
 from sidecar.dra.verdicts import DEFAULT_GRACE, DraSpec, Judgement
-from sidecar.dra.watch import DraWatch, get_info
+from sidecar.dra.watch import DraWatch
 from sidecar.health import Status
 from testing.realdra import FixtureError, RealDraDriver, RealDraKubelet, Release
 from tests.conftest import require_dra_fixture

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from hami_guard.flags import PluginSpec
+from hami_guard.flags import DeviceExpectation, Expect, PluginSpec
 from sidecar.deviceplugin.checkpoint import Checkpoint
 from sidecar.deviceplugin.probes import ProbeResult, Reading, SocketId
 from sidecar.deviceplugin.verdicts import (
@@ -596,7 +596,7 @@ def test_physical_devices_fold_hami_splits_and_replicas_only() -> None:
 
 
 def test_losing_one_gpu_of_two_under_hami_fails_devices_for_readiness_only() -> None:
-    reg, _, seen = make(expect_devices=2)
+    reg, _, seen = make(expect_devices=DeviceExpectation.at_least(2))
     node = Node(pod_resources={GPU: frozenset(f"{u}-{n}" for u in (UUID0, UUID1) for n in range(10))})
     reg.round(node.round())
     assert status(reg, f"devices:{GPU}") == ("ok", False)
@@ -609,7 +609,7 @@ def test_losing_one_gpu_of_two_under_hami_fails_devices_for_readiness_only() -> 
 
 
 def test_a_stale_checkpoint_count_is_never_reported_after_a_kubelet_restart() -> None:
-    reg, _, seen = make(expect_devices=2)
+    reg, _, seen = make(expect_devices=DeviceExpectation.at_least(2))
     node = Node()
     reg.round(node.round())
     assert seen.counts == {"checkpoint": 2}
@@ -673,7 +673,7 @@ def test_a_socket_recreated_with_the_same_identity_gets_its_grace_not_a_drop() -
 
 
 def test_checks_never_reported_fail_liveness_only_for_the_plugin_itself() -> None:
-    reg, clock, _ = make(grace=1, expect_devices=2)
+    reg, clock, _ = make(grace=1, expect_devices=DeviceExpectation.at_least(2))
     clock.now += 2
     reg.refresh()
     failing = {name for name, c in reg.state.checks.items() if c.live_failed}
@@ -738,7 +738,7 @@ def test_without_an_expectation_devices_wants_one_healthy_device_for_readiness_o
 
 
 def test_expect_devices_0_has_no_devices_check() -> None:
-    reg, _, _ = make(expect_devices=0)
+    reg, _, _ = make(expect_devices=DeviceExpectation(Expect.OFF))
     reg.round(Node(pod_resources={GPU: frozenset()}).round())
     assert f"devices:{GPU}" not in reg.state.checks
     assert verdicts(reg) == (True, True)
@@ -966,7 +966,7 @@ def test_each_no_restart_line_says_what_is_true_in_its_state(state: str) -> None
     """Every `[!]` line of the state, and only those, with its why; never "a plugin restart would not
     mend it" for registration while a plugin restart is what liveness asks for."""
     quiet, live = STATES[state]
-    reg, clock, _ = make(expect_devices=None)
+    reg, clock, _ = make(expect_devices=DeviceExpectation())
     BUILDERS[state](reg, clock)
     lines = {c.name: _line(reg.state, c) for c in reg.state.checks.values()}
     marked = {name for name, line in lines.items() if line.startswith("[!]")}

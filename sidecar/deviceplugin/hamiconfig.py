@@ -38,7 +38,6 @@ from typing import Any
 CONFIG_PATH = "/config/config.json"  # where HAMi's chart mounts the node configuration
 GPUS_DIR = "/proc/driver/nvidia/gpus"
 VFIO_DIR = "/sys/bus/pci/drivers/vfio-pci"
-AUTO = -1  # --expect-devices auto (hami_guard.flags.AUTO_DEVICES)
 NODE_NAME_ENV = "NODE_NAME"  # HAMi's own pod takes its node's name from this variable
 MAX_CONFIG_BYTES = 1 << 20
 MAX_INFO_BYTES = 64 << 10
@@ -71,10 +70,12 @@ class NodeConfig:
 
     @property
     def filters(self) -> bool:
+        """The entries name GPUs to leave out (by UUID or index)."""
         return bool(self.uuids or self.indices)
 
     @property
     def mig(self) -> bool:
+        """HAMi runs the GPUs in MIG mode: what it registers is not one device per GPU."""
         return self.mode == "mig" or self.migstrategy not in ("", "none")
 
 
@@ -237,6 +238,7 @@ class Gpu:
     excluded: bool = False
 
     def node(self, folder: str) -> str:
+        """The GPU's device node in `folder`, or "no device node" when the driver names no minor."""
         return os.path.join(folder, f"nvidia{self.minor}") if self.minor is not None else "no device node"
 
 
@@ -257,6 +259,8 @@ def parse_gpu_information(text: str, bus: str) -> Gpu:
 
 @dataclass(frozen=True)
 class Filtered:
+    """A GPU HAMi's node configuration leaves out, and the entry that does."""
+
     device: str  # "index 1, GPU-..., /dev/nvidia1"
     why: str  # which filter entry names it
 
@@ -284,6 +288,7 @@ class Expectation:
         return "; ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
+        """For /status."""
         return {
             "want": self.want,
             "host_device_nodes": self.host,

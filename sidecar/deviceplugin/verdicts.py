@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from hami_guard.flags import PluginSpec
+from hami_guard.flags import ANY_DEVICES, DeviceExpectation, Expect, PluginSpec
 from hami_guard.node.unixdiag import Owner
 from sidecar.deviceplugin.checkpoint import Checkpoint
 from sidecar.deviceplugin.hamiconfig import Expectation
@@ -141,8 +141,8 @@ class Rules:
     plugins: tuple[PluginSpec, ...]
     grace: float
     kubelet_socket: str = "kubelet.sock"
-    # None: at least one healthy device; 0: no devices check; -1 (auto): the host's devices HAMi registers
-    expect_devices: int | None = None
+    # At least one healthy device (ANY), N, none (OFF), or the host's devices HAMi registers (AUTO)
+    expect_devices: DeviceExpectation = ANY_DEVICES
     device_glob: str = ""
     drop_confirm: float = 0.2  # a lost connection must stay lost this long to be a drop
 
@@ -333,7 +333,7 @@ class DevicePluginJudge:
 
     def _keys(self, resource: str) -> list[CheckKey]:
         kinds = [Kind.PLUGIN, Kind.REGISTERED]
-        if self.rules.expect_devices != 0:  # an explicit 0 opts out
+        if self.rules.expect_devices.kind is not Expect.OFF:  # an explicit 0 opts out
             kinds.append(Kind.DEVICES)
         return [CheckKey(k, resource) for k in kinds]
 
@@ -981,7 +981,7 @@ class DevicePluginJudge:
         self.listener.devices(r, counts)
         p.devices = counts
         expect = self.rules.expect_devices
-        if expect == 0:
+        if expect.kind is Expect.OFF:
             return  # opted out: a node where no healthy device is normal
         name = CheckKey(Kind.DEVICES, r).name
         want, why_want = self._wanted(expect, seen)
@@ -1007,15 +1007,15 @@ class DevicePluginJudge:
                 quiet=quiet,
             )
 
-    def _wanted(self, expect: int | None, seen: RoundEvidence) -> tuple[int, str]:
+    def _wanted(self, expect: DeviceExpectation, seen: RoundEvidence) -> tuple[int, str]:
         """The minimum of healthy devices, and where it comes from."""
-        if expect is None:
+        if expect.kind is Expect.ANY:
             return (
                 1,
                 "a registered plugin with no healthy device is not ready; --expect-devices 0 opts out",
             )
-        if expect != -1:
-            return expect, "--expect-devices"
+        if expect.kind is not Expect.AUTO:
+            return expect.count, "--expect-devices"
         if seen.expectation is not None:
             e = seen.expectation
             # Every GPU filtered: HAMi registers none, and none is right; no device node: at least one.

@@ -22,27 +22,12 @@ from urllib.parse import quote
 
 import aiohttp
 
-SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-DEFAULT_TOKEN_FILE = f"{SA_DIR}/token"
-DEFAULT_CA_FILE = f"{SA_DIR}/ca.crt"
+from sidecar.dra.spec import ApiAccess
+
+__all__ = ["ApiAccess", "Slices", "parse_slices", "read_slices"]
+
 PATH = "/apis/resource.k8s.io/v1/resourceslices"
 MAX_BODY = 8 * 1024 * 1024  # a node's slices; more is not read
-
-
-@dataclass(frozen=True)
-class ApiAccess:
-    server: str  # https://host:port
-    token_file: str = DEFAULT_TOKEN_FILE
-    ca_file: str = DEFAULT_CA_FILE
-
-
-def in_cluster(environ: dict[str, str] | None = None) -> str:
-    """The API server's address from the Pod's environment, "" when it is not there."""
-    env = os.environ if environ is None else environ
-    host, port = env.get("KUBERNETES_SERVICE_HOST", ""), env.get("KUBERNETES_SERVICE_PORT", "")
-    if not host or not port:
-        return ""
-    return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
 
 
 @dataclass(frozen=True)
@@ -53,6 +38,7 @@ class Slices:
     why: str = ""
 
     def of(self, driver: str) -> tuple[int, int] | None:
+        """`driver`'s (slices, devices), (0, 0) when it has none; None when there is no reading."""
         if self.by_driver is None:
             return None
         return self.by_driver.get(driver, (0, 0))

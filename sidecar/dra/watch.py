@@ -1,26 +1,24 @@
-"""A DRA driver's evidence, read from the node each round; `sidecar.dra.verdicts` judges it.
+"""A DRA driver's round: its evidence, read from the node, then `sidecar.dra.verdicts`' verdicts.
 
-Read-only towards the driver: `GetInfo` on its registration socket, and on its DRA service an
-empty `NodePrepareResources` (no claims: the call the drivers' own probes make, which prepares
-nothing), at most one in flight per driver; never `NotifyRegistrationStatus`, which is the
-kubelet's verdict to give, never a call with claims. The kubelet's connections to the service
-socket come from the kernel's socket table (`hami_guard.node.unixdiag`), as for the device plugins'
-sockets.
+The readings of the driver's sockets (`GetInfo`, the DRA service's silence, the kubelet's socket)
+come from `sidecar.dra.probes`; the kubelet's connections to the service socket from the kernel's
+socket table (`hami_guard.node.unixdiag`), as for the device plugins' sockets
+(`sidecar.deviceplugin.watch`); the node's ResourceSlices, when configured, from `sidecar.dra.slices`.
+
+In the sidecar (`DraWatch.attach`), each round's verdicts go into the sidecar's checks
+(`dra-plugin:<driver>`, `dra-registered:<driver>`) and metrics beside the device plugins'; hami-doctor
+reads them as they are.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import stat
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
-
-import grpc
+from typing import Protocol
 
 from hami_guard.node.netunix import socket_inodes
-from hami_guard.node.sockets import try_connect
 from hami_guard.node.unixdiag import (
     KUBELET_PROCESS_NAMES,
     DiagUnavailable,
@@ -29,183 +27,29 @@ from hami_guard.node.unixdiag import (
     kubelet_connections,
     normalise,
 )
+from sidecar.dra.probes import ServiceProbe, get_info, kubelet_alive, prepare_path, socket_file
 from sidecar.dra.slices import ApiAccess, Slices, read_slices
-from sidecar.dra.verdicts import (
-    DEFAULT_GRACE,
-    KUBELET_CALL_TIMEOUT,
-    DraJudge,
-    DraSpec,
-    Evidence,
-    FileId,
-    Info,
-    Judgement,
-)
-from sidecar.proto import pluginregistration_v1_pb2 as reg
-from sidecar.rpc import insecure_channel, unary
+from sidecar.dra.verdicts import DEFAULT_GRACE, RESTART_BUDGET, DraJudge, DraSpec, Evidence, Info, Judgement
+from sidecar.health import CheckKey, HealthState, Kind
 
-REGISTRATION = reg.DESCRIPTOR.services_by_name["Registration"]
 # The ResourceSlices are read at most this often: the kubelet's wiping delay.
 SLICES_EVERY = 30.0
 
 
-def socket_file(path: str) -> FileId | None:
-    """The identity of the socket file at `path` (its change time included: a driver restarted on the
-    same path may get the inode number back), None when there is none."""
-    try:
-        st = os.stat(path)
-    except (OSError, ValueError):
-        return None
-    return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
+class Publisher(Protocol):
+    """What the sidecar publishes of a driver's verdicts (`sidecar.server.metrics.MetricsPublisher`)."""
 
+    def series(self, resource: str, *, registrations: bool = True) -> None:
+        """Every series of a driver, from the start."""
 
-async def get_info(path: str, timeout: float) -> Info:
-    """GetInfo on a registration socket, or why it did not answer."""
-    try:
-        st = os.stat(path)
-    except (OSError, ValueError) as e:
-        return Info("absent", f"{path}: {getattr(e, 'strerror', None) or e}: the driver is not serving")
-    if not stat.S_ISSOCK(st.st_mode):
-        return Info("not-socket", f"{path} is not a socket")
-    try:
-        async with insecure_channel(path) as channel:
-            call = unary(channel, REGISTRATION, "GetInfo", reg.PluginInfo)
-            answer = await call(reg.InfoRequest(), timeout=timeout)
-    except grpc.aio.AioRpcError as e:
-        code = e.code()
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return Info("timeout", f"GetInfo on {path}: no answer within {timeout:g}s")
-        if code == grpc.StatusCode.UNAVAILABLE and try_connect(path, timeout=0.2) is not None:
-            return Info("refused", f"connection refused on {path}: nothing listens (a stale socket)")
-        return Info("error", f"GetInfo on {path}: {code.name}: {e.details()}")
-    except Exception as e:  # a malformed answer is the driver's failure, not the sidecar's
-        return Info("error", f"GetInfo on {path}: {type(e).__name__}: {e}")
-    if not isinstance(answer, reg.PluginInfo):  # grpcio answers None for bytes it cannot decode
-        return Info("error", f"GetInfo on {path}: the answer is not a PluginInfo")
-    return Info(
-        "ok",
-        "GetInfo answered",
-        type=answer.type,
-        name=answer.name,
-        endpoint=answer.endpoint or path,
-        versions=tuple(answer.supported_versions),
-    )
+    def restart_requested(self, resource: str) -> None:
+        """The driver's liveness failure episode began."""
 
+    def connected(self, resource: str, count: int | None) -> None:
+        """The kubelet's connections to the driver's service socket (None: cannot be seen)."""
 
-# The DRA service's NodePrepareResources, by the service name GetInfo advertises, newest first (the
-# kubelet's own preference: pkg/kubelet/cm/dra/plugin/dra_plugin.go, servicesSupportedByKubelet).
-PREPARE_PATHS = (
-    ("v1.DRAPlugin", "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources"),
-    ("v1beta1.DRAPlugin", "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodePrepareResources"),
-)
-
-
-def prepare_path(versions: Collection[str]) -> str:
-    """The NodePrepareResources the kubelet would call, "" when GetInfo names no service it knows."""
-    return next((path for name, path in PREPARE_PATHS if name in versions), "")
-
-
-def _raw(data: bytes) -> bytes:
-    return data
-
-
-async def ask_service(path: str, method: str, deadline: float) -> tuple[bool | None, str]:
-    """An empty NodePrepareResources (zero bytes: no claims) on the DRA service socket. (True, why):
-    the service answered, with any status its server sent; (False, why): it stays silent (no answer
-    by the deadline, or a socket that accepts a connection and never completes it); (None, why):
-    nothing to ask (no socket, nothing listens)."""
-    if socket_file(path) is None:
-        return None, f"{path} is not a socket"
-    try:
-        async with insecure_channel(path) as channel:
-            call = channel.unary_unary(method, request_serializer=_raw, response_deserializer=_raw)
-            await call(b"", timeout=deadline)
-    except grpc.aio.AioRpcError as e:
-        code = e.code()
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return False, f"an empty NodePrepareResources got no answer within {deadline:g}s"
-        if code == grpc.StatusCode.UNAVAILABLE:
-            if try_connect(path, timeout=0.2) is not None:
-                return None, f"nothing listens on {path}"
-            return False, f"{path} accepts a connection but its gRPC server never answers: {e.details()}"
-        return True, f"answered {code.name}"
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # a malformed answer is still an answer
-        return True, f"answered ({type(e).__name__})"
-    return True, "answered"
-
-
-class ServiceProbe:
-    """One driver's DRA service: at most one empty NodePrepareResources in flight, so a hung service
-    holds one call, never a pile of them; how long it has been silent, on the judge's clock."""
-
-    def __init__(self, clock: Callable[[], float], deadline: float = KUBELET_CALL_TIMEOUT) -> None:
-        self.clock = clock
-        self.deadline = deadline
-        self.path = ""
-        self.ident: FileId | None = None
-        self.task: asyncio.Task[tuple[bool | None, str]] | None = None
-        self.started = 0.0  # the judge's clock when the call in flight began
-        self.silent_since: float | None = None
-        self.reason = "not asked"
-
-    def reset(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-        self.task, self.silent_since, self.reason = None, None, "not asked"
-
-    async def read(self, path: str, method: str, wait: float) -> tuple[float | None, str]:
-        """Ask (unless a call is in flight), wait up to `wait` seconds for it: (silent since, reason)."""
-        ident = socket_file(path) if path else None
-        if path != self.path or ident != self.ident:
-            self.reset()  # another service socket: what the last one did says nothing of it
-            self.path, self.ident = path, ident
-        if not path or not method or ident is None:
-            self.reset()
-            return (
-                None,
-                "not asked: no service socket" if not method or not path else f"{path} does not exist",
-            )
-        task = self.task
-        if task is None:
-            self.started = self.clock()
-            task = self.task = asyncio.create_task(ask_service(path, method, self.deadline))
-        done, _ = await asyncio.wait({task}, timeout=wait)
-        if not done:
-            if self.silent_since is None:
-                self.silent_since = self.started
-            self.reason = f"an empty NodePrepareResources waits since {self.clock() - self.started:.0f}s"
-            return self.silent_since, self.reason
-        if self.task is task:  # (a round that ran beside this one may have taken it already)
-            self.task = None
-        answered: bool | None = None
-        if task.cancelled():
-            self.reason = "cancelled"
-        else:
-            answered, self.reason = task.result()
-        if answered is False:
-            if self.silent_since is None:
-                self.silent_since = self.started
-        else:
-            self.silent_since = None
-        return self.silent_since, self.reason
-
-    def close(self) -> None:
-        self.reset()
-
-
-def kubelet_alive(kubelet_socket: str) -> tuple[bool | None, FileId | None]:
-    """Whether the kubelet answers on its socket (it accepts a connection) and which socket that is."""
-    if not kubelet_socket:
-        return None, None
-    ident = socket_file(kubelet_socket)
-    if ident is None:
-        return False, None
-    up = try_connect(kubelet_socket, timeout=0.2) is None
-    after = socket_file(kubelet_socket)
-    if after != ident:
-        return None, after  # replaced while tried: a new kubelet, whose answer the next round takes
-    return up, ident
+    def budget(self, resource: str, spent: bool) -> None:
+        """Whether the driver's restart budget is spent."""
 
 
 class DraWatch:
@@ -244,6 +88,33 @@ class DraWatch:
         self.clock = clock
         self.slices: Slices | None = None
         self.slices_read = 0.0
+        self._into: tuple[HealthState, Publisher] | None = None
+
+    def attach(self, state: HealthState, publish: Publisher) -> None:
+        """From now on each round's verdicts go into `state`'s checks and `publish`'s metrics: two checks
+        per driver, judged here whole (the DRA judge has its own graces)."""
+        for spec in self.specs:
+            for kind in (Kind.DRA_PLUGIN, Kind.DRA_REGISTERED):
+                key = CheckKey(kind, spec.name)
+                state.add(key)
+                state.checks[key.name].judged_elsewhere = True
+            publish.series(spec.name, registrations=False)
+        self._into = (state, publish)
+
+    def _publish(self, verdicts: dict[str, tuple[Evidence, Judgement]]) -> None:
+        """The round's verdicts into the attached checks and metrics."""
+        if self._into is None:
+            return
+        state, publish = self._into
+        for name, (ev, j) in verdicts.items():
+            for kind, v in ((Kind.DRA_PLUGIN, j.plugin), (Kind.DRA_REGISTERED, j.registered)):
+                key = CheckKey(kind, name).name
+                was = state.checks[key].live_failed
+                state.assign(key, v.status, v.reason, restarts=v.restarts)
+                if v.live_failed and not was:
+                    publish.restart_requested(name)
+            publish.connected(name, ev.connections)
+            publish.budget(name, j.restarts_in_vain >= RESTART_BUDGET)
 
     async def _slices(self) -> Slices | None:
         if self.api is None:
@@ -274,6 +145,8 @@ class DraWatch:
             probe.close()
 
     async def round(self) -> dict[str, tuple[Evidence, Judgement]]:
+        """Every driver's evidence and the judge's verdict on it, by driver name (also kept in `last`, and
+        published when attached)."""
         infos = await asyncio.gather(*(self._info(s) for s in self.specs))
         services = [s.service or self.endpoints.get(s.name, "") for s in self.specs]
         up, kubelet_id = kubelet_alive(self.kubelet_socket)
@@ -329,4 +202,5 @@ class DraWatch:
             )
             out[spec.name] = (ev, self.judge.judge(spec.name, ev))
         self.last = out
+        self._publish(out)
         return out

@@ -1,6 +1,14 @@
-"""Prometheus metrics: names that make the runbook's SLIs work verbatim (docs/design.md#metrics)."""
+"""Prometheus metrics: names that make the runbook's SLIs work verbatim (docs/design.md#metrics).
+
+`Metrics` holds one sidecar's series; `MetricsPublisher` sets them from the judges' verdicts (the
+device plugins' and the DRA drivers'), and logs each check's transitions.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -12,6 +20,10 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from sidecar.health import Check, Status
+
+logger = logging.getLogger(__name__)
+
 # `*_created` series double the exposition and no rule here uses them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
@@ -20,6 +32,7 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
 PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+DEVICE_SOURCES = ("pod_resources", "checkpoint", "host")
 
 
 class Metrics:
@@ -98,4 +111,91 @@ class Metrics:
         )
 
     def exposition(self) -> bytes:
+        """The registry in Prometheus' text format, for /metrics."""
         return generate_latest(self.registry)
+
+
+class MetricsPublisher:
+    """The judges' listener: metrics, and one log line per transition."""
+
+    def __init__(self, metrics: Metrics, label: str) -> None:
+        self.m = metrics
+        self.label = label
+
+    def series(self, resource: str, *, registrations: bool = True) -> None:
+        """Every series of `resource` from the start: a series first seen at 1 hides that increase from
+        increase(). `registrations` False: no registration cycles (a DRA driver's)."""
+        if registrations:
+            self.m.attempts.labels(self.label, resource)
+            self.m.successes.labels(self.label, resource)
+            self.m.listandwatch_latency.labels(self.label, resource)
+        self.m.restart_requests.labels(self.label, resource)
+        self.m.budget_spent.labels(self.label, resource).set(0)
+
+    def probed(self, socket: str, latency: float) -> None:
+        """A live probe of `socket` took `latency` seconds (0: no call was made)."""
+        if latency:
+            self.m.probe_duration.labels(socket).observe(latency)
+
+    def attempt_opened(self, resource: str) -> None:
+        """A registration cycle began."""
+        self.m.attempts.labels(self.label, resource).inc()
+
+    def attempt_closed(self, resource: str, latency: float | None) -> None:
+        """A registration cycle ended: confirmed after `latency` seconds, or (None) not."""
+        if latency is not None:
+            self.m.successes.labels(self.label, resource).inc()
+            self.m.listandwatch_latency.labels(self.label, resource).observe(latency)
+
+    def kubelet_restarted(self) -> None:
+        """The kubelet restarted."""
+        self.m.kubelet_restarts.inc()
+
+    def restart_requested(self, resource: str) -> None:
+        """A liveness failure episode began: a restart of `resource`'s plugin or driver is asked for."""
+        self.m.restart_requests.labels(self.label, resource).inc()
+
+    def budget(self, resource: str, spent: bool) -> None:
+        """Whether restarts stopped being asked for, having not brought registration back."""
+        self.m.budget_spent.labels(self.label, resource).set(1 if spent else 0)
+
+    def devices(self, resource: str, counts: Mapping[str, int]) -> None:
+        """Healthy devices by source; a source missing from `counts` loses its series."""
+        for source in DEVICE_SOURCES:
+            if source in counts:
+                self.m.devices.labels(self.label, resource, source).set(counts[source])
+            else:  # a count that is not current (a stale checkpoint) is no count
+                with contextlib.suppress(KeyError):
+                    self.m.devices.remove(self.label, resource, source)
+
+    def connected(self, resource: str, count: int | None) -> None:
+        """The kubelet's connections to `resource`'s socket; None (cannot be seen) removes the series."""
+        gauge = self.m.kubelet_connected
+        if count is None:
+            with contextlib.suppress(KeyError):
+                gauge.remove(self.label, resource)
+        else:
+            gauge.labels(self.label, resource).set(1 if count else 0)
+
+    def check(self, check: Check) -> None:
+        """A check's state, as its gauges."""
+        labels = (check.key.kind.value, check.key.resource, self.label)
+        self.m.check_up.labels(*labels).set(check.status.up)
+        self.m.check_restarts.labels(*labels).set(1 if check.live_failed else 0)
+
+    def transition(self, check: Check, old: Status) -> None:
+        """A check changed state: its gauges, and one log line."""
+        self.check(check)
+        log = logger.warning if check.status is Status.FAILED else logger.info
+        effect = ""
+        if check.status is Status.FAILED:
+            effect = " (fails liveness)" if check.restarts else " (no restart: readiness only)"
+        log(
+            "check %s: %s -> %s%s: %s",
+            check.name,
+            old.value,
+            check.status.value,
+            effect,
+            check.reason,
+            extra={"check": check.name, "status": check.status.value, "previous": old.value},
+        )

@@ -23,6 +23,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from hami_guard.flags import AUTO_DEVICES
 from sidecar.app import Sidecar
 from sidecar.config import Settings
 from sidecar.deviceplugin.verdicts import RESTART_BUDGET
@@ -56,7 +57,7 @@ async def test_auto_with_two_of_four_gpus_filtered_by_hamis_node_configuration_i
     host = Host(os.path.join(short_tmp, "host"))
     served = [UUIDS[0], UUIDS[2]]  # HAMi leaves out the filtered GPUs 1 (by UUID) and 3 (by index)
     settings = {
-        "expect_devices": -1,
+        "expect_devices": AUTO_DEVICES,
         "device_glob": os.path.join(host.dev, "nvidia[0-9]*"),
         "hami_config": host.config,
         "node_name": NODE,

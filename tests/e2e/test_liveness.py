@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from hami_guard.flags import DeviceExpectation, Expect
 from sidecar.deviceplugin.verdicts import RESTART_BUDGET
 from tests.conftest import wait_for
 from tests.e2e.conftest import GPU, Node, NodeFactory, Watch
@@ -55,7 +56,7 @@ def test_the_patch_wires_liveness_and_readiness_to_different_answers() -> None:
 
 
 async def test_all_devices_unhealthy_keeps_liveness_and_fails_readiness(make_node: NodeFactory) -> None:
-    async with make_node(expect_devices=2) as node:
+    async with make_node(expect_devices=DeviceExpectation.at_least(2)) as node:
         await node.until(READY, 200)
         for device in ("GPU-0", "GPU-1"):
             node.plugin.set_health(device, False)
@@ -88,7 +89,7 @@ async def test_zero_or_all_unhealthy_devices_fail_readiness_without_an_expectati
 
 
 async def test_expect_devices_0_opts_out_of_the_devices_check(make_node: NodeFactory) -> None:
-    async with make_node(expect_devices=0) as node:
+    async with make_node(expect_devices=DeviceExpectation(Expect.OFF)) as node:
         await node.until(READY, 200)
         node.plugin.set_devices([])
         await node.wait_rounds(rounds=3)
@@ -100,7 +101,9 @@ async def test_hami_split_ids_count_once_per_gpu_and_losing_one_gpu_fails_readin
     make_node: NodeFactory,
 ) -> None:
     ids = [f"{u}-{n}" for u in UUIDS for n in range(10)]  # HAMi's deviceSplitCount 10
-    async with make_node(plugin_kwargs={"devices": ids}, expect_devices=2) as node:
+    async with make_node(
+        plugin_kwargs={"devices": ids}, expect_devices=DeviceExpectation.at_least(2)
+    ) as node:
         await node.until(READY, 200)
         assert node.sidecar.judge.devices()[GPU]["pod_resources"] == 2
         for n in range(10):

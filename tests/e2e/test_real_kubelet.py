@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from hami_guard.flags import DeviceExpectation
 from testing import netns
 from testing.realkubelet import RealPlugin, fast_takeover
 from tests.conftest import wait_for
@@ -59,7 +60,7 @@ async def applied(node: RealNode, plugin: RealPlugin, generation: int | None) ->
 
 
 async def test_a_held_plugin_is_registered_and_a_numa_spanning_device_counts_once(node_factory: Any) -> None:
-    async with node_factory(expect_devices=2) as node:
+    async with node_factory(expect_devices=DeviceExpectation.at_least(2)) as node:
         await node.plugin(devices=["GPU-0@0", "GPU-1@0,1"])  # GPU-1 spans two NUMA nodes
         await node.until("/readyz", 200)
         assert node.sidecar.judge.devices()[GPU]["pod_resources"] == 2
@@ -110,7 +111,7 @@ async def test_a_kubelet_restart_without_reregistration_fails_liveness_and_a_plu
 
 
 async def test_zero_and_all_unhealthy_devices_are_registered_by_the_real_kubelet(node_factory: Any) -> None:
-    async with node_factory(expect_devices=2) as node:
+    async with node_factory(expect_devices=DeviceExpectation.at_least(2)) as node:
         plugin = await node.plugin()
         await node.until("/readyz", 200)
         generation = None
@@ -132,7 +133,7 @@ async def test_zero_and_all_unhealthy_devices_are_registered_by_the_real_kubelet
 
 
 async def test_hami_split_ids_count_per_gpu_against_the_real_kubelet(node_factory: Any) -> None:
-    async with node_factory(expect_devices=2) as node:
+    async with node_factory(expect_devices=DeviceExpectation.at_least(2)) as node:
         plugin = await node.plugin(devices=[f"{u}-{n}" for u in UUIDS for n in range(10)])
         await node.until("/readyz", 200)
         assert (await node.kubelet.capacity())["allocatable"] == {GPU: 20}
@@ -151,7 +152,7 @@ async def test_rapid_health_updates_keep_the_fixture_plugins_stream(node_factory
     on a loaded machine. The last list equals the first (all healthy), so no value read from the
     kubelet tells done from not yet started: the test counts the lists instead, the plugin's sent
     against the kubelet's applied."""
-    async with node_factory(expect_devices=2) as node:
+    async with node_factory(expect_devices=DeviceExpectation.at_least(2)) as node:
         ids = [f"{u}-{n}" for u in UUIDS for n in range(10)]
         plugin = await node.plugin(devices=ids)
         await node.until("/readyz", 200)

@@ -21,6 +21,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hami_guard.flags import AUTO_DEVICES
 from sidecar.config import PluginSpec
 from sidecar.deviceplugin.probes import probe_kubelet, socket_identity
 from sidecar.rpc import unix_target
@@ -566,7 +567,9 @@ async def test_one_log_line_per_transition_none_per_probe(
         rounds = node.sidecar.rounds
         await wait_for(lambda: node.sidecar.rounds >= rounds + 5)
         lines = [
-            r.getMessage() for r in caplog.records if r.name == "sidecar.app" and "check " in r.getMessage()
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "sidecar.server.metrics" and "check " in r.getMessage()
         ]
         assert sorted(lines) == sorted(
             [
@@ -589,7 +592,7 @@ async def test_expected_devices_check_counts_what_the_kubelet_lists(
     for i in range(3):  # nvidia-smi would see three GPUs
         open(os.path.join(host, f"nvidia{i}"), "w").close()
     open(os.path.join(host, "nvidiactl"), "w").close()
-    async with make_node(expect_devices=-1, device_glob=os.path.join(host, "nvidia[0-9]*")) as node:
+    async with make_node(expect_devices=AUTO_DEVICES, device_glob=os.path.join(host, "nvidia[0-9]*")) as node:
         body = await node.until("/readyz?verbose", 503, timeout=3, contains=f"devices:{GPU} failed")
         assert (
             f"[!]devices:{GPU} failed (no restart: readiness only: a plugin restart does not bring devices "

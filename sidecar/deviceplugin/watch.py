@@ -1,0 +1,280 @@
+"""The device plugins' round: their evidence, read from the node, then `sidecar.deviceplugin.verdicts`.
+
+Each round reads, in this order: the kubelet's connections to the plugin sockets (the kernel's
+socket table, `hami_guard.node.unixdiag`), the live probes (`sidecar.deviceplugin.probes`),
+pod-resources, the kubelet's checkpoint, HAMi's expectation for `--expect-devices auto`
+(`sidecar.deviceplugin.hamiconfig`) and, while a plugin's socket is missing, the other sockets
+served in the folder; the `RoundEvidence` of them goes to the `DevicePluginJudge`. A plugin socket
+deleted is looked at again a moment later (`DevicePluginWatch.observe_vanished`). The DRA drivers'
+round (`sidecar.dra.watch`) mirrors this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol, TypeVar
+
+from hami_guard.flags import Expect
+from hami_guard.node.unixdiag import (
+    KUBELET_BOUND_PATH,
+    KUBELET_PROCESS_NAMES,
+    Connections,
+    DiagUnavailable,
+    SocketOwner,
+    UnixSocket,
+    diag_dump,
+    kubelet_connections,
+    socket_owner,
+)
+from sidecar.config import PluginSpec, Settings
+from sidecar.deviceplugin import hamiconfig
+from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME, Checkpoint
+from sidecar.deviceplugin.probes import (
+    ProbeResult,
+    Reading,
+    SocketId,
+    pod_resources_devices,
+    probe_kubelet,
+    probe_plugin,
+    read_checkpoint_async,
+    socket_identity,
+    socket_refuses,
+)
+from sidecar.deviceplugin.verdicts import (
+    AfterDeletion,
+    DevicePluginJudge,
+    Listener,
+    PluginEvidence,
+    RoundEvidence,
+    Rules,
+)
+
+T = TypeVar("T")
+
+# Where the kubelet binds its plugins' sockets: a plugin whose folder is mounted elsewhere bound there.
+BOUND_DIR = os.path.dirname(KUBELET_BOUND_PATH)
+MAX_FOLDER_SOCKETS = 32  # other sockets tried in the folder per round
+
+
+class Publisher(Listener, Protocol):
+    """What the sidecar publishes of the plugins' verdicts (`sidecar.server.metrics.MetricsPublisher`)."""
+
+    def series(self, resource: str, *, registrations: bool = True) -> None:
+        """Every series of a plugin's resource, from the start."""
+
+    def probed(self, socket: str, latency: float) -> None:
+        """A live probe of `socket` took `latency` seconds."""
+
+
+@dataclass(frozen=True)
+class _SocketTable:
+    """The kernel's sockets bound to the files that matter, and the kubelet's connections among them."""
+
+    mine: list[UnixSocket] | str  # this namespace's, or why they cannot be read
+    listed: set[tuple[int, int]]  # the files (st_dev, st_ino) whose sockets were read
+    connections: Connections | str  # the kubelet's, or why they cannot be seen
+
+
+class DevicePluginWatch:
+    """Each round: every plugin's evidence, then the judge's verdicts."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        publish: Publisher,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        s = self.settings = settings
+        rules = Rules(
+            plugins=s.plugins,
+            grace=s.registration_grace,
+            kubelet_socket=s.kubelet_socket,
+            expect_devices=s.expect_devices,
+            device_glob=s.device_glob,
+            drop_confirm=s.drop_confirm,
+        )
+        self.publish = publish
+        self.judge = DevicePluginJudge(rules, publish, clock, wall)
+        self.names = {*KUBELET_PROCESS_NAMES, s.kubelet_process_name}
+        self.connections_source = ""  # where the last round read the kubelet's connections
+        self.expectation: hamiconfig.Expectation | None = None  # auto's, as last read
+        self._others: tuple[tuple[str, SocketId], ...] = ()
+        self._reader: ThreadPoolExecutor | None = None
+        for p in s.plugins:
+            publish.series(p.resource)
+
+    def start(self) -> None:
+        """The thread that reads files (the checkpoint, HAMi's configuration, the folder) off the loop."""
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hami-sidecar-checkpoint")
+
+    def close(self) -> None:
+        """Stop the reading thread, dropping the reads not begun."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
+
+    async def round(self) -> list[PluginSpec]:
+        """Read every plugin's evidence and judge it; the plugins whose socket the judge saw vanish, for
+        the caller to follow up with `observe_vanished`."""
+        s = self.settings
+        generation = self.judge.generation
+        # The kubelet's connections before the probes: a probe's own connection lingers a few ms.
+        table = self._socket_table()
+        kubelet, *plugins = await asyncio.gather(
+            probe_kubelet(s.kubelet_path, s.probe_timeout),
+            *(probe_plugin(s.plugin_path(p), s.probe_timeout) for p in s.plugins),
+        )
+        self.publish.probed("kubelet", kubelet.latency)
+        # pod-resources before the checkpoint: the kubelet changes its live view before it rewrites
+        # the file, so the other order can see devices recorded healthy that it no longer lists.
+        pod_resources = await pod_resources_devices(s.pod_resources_socket, s.probe_timeout)
+        checkpoint = await self._checkpoint()
+        auto = s.expect_devices.kind is Expect.AUTO
+        host_devices = len(glob.glob(s.device_glob)) if auto else None
+        self.expectation = await self._off_loop(self._expected, self.expectation) if auto else None
+        others = await self._served_elsewhere(plugins)
+        observed = {}
+        for plugin, result in zip(s.plugins, plugins, strict=True):
+            self.publish.probed(plugin.socket, result.latency)
+            observed[plugin.resource] = self._evidence(plugin, result, table)
+        connections = table.connections
+        self.connections_source = connections if isinstance(connections, str) else connections.source
+        seen = RoundEvidence(
+            kubelet,
+            observed,
+            checkpoint,
+            pod_resources,
+            host_devices,
+            generation,
+            expectation=self.expectation,
+            others=others,
+        )
+        return [self.judge.plugin_for(resource) for resource in self.judge.round(seen)]
+
+    async def observe_vanished(self, plugin: PluginSpec) -> None:
+        """Look at the folder a moment after a plugin socket was deleted; the judge judges.
+
+        First once kubelet.sock's own events have landed; where no kubelet restart explains the
+        removal, again when the restart window is over (a plugin re-creating its socket).
+        """
+        s = self.settings
+        try:
+            await asyncio.sleep(s.vanish_settle)
+            for window_over in (False, True):
+                seen = AfterDeletion(
+                    plugin=socket_identity(s.plugin_path(plugin)),
+                    kubelet=socket_identity(s.kubelet_path),
+                    kubelet_refuses=socket_refuses(s.kubelet_path),
+                )
+                if not self.judge.judge_vanished(plugin.resource, seen, window_over):
+                    break
+                await asyncio.sleep(max(0.0, s.plugin_restart_window - s.vanish_settle))
+        finally:
+            # Never left waiting for a verdict that will not come: the next round judges the socket.
+            self.judge.end_judgement(plugin.resource)
+
+    def _socket_table(self) -> _SocketTable:
+        """The kubelet's connections, from the sockets bound to the files that matter only (a host
+        namespace holds thousands)."""
+        s = self.settings
+        files = [s.kubelet_path, *(s.plugin_path(p) for p in s.plugins)]
+        bound = {os.path.join(BOUND_DIR, p.socket) for p in s.plugins}
+        listed = {i for f in files if (i := _file_id(f))}
+        try:
+            mine: list[UnixSocket] | str = diag_dump(listed)
+        except DiagUnavailable as e:
+            mine = str(e)
+        paths = {*files, *bound}
+        connections = kubelet_connections(s.kubelet_path, names=self.names, mine=mine, paths=paths)
+        return _SocketTable(mine, listed, connections)
+
+    def _evidence(self, plugin: PluginSpec, result: ProbeResult, table: _SocketTable) -> PluginEvidence:
+        """One plugin's probe, the kubelet's connections to its socket and who serves it."""
+        s = self.settings
+        path = s.plugin_path(plugin)
+        ids: frozenset[int] | None = None
+        if isinstance(table.connections, str):
+            held: Reading[int] = Reading.failed(table.connections)
+        else:
+            # Where the folder is mounted elsewhere, the plugin bound it at the kubelet's own path.
+            found = table.connections.accepted(path, (os.path.join(BOUND_DIR, plugin.socket),))
+            if isinstance(found, str):
+                held = Reading.failed(found)
+            else:
+                ids, held = found, Reading(len(found))
+        # A socket re-created since the table was read is not in it: no verdict on its owner.
+        owner = (
+            socket_owner(path, s.kubelet_path, table.mine, names=self.names)
+            if result.ok and not isinstance(table.mine, str) and _file_id(path) in table.listed
+            else SocketOwner("unknown", "")
+        )
+        return PluginEvidence(result, socket_identity(path), held, owner.verdict, owner.reason, ids)
+
+    async def _checkpoint(self) -> Reading[Checkpoint]:
+        """The kubelet's checkpoint, read off the loop within the probe timeout."""
+        s = self.settings
+        assert self._reader is not None
+        try:
+            async with asyncio.timeout(s.probe_timeout):
+                return await read_checkpoint_async(
+                    os.path.join(s.device_plugin_dir, CHECKPOINT_NAME), self._reader
+                )
+        except TimeoutError:
+            return Reading.failed(f"the checkpoint could not be read within {s.probe_timeout:g}s")
+
+    async def _served_elsewhere(self, plugins: list[ProbeResult]) -> tuple[tuple[str, SocketId], ...]:
+        """Other sockets served in the folder, only while a plugin's own is missing (under another name?)."""
+        if not any(r.state == "absent" for r in plugins):
+            return ()
+        s = self.settings
+        taken = {s.kubelet_socket, *(p.socket for p in s.plugins)}
+        # A read cut short keeps the last answer: an empty one would make the next look like a restart.
+        read = partial(_served_elsewhere, s.device_plugin_dir, taken)
+        self._others = await self._off_loop(read, self._others)
+        return self._others
+
+    def _expected(self) -> hamiconfig.Expectation:
+        s = self.settings
+        return hamiconfig.expectation(
+            hamiconfig.Sources(s.device_glob, s.hami_config, s.node_name, s.nvidia_gpus_dir, s.vfio_dir)
+        )
+
+    async def _off_loop(self, read: Callable[[], T], fallback: T) -> T:
+        """`read` (files, connects) on the reader's thread within the probe timeout, never on the loop."""
+        assert self._reader is not None
+        try:
+            async with asyncio.timeout(self.settings.probe_timeout):
+                return await asyncio.get_running_loop().run_in_executor(self._reader, read)
+        except TimeoutError:
+            return fallback
+
+
+def _served_elsewhere(folder: str, mine: set[str]) -> tuple[tuple[str, SocketId], ...]:
+    """Socket files in the folder, not the kubelet's or a configured plugin's, that accept a connection."""
+    out = []
+    try:
+        with os.scandir(folder) as entries:
+            names = sorted(e.name for e in entries if e.name not in mine and e.name.endswith(".sock"))
+    except OSError:
+        return ()
+    for name in names[:MAX_FOLDER_SOCKETS]:
+        path = os.path.join(folder, name)
+        identity = socket_identity(path)
+        if identity is not None and not socket_refuses(path):
+            out.append((name, identity))
+    return tuple(out)
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
