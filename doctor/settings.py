@@ -20,8 +20,7 @@ from hami_guard.node.sockets import DEFAULT_KUBELET_PROCESS
 from sidecar.config import DEFAULTS as SIDECAR
 from sidecar.config import dra_api, dra_drivers, dra_flags
 from sidecar.deviceplugin.hamiconfig import NODE_NAME_ENV
-from sidecar.dra.spec import ApiAccess
-from sidecar.dra.verdicts import DraSpec
+from sidecar.dra.spec import ApiAccess, DraSpec
 
 Output = Literal["text", "json"]
 

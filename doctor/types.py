@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from initcheck.checks import Finding
     from sidecar.deviceplugin.checkpoint import Checkpoint
     from sidecar.deviceplugin.probes import Reading, SocketId
-    from sidecar.dra.verdicts import DraSpec, Evidence, Judgement
+    from sidecar.dra.spec import DraSpec
+    from sidecar.dra.verdicts import Evidence, Judgement
 
 Verdict = Literal["problem", "ok", "unknown"]
 Kind = Literal["error", "attempt", "success"]

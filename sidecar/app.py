@@ -15,7 +15,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
 
 from hami_guard.node.unixdiag import KUBELET_PROCESS_NAMES
 from sidecar.config import PluginSpec, Settings
@@ -24,7 +23,6 @@ from sidecar.deviceplugin.probes import socket_identity
 from sidecar.deviceplugin.watch import DevicePluginWatch
 from sidecar.dra.watch import DraWatch
 from sidecar.server.metrics import Metrics, MetricsPublisher
-from sidecar.server.status import status_document
 from sidecar.tasks import TaskSet
 from sidecar.watcher import FolderWatcher, FsEvent
 
@@ -234,7 +232,3 @@ class Sidecar:
     def ready(self) -> bool:
         """The first probe round has run: before it, nothing is known."""
         return self.rounds > 0
-
-    def status_document(self) -> dict[str, Any]:
-        """What /status shows (`sidecar.server.status`)."""
-        return status_document(self)

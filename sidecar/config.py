@@ -18,9 +18,16 @@ from hami_guard.envflags import env_name, parse_with_env
 from hami_guard.flags import ANY_DEVICES, AUTO_DEVICES, DeviceExpectation, Expect, PluginSpec
 from hami_guard.node.sockets import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, DEFAULT_SOCKET
 from sidecar.deviceplugin import hamiconfig
-from sidecar.dra.spec import DEFAULT_CA_FILE, DEFAULT_TOKEN_FILE, ApiAccess, in_cluster
-from sidecar.dra.verdicts import DEFAULT_GRACE as DEFAULT_DRA_GRACE
-from sidecar.dra.verdicts import DEFAULT_REGISTRY, DraSpec, dra_spec
+from sidecar.dra.spec import (
+    DEFAULT_CA_FILE,
+    DEFAULT_REGISTRY,
+    DEFAULT_TOKEN_FILE,
+    ApiAccess,
+    DraSpec,
+    dra_spec,
+    in_cluster,
+)
+from sidecar.dra.spec import DEFAULT_GRACE as DEFAULT_DRA_GRACE
 
 if TYPE_CHECKING:
     from sidecar.watcher import WatchMode

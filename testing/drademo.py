@@ -18,7 +18,7 @@ import aiohttp
 
 from sidecar.cli import serve
 from sidecar.config import Settings
-from sidecar.dra.verdicts import DraSpec
+from sidecar.dra.spec import DraSpec
 from testing import free_port
 from testing.realdra import RealDraDriver, RealDraKubelet
 

@@ -11,7 +11,7 @@ import os
 from doctor.cli import main
 from doctor.dra.causes import dra_causes
 from doctor.dra.evidence import gather_dra, scan_dra_log
-from sidecar.dra.verdicts import DraSpec
+from sidecar.dra.spec import DraSpec
 from testing.realdra import RealDraDriver, RealDraKubelet, Release
 
 DRIVER = "gpu.example.com"

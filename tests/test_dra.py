@@ -20,7 +20,8 @@ from sidecar.config import parse_settings
 from sidecar.dra import probes as draprobes
 from sidecar.dra import slices as draslices
 from sidecar.dra import spec as draspec
-from sidecar.dra.verdicts import DEFAULT_GRACE, RESTART_BUDGET, DraJudge, DraSpec, Evidence, Info, dra_spec
+from sidecar.dra.spec import DEFAULT_GRACE, DraSpec, dra_spec
+from sidecar.dra.verdicts import RESTART_BUDGET, DraJudge, Evidence, Info
 from sidecar.health import HealthState, Status
 
 DRIVER = "gpu.example.com"

@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from sidecar.dra.probes import get_info
-from sidecar.dra.verdicts import DEFAULT_GRACE, DraSpec, Judgement
+from sidecar.dra.spec import DEFAULT_GRACE, DraSpec
+from sidecar.dra.verdicts import Judgement
 from sidecar.dra.watch import DraWatch
 from sidecar.health import Status
 from testing.realdra import FixtureError, RealDraDriver, RealDraKubelet, Release

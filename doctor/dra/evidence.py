@@ -15,7 +15,7 @@ from doctor.patterns import DRA_PATTERNS
 from doctor.types import DraReading, LogFindings
 from hami_guard.node.unixdiag import KUBELET_PROCESS_NAMES
 from sidecar.dra.slices import ApiAccess
-from sidecar.dra.verdicts import DraSpec
+from sidecar.dra.spec import DraSpec
 from sidecar.dra.watch import DraWatch
 
 

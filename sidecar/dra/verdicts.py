@@ -37,14 +37,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from sidecar.dra.spec import DEFAULT_GRACE
 from sidecar.health import Status
 
 PLUGIN_TYPE = "DRAPlugin"
 # The kubelet retries a failed registration of one socket after 0.5 s, doubling up to 2 min 2 s
 # (pkg/util/goroutinemap/exponentialbackoff: initialDurationBeforeRetry, maxDurationBeforeRetry).
 KUBELET_RETRY_CAP = 122.0
-# The grace covers one full retry interval of the kubelet plus its registration and connection.
-DEFAULT_GRACE = 150.0
 # GetInfo timeouts in a row that make a hung driver (one slow answer is not a hang); also the rounds in
 # a row that must see the DRA service silent before its silence can fail liveness.
 HUNG_ROUNDS = 2
@@ -58,34 +57,6 @@ InfoKind = Literal["ok", "absent", "not-socket", "refused", "timeout", "error"]
 # socket is removed and bound again on the same path (ext4 hands out the freed one at once), and a
 # driver or kubelet restarted between two rounds would pass unseen.
 FileId = tuple[int, int, int]
-
-
-# The kubelet's plugin watcher folder, and the helper's default registration socket name.
-DEFAULT_REGISTRY = "/var/lib/kubelet/plugins_registry"
-
-
-@dataclass(frozen=True)
-class DraSpec:
-    """A DRA driver to watch: its name, its registration socket, and optionally its service socket
-    (by default the endpoint its GetInfo names)."""
-
-    name: str
-    registration: str
-    service: str = ""
-
-
-def dra_spec(value: str, registry: str = DEFAULT_REGISTRY) -> DraSpec:
-    """`NAME[=SOCKET]`: a driver name and its registration socket, a path or a file name in
-    `registry` (default `<NAME>-reg.sock`, the kubelet plugin helper's). Raises ValueError."""
-    name, _, sock = value.strip().partition("=")
-    name, sock = name.strip(), sock.strip()
-    if not name or "/" in name or any(c.isspace() for c in name) or "," in name:
-        raise ValueError(f"expected NAME[=SOCKET] (gpu.nvidia.com=gpu.nvidia.com-reg.sock), got {value!r}")
-    if "\0" in sock:
-        raise ValueError(f"a socket path has no NUL: {value!r}")
-    sock = sock or f"{name}-reg.sock"
-    path = sock if sock.startswith("/") else f"{registry.rstrip('/')}/{sock}"
-    return DraSpec(name, path)
 
 
 @dataclass(frozen=True)

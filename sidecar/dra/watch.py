@@ -29,7 +29,8 @@ from hami_guard.node.unixdiag import (
 )
 from sidecar.dra.probes import ServiceProbe, get_info, kubelet_alive, prepare_path, socket_file
 from sidecar.dra.slices import ApiAccess, Slices, read_slices
-from sidecar.dra.verdicts import DEFAULT_GRACE, RESTART_BUDGET, DraJudge, DraSpec, Evidence, Info, Judgement
+from sidecar.dra.spec import DEFAULT_GRACE, DraSpec
+from sidecar.dra.verdicts import RESTART_BUDGET, DraJudge, Evidence, Info, Judgement
 from sidecar.health import CheckKey, HealthState, Kind
 
 # The ResourceSlices are read at most this often: the kubelet's wiping delay.

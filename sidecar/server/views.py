@@ -19,6 +19,7 @@ from sidecar.app import Sidecar
 from sidecar.config import BadConfig
 from sidecar.health import Check, HealthState, Status
 from sidecar.server.metrics import CONTENT_TYPE, Metrics
+from sidecar.server.status import status_document
 
 SIDECAR_KEY = web.AppKey("sidecar", Sidecar)
 
@@ -94,7 +95,7 @@ async def healthz_one(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    doc = request.app[SIDECAR_KEY].status_document()
+    doc = status_document(request.app[SIDECAR_KEY])
     return web.Response(text=json.dumps(doc, indent=2) + "\n", content_type="application/json")
 
 

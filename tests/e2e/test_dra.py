@@ -17,7 +17,8 @@ import pytest
 
 from sidecar.app import Sidecar
 from sidecar.config import Settings
-from sidecar.dra.verdicts import DraSpec
+from sidecar.dra.spec import DraSpec
+from sidecar.server.status import status_document
 from testing import free_port
 from testing.realdra import RealDraDriver, RealDraKubelet, Release
 from tests.conftest import wait_for
@@ -144,11 +145,11 @@ async def test_registered_driver_never_fails_liveness_through_kubelet_restarts(d
     # A round may read the kubelet's connections as unknown (its new process a moment after the
     # restart): the next one counts the one connection.
     await wait_for(
-        lambda: node.sidecar.status_document()["dra"]["drivers"][DRIVER]["kubelet_connections"] == 1,
+        lambda: status_document(node.sidecar)["dra"]["drivers"][DRIVER]["kubelet_connections"] == 1,
         timeout=5,
         what="the kubelet's one connection in /status",
     )
-    status = node.sidecar.status_document()
+    status = status_document(node.sidecar)
     assert status["dra"]["drivers"][DRIVER]["service"]["silent_since_seconds"] is None
     assert status["dra"]["drivers"][DRIVER]["resourceslices"] is None  # not asked for: the API is not called
     assert status["checks"][f"dra-registered:{DRIVER}"]["state"] == "ok"
@@ -179,7 +180,7 @@ async def test_silent_dra_service_fails_liveness_within_grace_plus_interval(
         assert answer["registered"] and not answer["ok"], answer
         _, body = await node.get("/healthz?verbose")
         assert "hung DRA service" in body, body
-        service = node.sidecar.status_document()["dra"]["drivers"][DRIVER]["service"]
+        service = status_document(node.sidecar)["dra"]["drivers"][DRIVER]["service"]
         assert service["silent_since_seconds"] >= GRACE, service
         await (node.driver.set(how, False) if how == "hang-service" else node.driver.stall(False))
         await node.until("/healthz", 200, timeout=30)

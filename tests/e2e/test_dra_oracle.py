@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from sidecar.dra.verdicts import RESTART_BUDGET, DraSpec, Judgement
+from sidecar.dra.spec import DraSpec
+from sidecar.dra.verdicts import RESTART_BUDGET, Judgement
 from sidecar.dra.watch import DraWatch
 from sidecar.health import Status
 from testing.realdra import RealDraDriver, RealDraKubelet, Release

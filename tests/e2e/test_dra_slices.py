@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from sidecar.dra.slices import ApiAccess, read_slices
-from sidecar.dra.verdicts import DraSpec, Judgement
+from sidecar.dra.spec import DraSpec
+from sidecar.dra.verdicts import Judgement
 from sidecar.dra.watch import SLICES_EVERY, DraWatch
 from sidecar.health import Status
 from testing import free_port

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from hami_guard.flags import DeviceExpectation
+from sidecar.server.status import status_document
 from testing import netns
 from testing.realkubelet import RealPlugin, fast_takeover
 from tests.conftest import wait_for
@@ -64,7 +65,7 @@ async def test_a_held_plugin_is_registered_and_a_numa_spanning_device_counts_onc
         await node.plugin(devices=["GPU-0@0", "GPU-1@0,1"])  # GPU-1 spans two NUMA nodes
         await node.until("/readyz", 200)
         assert node.sidecar.judge.devices()[GPU]["pod_resources"] == 2
-        doc = node.sidecar.status_document()
+        doc = status_document(node.sidecar)
         assert doc["kubelet_connections_from"] == "this network namespace (sock_diag)"
         assert "holds a connection" in doc["checks"][f"registered:{GPU}"]["reason"]
 
@@ -275,7 +276,7 @@ async def test_from_a_pod_network_namespace_the_kubelets_connections_and_a_compe
     async with node_factory(kubelet_netns=True) as node:
         await node.plugin(watch_kubelet=False)
         await node.until("/readyz", 200)
-        source = node.sidecar.status_document()["kubelet_connections_from"]
+        source = status_document(node.sidecar)["kubelet_connections_from"]
         assert source.startswith("the kubelet's network namespace (/proc/"), source
         await node.kubelet.restart()  # the plugin misses it: the new kubelet's namespace, no connection
         await node.until("/healthz?verbose", 503, contains="holds no connection")
