@@ -246,6 +246,21 @@ class _Held:
 _UNCONFIRMED = _Held(None)  # judged again once the confirmation is due (`wake_at`)
 
 
+class _Wanted(NamedTuple):
+    """The minimum of healthy devices the devices check wants, and where it comes from."""
+
+    minimum: int
+    why: str
+
+
+@dataclass(frozen=True)
+class _Vanished:
+    """The verdict on a plugin socket that vanished, kept while the socket stays missing."""
+
+    verdict: str
+    gone: bool  # the plugin stopped serving (not a kubelet restart's cleanup): it fails at once
+
+
 @dataclass
 class _PluginState:
     """What the verdicts remember of one plugin."""
@@ -254,7 +269,7 @@ class _PluginState:
     kubelet_then: SocketId | None = None  # kubelet.sock as last seen answering when `identity` was set
     known: bool = False  # seen at all since start
     judging: bool = False  # a deleted socket awaits its verdict
-    vanished: tuple[str, bool] | None = None  # a vanished socket's verdict; whether the plugin is gone
+    vanished: _Vanished | None = None  # a vanished socket's verdict
     connected_pair: _Pair | None = None  # seen held
     connected_since: float | None = None  # wall
     # The connections of the held pair by inode, and which one carries the kubelet's registration.
@@ -439,7 +454,7 @@ class DevicePluginJudge:
                 f"{plugin.socket} was removed while the kubelet kept running: the plugin stopped serving"
             )
         # A plugin gone is not a registration under way: it fails at once, grace or not.
-        p.vanished = (verdict, not restart)
+        p.vanished = _Vanished(verdict, gone=not restart)
         self.state.report(name, False, verdict, definitive=not restart, restarts=not self._kubelet_down)
         return False
 
@@ -584,15 +599,20 @@ class DevicePluginJudge:
             return False  # the deleted socket's verdict is being reached
         if result.ok and obs.identity_after != result.identity:
             return False  # removed or replaced while probed: its events decide
-        if result.state == "absent":
-            if self.state.checks[name].status is Status.OK:
-                # Gone since the last round, and its deletion event is not here yet: the same verdict.
-                p.judging = True
-                return True
-            if p.vanished is not None:
-                verdict, gone = p.vanished  # keep the verdict and its why
-                self.state.report(name, False, verdict, definitive=gone, restarts=not self._kubelet_down)
-                return False
+        if result.state == "absent" and self.state.checks[name].status is Status.OK:
+            # Gone since the last round, and its deletion event is not here yet: the same verdict.
+            p.judging = True
+            return True
+        if result.state == "absent" and p.vanished is not None:
+            # Keep the verdict and its why.
+            self.state.report(
+                name,
+                False,
+                p.vanished.verdict,
+                definitive=p.vanished.gone,
+                restarts=not self._kubelet_down,
+            )
+            return False
         if result.ok and result.identity != p.identity:
             if p.known:
                 self.plugin_socket_created(plugin.resource, result.identity)  # seen before its event
@@ -612,16 +632,27 @@ class DevicePluginJudge:
                 quiet="another device plugin owns the socket: a restart of this one would only fight it",
             )
             return False
+        if not self._probe_failure_confirmed(name, p, result):
+            return False
+        self._report_plugin(plugin, p, result)
+        return False
+
+    def _probe_failure_confirmed(self, name: str, p: _PluginState, result: ProbeResult) -> bool:
+        """Whether the probe's outcome is a verdict yet. A plugin that answered fails liveness on a
+        second failed probe, `drop_confirm` after the first, not the first: one stalled call would
+        otherwise hold /healthz at 503 for a whole interval."""
         if result.ok or result.definitive:
             p.failed_at = None
         elif self.state.checks[name].status is Status.OK:
-            # A plugin that answered fails liveness on a second failed probe, not the first: one
-            # stalled call would otherwise hold /healthz at 503 for a whole interval.
             now = self.clock()
             if p.failed_at is None:
                 p.failed_at = now
             if now - p.failed_at < self.rules.drop_confirm:
                 return False
+        return True
+
+    def _report_plugin(self, plugin: PluginSpec, p: _PluginState, result: ProbeResult) -> None:
+        """Report the probe's outcome, with whether a plugin restart mends it and, if not, why not."""
         # While the kubelet is away its cleanup explains a missing socket: a restart would not help.
         restarts = not (self._kubelet_down and result.state == "absent")
         reason, quiet = result.reason, ""
@@ -643,7 +674,7 @@ class DevicePluginJudge:
                     f"{plugin.socket} back"
                 )
         self.state.report(
-            name,
+            CheckKey(Kind.PLUGIN, plugin.resource).name,
             result.ok,
             reason,
             result.latency,
@@ -651,7 +682,6 @@ class DevicePluginJudge:
             restarts=restarts,
             quiet=quiet,
         )
-        return False
 
     def _watch_others(self, plugin: PluginSpec, seen: RoundEvidence) -> None:
         """A restart in vain: the plugin failed liveness for a socket it never served, and a socket came
@@ -1013,6 +1043,17 @@ class DevicePluginJudge:
         """Healthy physical devices the kubelet lists now; a stale checkpoint's count is never one."""
         r = plugin.resource
         p = self._plugins[r]
+        counts = self._device_counts(r, seen)
+        self.listener.devices(r, counts)
+        p.devices = counts
+        expect = self.rules.expect_devices
+        if expect == 0:
+            return  # opted out: a node where no healthy device is normal
+        self._judge_devices(r, counts, self._wanted(expect, seen))
+
+    def _device_counts(self, r: str, seen: RoundEvidence) -> dict[str, int]:
+        """The counts by source: pod-resources (live), a checkpoint written since the answering
+        kubelet.sock was created (none while the kubelet restarts), and the host's device nodes."""
         counts: dict[str, int] = {}
         live = seen.pod_resources.value
         if live is not None:
@@ -1029,13 +1070,13 @@ class DevicePluginJudge:
             counts["checkpoint"] = len(physical_devices(devices))
         if seen.host_devices is not None:
             counts["host"] = seen.host_devices
-        self.listener.devices(r, counts)
-        p.devices = counts
-        expect = self.rules.expect_devices
-        if expect == 0:
-            return  # opted out: a node where no healthy device is normal
+        return counts
+
+    def _judge_devices(self, r: str, counts: Mapping[str, int], wanted: _Wanted) -> None:
+        """The devices check: the kubelet lists at least the healthy devices wanted, by pod-resources,
+        else by the checkpoint."""
         name = CheckKey(Kind.DEVICES, r).name
-        want, why_want = self._wanted(expect, seen)
+        want = wanted.minimum
         source = "pod-resources" if "pod_resources" in counts else "checkpoint"
         have = counts.get("pod_resources", counts.get("checkpoint"))
         # Devices are a readiness question: a plugin restart does not make a GPU healthy.
@@ -1047,33 +1088,33 @@ class DevicePluginJudge:
             )
         elif have >= want:
             self.state.report(
-                name, True, f"the kubelet lists {have} (want {want}: {why_want})", restarts=False
+                name, True, f"the kubelet lists {have} (want {want}: {wanted.why})", restarts=False
             )
         else:
             self.state.report(
                 name,
                 False,
-                f"the kubelet lists {have} healthy device(s) by {source}, {want} expected ({why_want})",
+                f"the kubelet lists {have} healthy device(s) by {source}, {want} expected ({wanted.why})",
                 restarts=False,
                 quiet=quiet,
             )
 
-    def _wanted(self, expect: int | None, seen: RoundEvidence) -> tuple[int, str]:
+    def _wanted(self, expect: int | None, seen: RoundEvidence) -> _Wanted:
         """The minimum of healthy devices, and where it comes from."""
         if expect is None:
-            return (
+            return _Wanted(
                 1,
                 "a registered plugin with no healthy device is not ready; --expect-devices 0 opts out",
             )
         if expect != -1:
-            return expect, "--expect-devices"
+            return _Wanted(expect, "--expect-devices")
         if seen.expectation is not None:
             e = seen.expectation
             # Every GPU filtered: HAMi registers none, and none is right; no device node: at least one.
-            return (e.want if e.host else 1), f"--expect-devices auto: {e.summary()}"
+            return _Wanted((e.want if e.host else 1), f"--expect-devices auto: {e.summary()}")
         if seen.host_devices:
-            return seen.host_devices, f"--expect-devices auto: {self.rules.device_glob} on the host"
-        return 1, f"--expect-devices auto: no {self.rules.device_glob} on the host; at least one"
+            return _Wanted(seen.host_devices, f"--expect-devices auto: {self.rules.device_glob} on the host")
+        return _Wanted(1, f"--expect-devices auto: no {self.rules.device_glob} on the host; at least one")
 
     # -- transitions -------------------------------------------------------------------------------
     def refresh(self) -> float | None:
