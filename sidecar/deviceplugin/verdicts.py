@@ -103,6 +103,7 @@ def socket_found_instead(plugins: Iterable[PluginSpec], plugin: PluginSpec, foun
 
 
 def seen_others(p: _PluginState) -> list[tuple[str, SocketId]]:
+    """The other sockets served in the folder last round, as (file name, identity), by name."""
     return sorted((p.others or {}).items())
 
 
@@ -149,7 +150,8 @@ class Rules:
 
 @dataclass(frozen=True)
 class PluginEvidence:
-    """One probe round's view of one plugin."""
+    """One probe round's view of one plugin: the probe of its socket, the socket file after it, and the
+    kubelet's connections to the listener serving that file."""
 
     probe: ProbeResult
     identity_after: SocketId | None  # the socket file right after the probe (replaced while probed?)
@@ -163,6 +165,9 @@ class PluginEvidence:
 
 @dataclass(frozen=True)
 class RoundEvidence:
+    """One probe round's observations of the node: kubelet.sock, each plugin's socket, the kubelet's
+    checkpoint and pod-resources, and the host's devices."""
+
     kubelet: ProbeResult
     plugins: Mapping[str, PluginEvidence]  # by resource
     checkpoint: Reading[Checkpoint]
@@ -187,18 +192,37 @@ class AfterDeletion:
 class Listener(Protocol):
     """What the wiring publishes (metrics, logs) as the verdicts change."""
 
-    def attempt_opened(self, resource: str) -> None: ...
-    def attempt_closed(self, resource: str, latency: float | None) -> None: ...
-    def kubelet_restarted(self) -> None: ...
-    def transition(self, check: Check, old: Status) -> None: ...
-    def restart_requested(self, resource: str) -> None: ...
-    def budget(self, resource: str, spent: bool) -> None: ...
-    def devices(self, resource: str, counts: Mapping[str, int]) -> None: ...
-    def connected(self, resource: str, count: int | None) -> None: ...
+    def attempt_opened(self, resource: str) -> None:
+        """A registration cycle opened (a new plugin socket, a kubelet restart)."""
+
+    def attempt_closed(self, resource: str, latency: float | None) -> None:
+        """A registration cycle closed: registered after `latency` seconds, or (None) not within the
+        grace."""
+
+    def kubelet_restarted(self) -> None:
+        """A restart (or stop) of a kubelet seen answering before."""
+
+    def transition(self, check: Check, old: Status) -> None:
+        """A check changed status, or whether it fails liveness."""
+
+    def restart_requested(self, resource: str) -> None:
+        """Liveness failed for the plugin: a restart of it is asked for (the livenessProbe's)."""
+
+    def budget(self, resource: str, spent: bool) -> None:
+        """The plugin's restart budget took effect as spent, or was restored."""
+
+    def devices(self, resource: str, counts: Mapping[str, int]) -> None:
+        """The healthy physical devices counted this round, by source (only current counts)."""
+
+    def connected(self, resource: str, count: int | None) -> None:
+        """The kubelet's open connections to the plugin's socket; None: not known."""
 
 
 @dataclass
 class Attempt:
+    """A registration cycle: from a new plugin socket or a kubelet restart until the kubelet holds the
+    plugin and has recorded its device list (the checkpoint or pod-resources), or `registered:` fails."""
+
     resource: str
     cause: str
     opened_wall: float
@@ -207,6 +231,7 @@ class Attempt:
     latency: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        """As /status shows it."""
         return {
             "resource": self.resource,
             "cause": self.cause,
@@ -301,7 +326,9 @@ CHECKPOINT = CheckKey(Kind.CHECKPOINT)
 
 
 class DevicePluginJudge:
-    """The node's registration state: kubelet restarts, plugin crashes, registration cycles."""
+    """Whether the kubelet holds each configured device plugin, from the folder's events and each
+    probe round: the checks `kubelet`, `checkpoint`, `plugin:`, `registered:` and `devices:`, the
+    kubelet restarts, the registration cycles and each plugin's restart budget (docs/design.md)."""
 
     def __init__(
         self,
@@ -338,9 +365,11 @@ class DevicePluginJudge:
         return self._by_socket.get(socket)
 
     def plugin_for(self, resource: str) -> PluginSpec:
+        """The configured plugin of `resource`."""
         return next(p for p in self.rules.plugins if p.resource == resource)
 
     def devices(self) -> dict[str, dict[str, int]]:
+        """Per resource: the healthy physical devices last counted, by source."""
         return {r: dict(p.devices) for r, p in self._plugins.items()}
 
     def registration(self) -> dict[str, dict[str, Any]]:
@@ -377,6 +406,7 @@ class DevicePluginJudge:
 
     # -- folder events ------------------------------------------------------------------
     def folder_gone(self) -> None:
+        """The device-plugins folder was removed: a kubelet restart (or stop) is under way."""
         self._kubelet_gone("the device-plugins folder was removed")
 
     def kubelet_socket_event(self, kind: str, current: SocketId | None) -> None:
@@ -1124,40 +1154,52 @@ class DevicePluginJudge:
     def _on_transition(self, check: Check, old: Status) -> None:
         r = check.key.resource
         if check.status is Status.FAILED and check.key.kind is Kind.REGISTERED:
-            r = check.key.resource
-            p = self._plugins[r]
-            self._close_attempt(r, registered=False)
-            if p.budget_spent and not p.budget_announced:
-                # Said when it takes effect: the failure after the last restart, not that restart.
-                p.budget_announced = True
-                logger.warning(
-                    "restart budget spent for %s: %d plugin restarts did not bring registration back; "
-                    "liveness no longer fails for it until it registers or the kubelet restarts (this node "
-                    "needs a person)",
-                    r,
-                    RESTART_BUDGET,
-                )
-                self.listener.budget(r, True)
-            if check.live_failed and not p.episode:
-                p.episode = True
-                self.listener.restart_requested(check.key.resource)
+            self._registration_failed(check)
         elif check.status is Status.FAILED and check.key.kind is Kind.PLUGIN and not self._plugins[r].served:
-            p = self._plugins[r]
-            if check.live_failed:
-                self.listener.restart_requested(r)  # for a socket it never served
-            elif p.budget_spent and not p.budget_announced:
-                p.budget_announced = True
-                logger.warning(
-                    "restart budget spent for %s: %d plugin restarts did not bring %s back%s; liveness no "
-                    "longer fails for it until it registers (this node needs a person)",
-                    r,
-                    p.restarts_in_vain,
-                    self.plugin_for(r).socket,
-                    f" (it serves {p.found})" if p.found else "",
-                )
-                self.listener.budget(r, True)
+            self._never_served_failed(check)
         self.listener.transition(check, old)
+
+    def _registration_failed(self, check: Check) -> None:
+        """`registered:` failed: the cycle closes unregistered, and a liveness failure opens an episode
+        (the plugin restart it asks for is then one in vain, until registration is seen)."""
+        r = check.key.resource
+        p = self._plugins[r]
+        self._close_attempt(r, registered=False)
+        if p.budget_spent and not p.budget_announced:
+            # Said when it takes effect: the failure after the last restart, not that restart.
+            p.budget_announced = True
+            logger.warning(
+                "restart budget spent for %s: %d plugin restarts did not bring registration back; "
+                "liveness no longer fails for it until it registers or the kubelet restarts (this node "
+                "needs a person)",
+                r,
+                RESTART_BUDGET,
+            )
+            self.listener.budget(r, True)
+        if check.live_failed and not p.episode:
+            p.episode = True
+            self.listener.restart_requested(r)
+
+    def _never_served_failed(self, check: Check) -> None:
+        """`plugin:` failed for a socket the plugin never served since start: a restart is asked for,
+        until the budget is spent."""
+        r = check.key.resource
+        p = self._plugins[r]
+        if check.live_failed:
+            self.listener.restart_requested(r)  # for a socket it never served
+        elif p.budget_spent and not p.budget_announced:
+            p.budget_announced = True
+            logger.warning(
+                "restart budget spent for %s: %d plugin restarts did not bring %s back%s; liveness no "
+                "longer fails for it until it registers (this node needs a person)",
+                r,
+                p.restarts_in_vain,
+                self.plugin_for(r).socket,
+                f" (it serves {p.found})" if p.found else "",
+            )
+            self.listener.budget(r, True)
 
 
 def iso(ts: float) -> str:
+    """A wall-clock time as UTC ISO 8601, to the millisecond."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
