@@ -252,7 +252,7 @@ class _Conn:
 
 
 class _Pair(NamedTuple):
-    """A plugin's socket file and kubelet.sock, as one round saw them: what the kubelet holds is a pair."""
+    """The plugin's socket file and kubelet.sock as one round saw them: a registration holds for a pair."""
 
     plugin: SocketId | None
     kubelet: SocketId | None
@@ -983,8 +983,8 @@ class DevicePluginJudge:
         """Rule 1.1: a later connection the kubelet recorded no device list from within `drop_confirm`.
 
         It refused a second Register: 1.37 keeps the first stream but forgets its client, and refuses
-        the path until it restarts, so no plugin restart helps. `_UNCONFIRMED` while the newest such
-        connection may still be recorded; None when there is none.
+        the path until it restarts, so no plugin restart helps. `_UNCONFIRMED` while every such
+        connection came less than `drop_confirm` ago; None when there is none.
         """
         unrecorded = [c for c in p.conns.values() if not c.recorded]
         if not unrecorded:
