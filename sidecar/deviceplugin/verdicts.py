@@ -634,14 +634,8 @@ class DevicePluginJudge:
             p.judging = True
             return True
         if result.state == "absent" and p.vanished is not None:
-            # Keep the verdict and its why.
-            self.state.report(
-                name,
-                False,
-                p.vanished.verdict,
-                definitive=p.vanished.gone,
-                restarts=not self._kubelet_down,
-            )
+            v = p.vanished  # keep the verdict and its why
+            self.state.report(name, False, v.verdict, definitive=v.gone, restarts=not self._kubelet_down)
             return False
         if result.ok and result.identity != p.identity:
             if p.known:
@@ -662,13 +656,13 @@ class DevicePluginJudge:
                 quiet="another device plugin owns the socket: a restart of this one would only fight it",
             )
             return False
-        if not self._probe_failure_confirmed(name, p, result):
+        if not self._verdict_due(name, p, result):
             return False
         self._report_plugin(plugin, p, result)
         return False
 
-    def _probe_failure_confirmed(self, name: str, p: _PluginState, result: ProbeResult) -> bool:
-        """Whether the probe's outcome is a verdict yet. A plugin that answered fails liveness on a
+    def _verdict_due(self, name: str, p: _PluginState, result: ProbeResult) -> bool:
+        """Whether the probe's outcome is reported now. A plugin that answered fails liveness on a
         second failed probe, `drop_confirm` after the first, not the first: one stalled call would
         otherwise hold /healthz at 503 for a whole interval."""
         if result.ok or result.definitive:
