@@ -30,6 +30,8 @@ class Kind(enum.Enum):
 
 @dataclass(frozen=True)
 class CheckKey:
+    """A check's identity: its kind, and the resource (or DRA driver) it is about, if any."""
+
     kind: Kind
     resource: str = ""
 
@@ -40,6 +42,8 @@ class CheckKey:
 
 
 class Status(enum.Enum):
+    """A check's status: ok, failed, or pending (not passed since its last reset, within the grace)."""
+
     OK = "ok"
     FAILED = "failed"
     PENDING = "pending"
@@ -51,11 +55,15 @@ class Status(enum.Enum):
 
     @property
     def mark(self) -> str:
+        """The sign in a verbose view's `[+]`, `[-]`, `[~]`."""
         return {Status.OK: "+", Status.FAILED: "-", Status.PENDING: "~"}[self]
 
 
 @dataclass
 class Check:
+    """One check's verdict and what it rests on: the last raw outcome, whether it passed since its
+    last reset (the grace runs from that reset), and whether its failure fails liveness."""
+
     key: CheckKey
     status: Status
     reason: str
@@ -76,10 +84,12 @@ class Check:
 
     @property
     def name(self) -> str:
+        """The public spelling of its key."""
         return self.key.name
 
     @property
     def live_failed(self) -> bool:
+        """Failed, and a plugin restart is its remedy: it fails liveness (/healthz)."""
         return self.status is Status.FAILED and self.restarts
 
     @property
@@ -93,6 +103,9 @@ NO_RESTART = "a plugin restart would not mend it"
 
 
 class HealthState:
+    """Every check of the sidecar by name, settled against the grace: what /healthz (liveness) and
+    /readyz (readiness) answer, and each transition, told to `on_transition`."""
+
     def __init__(
         self,
         grace: float,
@@ -187,6 +200,7 @@ class HealthState:
         return min(deadlines, default=None)
 
     def grace_left(self, check: Check) -> float:
+        """Seconds of grace left since the check's last reset (0 once it ran out)."""
         return max(0.0, check.reset_at + self.grace - self.clock())
 
     def healthy(self, exclude: Iterable[str] = ()) -> bool:
@@ -208,6 +222,7 @@ class HealthState:
 
     @property
     def not_ok(self) -> set[str]:
+        """The checks that fail readiness: failed or pending."""
         return set(self._not_ok)
 
     def _settle(self, check: Check, reason: str) -> None:

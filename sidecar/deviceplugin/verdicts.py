@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from hami_guard.flags import ANY_DEVICES, DeviceExpectation, Expect, PluginSpec
 from hami_guard.node.unixdiag import Owner
@@ -103,6 +103,7 @@ def socket_found_instead(plugins: Iterable[PluginSpec], plugin: PluginSpec, foun
 
 
 def seen_others(p: _PluginState) -> list[tuple[str, SocketId]]:
+    """The other sockets served in the folder last round, as (file name, identity), by name."""
     return sorted((p.others or {}).items())
 
 
@@ -149,7 +150,8 @@ class Rules:
 
 @dataclass(frozen=True)
 class PluginEvidence:
-    """One probe round's view of one plugin."""
+    """One probe round's view of one plugin: the probe of its socket, the socket file after it, and the
+    kubelet's connections to the listener serving that file."""
 
     probe: ProbeResult
     identity_after: SocketId | None  # the socket file right after the probe (replaced while probed?)
@@ -163,6 +165,9 @@ class PluginEvidence:
 
 @dataclass(frozen=True)
 class RoundEvidence:
+    """One probe round's observations of the node: kubelet.sock, each plugin's socket, the kubelet's
+    checkpoint and pod-resources, and the host's devices."""
+
     kubelet: ProbeResult
     plugins: Mapping[str, PluginEvidence]  # by resource
     checkpoint: Reading[Checkpoint]
@@ -187,18 +192,37 @@ class AfterDeletion:
 class Listener(Protocol):
     """What the wiring publishes (metrics, logs) as the verdicts change."""
 
-    def attempt_opened(self, resource: str) -> None: ...
-    def attempt_closed(self, resource: str, latency: float | None) -> None: ...
-    def kubelet_restarted(self) -> None: ...
-    def transition(self, check: Check, old: Status) -> None: ...
-    def restart_requested(self, resource: str) -> None: ...
-    def budget(self, resource: str, spent: bool) -> None: ...
-    def devices(self, resource: str, counts: Mapping[str, int]) -> None: ...
-    def connected(self, resource: str, count: int | None) -> None: ...
+    def attempt_opened(self, resource: str) -> None:
+        """A registration cycle opened (a new plugin socket, a kubelet restart)."""
+
+    def attempt_closed(self, resource: str, latency: float | None) -> None:
+        """A registration cycle closed: registered after `latency` seconds, or (None) not within the
+        grace."""
+
+    def kubelet_restarted(self) -> None:
+        """A restart (or stop) of a kubelet seen answering before."""
+
+    def transition(self, check: Check, old: Status) -> None:
+        """A check changed status, or whether it fails liveness."""
+
+    def restart_requested(self, resource: str) -> None:
+        """Liveness failed for the plugin: a restart of it is asked for (the livenessProbe's)."""
+
+    def budget(self, resource: str, spent: bool) -> None:
+        """The plugin's restart budget took effect as spent, or was restored."""
+
+    def devices(self, resource: str, counts: Mapping[str, int]) -> None:
+        """The healthy physical devices counted this round, by source (only current counts)."""
+
+    def connected(self, resource: str, count: int | None) -> None:
+        """The kubelet's open connections to the plugin's socket; None: not known."""
 
 
 @dataclass
 class Attempt:
+    """A registration cycle: from a new plugin socket or a kubelet restart until the kubelet holds the
+    plugin and has recorded its device list (the checkpoint or pod-resources), or `registered:` fails."""
+
     resource: str
     cause: str
     opened_wall: float
@@ -207,6 +231,7 @@ class Attempt:
     latency: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        """As /status shows it."""
         return {
             "resource": self.resource,
             "cause": self.cause,
@@ -226,6 +251,41 @@ class _Conn:
     refused: bool = False  # stayed unrecorded past its confirmation: a later write is another stream's
 
 
+class _Pair(NamedTuple):
+    """The plugin's socket file and kubelet.sock as one round saw them: a registration holds for a pair."""
+
+    plugin: SocketId | None
+    kubelet: SocketId | None
+
+
+@dataclass(frozen=True)
+class _Held:
+    """Whether the kubelet holds the plugin now: the `registered:` verdict of one round."""
+
+    held: bool | None  # None: a lost connection, or newer evidence against a held one, awaits confirmation
+    why: str = ""
+    definitive: bool = False  # no waiting mends it: it fails at once, grace or not
+    mends: bool = True  # a plugin restart can register it again
+
+
+_UNCONFIRMED = _Held(None)  # judged again once the confirmation is due (`wake_at`)
+
+
+class _Wanted(NamedTuple):
+    """The minimum of healthy devices the devices check wants, and where it comes from."""
+
+    minimum: int
+    why: str
+
+
+@dataclass(frozen=True)
+class _Vanished:
+    """The verdict on a plugin socket that vanished, kept while the socket stays missing."""
+
+    verdict: str
+    gone: bool  # the plugin stopped serving (not a kubelet restart's cleanup): it fails at once
+
+
 @dataclass
 class _PluginState:
     """What the verdicts remember of one plugin."""
@@ -234,12 +294,12 @@ class _PluginState:
     kubelet_then: SocketId | None = None  # kubelet.sock as last seen answering when `identity` was set
     known: bool = False  # seen at all since start
     judging: bool = False  # a deleted socket awaits its verdict
-    vanished: tuple[str, bool] | None = None  # a vanished socket's verdict; whether the plugin is gone
-    connected_pair: tuple[SocketId | None, SocketId | None] | None = None  # (plugin, kubelet) seen held
+    vanished: _Vanished | None = None  # a vanished socket's verdict
+    connected_pair: _Pair | None = None  # seen held
     connected_since: float | None = None  # wall
     # The connections of the held pair by inode, and which one carries the kubelet's registration.
     conns: dict[int, _Conn] = field(default_factory=dict)
-    conns_pair: tuple[SocketId | None, SocketId | None] | None = None
+    conns_pair: _Pair | None = None
     registered_conn: int | None = None
     refused: bool = False  # the kubelet refused a later Register of the held pair (1.37): until a new pair
     contradicted_at: float | None = None  # monotonic: newer evidence first said the held pair is gone
@@ -266,7 +326,9 @@ CHECKPOINT = CheckKey(Kind.CHECKPOINT)
 
 
 class DevicePluginJudge:
-    """The node's registration state: kubelet restarts, plugin crashes, registration cycles."""
+    """Whether the kubelet holds each configured device plugin, from the folder's events and each
+    probe round: the checks `kubelet`, `checkpoint`, `plugin:`, `registered:` and `devices:`, the
+    kubelet restarts, the registration cycles and each plugin's restart budget (docs/design.md)."""
 
     def __init__(
         self,
@@ -303,9 +365,11 @@ class DevicePluginJudge:
         return self._by_socket.get(socket)
 
     def plugin_for(self, resource: str) -> PluginSpec:
+        """The configured plugin of `resource`."""
         return next(p for p in self.rules.plugins if p.resource == resource)
 
     def devices(self) -> dict[str, dict[str, int]]:
+        """Per resource: the healthy physical devices last counted, by source."""
         return {r: dict(p.devices) for r, p in self._plugins.items()}
 
     def registration(self) -> dict[str, dict[str, Any]]:
@@ -342,6 +406,7 @@ class DevicePluginJudge:
 
     # -- folder events ------------------------------------------------------------------
     def folder_gone(self) -> None:
+        """The device-plugins folder was removed: a kubelet restart (or stop) is under way."""
         self._kubelet_gone("the device-plugins folder was removed")
 
     def kubelet_socket_event(self, kind: str, current: SocketId | None) -> None:
@@ -419,7 +484,7 @@ class DevicePluginJudge:
                 f"{plugin.socket} was removed while the kubelet kept running: the plugin stopped serving"
             )
         # A plugin gone is not a registration under way: it fails at once, grace or not.
-        p.vanished = (verdict, not restart)
+        p.vanished = _Vanished(verdict, gone=not restart)
         self.state.report(name, False, verdict, definitive=not restart, restarts=not self._kubelet_down)
         return False
 
@@ -564,15 +629,14 @@ class DevicePluginJudge:
             return False  # the deleted socket's verdict is being reached
         if result.ok and obs.identity_after != result.identity:
             return False  # removed or replaced while probed: its events decide
-        if result.state == "absent":
-            if self.state.checks[name].status is Status.OK:
-                # Gone since the last round, and its deletion event is not here yet: the same verdict.
-                p.judging = True
-                return True
-            if p.vanished is not None:
-                verdict, gone = p.vanished  # keep the verdict and its why
-                self.state.report(name, False, verdict, definitive=gone, restarts=not self._kubelet_down)
-                return False
+        if result.state == "absent" and self.state.checks[name].status is Status.OK:
+            # Gone since the last round, and its deletion event is not here yet: the same verdict.
+            p.judging = True
+            return True
+        if result.state == "absent" and p.vanished is not None:
+            v = p.vanished  # keep the verdict and its why
+            self.state.report(name, False, v.verdict, definitive=v.gone, restarts=not self._kubelet_down)
+            return False
         if result.ok and result.identity != p.identity:
             if p.known:
                 self.plugin_socket_created(plugin.resource, result.identity)  # seen before its event
@@ -592,16 +656,27 @@ class DevicePluginJudge:
                 quiet="another device plugin owns the socket: a restart of this one would only fight it",
             )
             return False
+        if not self._verdict_due(name, p, result):
+            return False
+        self._report_plugin(plugin, p, result)
+        return False
+
+    def _verdict_due(self, name: str, p: _PluginState, result: ProbeResult) -> bool:
+        """Whether the probe's outcome is reported now. A plugin that answered fails liveness on a
+        second failed probe, `drop_confirm` after the first, not the first: one stalled call would
+        otherwise hold /healthz at 503 for a whole interval."""
         if result.ok or result.definitive:
             p.failed_at = None
         elif self.state.checks[name].status is Status.OK:
-            # A plugin that answered fails liveness on a second failed probe, not the first: one
-            # stalled call would otherwise hold /healthz at 503 for a whole interval.
             now = self.clock()
             if p.failed_at is None:
                 p.failed_at = now
             if now - p.failed_at < self.rules.drop_confirm:
                 return False
+        return True
+
+    def _report_plugin(self, plugin: PluginSpec, p: _PluginState, result: ProbeResult) -> None:
+        """Report the probe's outcome, with whether a plugin restart mends it and, if not, why not."""
         # While the kubelet is away its cleanup explains a missing socket: a restart would not help.
         restarts = not (self._kubelet_down and result.state == "absent")
         reason, quiet = result.reason, ""
@@ -623,7 +698,7 @@ class DevicePluginJudge:
                     f"{plugin.socket} back"
                 )
         self.state.report(
-            name,
+            CheckKey(Kind.PLUGIN, plugin.resource).name,
             result.ok,
             reason,
             result.latency,
@@ -631,7 +706,6 @@ class DevicePluginJudge:
             restarts=restarts,
             quiet=quiet,
         )
-        return False
 
     def _watch_others(self, plugin: PluginSpec, seen: RoundEvidence) -> None:
         """A restart in vain: the plugin failed liveness for a socket it never served, and a socket came
@@ -667,9 +741,10 @@ class DevicePluginJudge:
                 name, False, why, restarts=False, quiet="a kubelet restart: HAMi registers again by itself"
             )
             return
-        held, why, definitive, mends = self._held(plugin, p, obs, seen)
-        if held is None:
+        verdict = self._held(plugin, p, obs, seen)
+        if verdict.held is None:
             return  # a lost connection, or newer evidence against a held one, waits for its confirmation
+        held, why = verdict.held, verdict.why
         if held:
             p.episode = False
             self._restore_budget(r, "registered again")
@@ -678,7 +753,7 @@ class DevicePluginJudge:
         # Restarting the plugin registers it again, unless the kubelet cannot take it or the plugin is
         # not serving (its own check says so) or restarts have already failed to help.
         restarts = (
-            mends
+            verdict.mends
             and seen.kubelet.verified
             and obs.probe.ok
             and obs.owner != "elsewhere"
@@ -687,7 +762,12 @@ class DevicePluginJudge:
         if not held and p.budget_spent:
             why = f"{why}; restart budget spent: {RESTART_BUDGET} plugin restarts did not register it"
         self.state.report(
-            name, held, why, definitive=definitive, restarts=restarts, quiet=self._quiet(plugin, obs, seen)
+            name,
+            held,
+            why,
+            definitive=verdict.definitive,
+            restarts=restarts,
+            quiet=self._quiet(plugin, obs, seen),
         )
 
     def _quiet(self, plugin: PluginSpec, obs: PluginEvidence, seen: RoundEvidence) -> str:
@@ -708,108 +788,107 @@ class DevicePluginJudge:
             return f"restart budget spent: {p.restarts_in_vain} plugin restarts did not register it"
         return ""
 
-    def _held(
-        self, plugin: PluginSpec, p: _PluginState, obs: PluginEvidence, seen: RoundEvidence
-    ) -> tuple[bool | None, str, bool, bool]:
-        """Does the kubelet hold the plugin now? (held, why, whether waiting cannot mend it, whether a
-        plugin restart can). The precedence is docs/design.md#registration's."""
-        r, sock = plugin.resource, plugin.socket
+    def _held(self, plugin: PluginSpec, p: _PluginState, obs: PluginEvidence, seen: RoundEvidence) -> _Held:
+        """Does the kubelet hold the plugin now? The precedence is docs/design.md#registration's: its
+        connections where they can be seen (rule 1), else pod-resources and the checkpoint (2, 3)."""
         conns = obs.connections.value
-        self.listener.connected(r, conns)
-        pair = (obs.identity_after, self._kubelet_id)
+        self.listener.connected(plugin.resource, conns)
         if conns is not None:
-            # Once held, this pair of sockets stays accepted while connected: freshness compares file
-            # times, which a clock step or a `touch` can reorder.
-            accepted = 0 if p.connected_pair == pair else self._accepted(r, seen, obs)
-            if unrecorded_connection(conns, seen.checkpoint.value, accepted):
-                # A connection with no device list recorded since this socket was made is no
-                # registration: a Register under way, or a dial the kubelet kept after refusing the
-                # Register (seen with the real kubelet in the state of kubernetes PR 139338).
-                p.lost_at = None
-                return (
-                    False,
-                    f"the kubelet is connected to {sock} but has recorded no device list from it since "
-                    "the socket was created (a Register under way, or refused)",
-                    False,
-                    True,
-                )
-            if conns > 0 and p.connected_pair == pair:
-                against = self._newer_evidence(plugin, p, obs, seen, pair)
-                if against is not None:
-                    why, mends = against
-                    if not why:
-                        return None, "", False, True  # to be confirmed
-                    p.lost_at = None
-                    return False, why, True, mends
-            if conns > 0:
-                if p.connected_pair != pair:
-                    p.connected_pair, p.connected_since = pair, self.wall()
-                    self._track(p, pair, obs.connection_ids, seen.checkpoint.value, r)
-                p.lost_at = None
-                return (
-                    True,
-                    f"the kubelet holds a connection to {sock}{self._device_note(r, seen)}",
-                    False,
-                    True,
-                )
-            if p.connected_pair == pair and obs.probe.ok:
-                # It held this plugin and let go while both sockets stayed: a drop, which no waiting
-                # mends (kubernetes issues 121994, 131013). Confirmed once, so that a kubelet on its
-                # way out (it disconnects before its socket goes) is not taken for one.
-                now = self.clock()
-                if p.lost_at is None:
-                    p.lost_at = now
-                if now - p.lost_at < self.rules.drop_confirm:
-                    return None, "", False, True
-                since = iso(p.connected_since) if p.connected_since else "?"
-                if p.refused and p.conns_pair == pair:
-                    # The connections a refusal left open closed (grpc-go's idle timeout): the path is
-                    # still refused, so a plugin restart would still not mend it.
-                    return (
-                        False,
-                        f"the kubelet is no longer connected to {sock} (held it from {since}) and refused "
-                        "its later Register: the path is refused until the kubelet restarts",
-                        True,
-                        False,
-                    )
-                return (
-                    False,
-                    f"the kubelet is no longer connected to {sock} (held it from {since}): it dropped the "
-                    "plugin, which keeps serving; a plugin restart registers it again",
-                    True,
-                    True,
-                )
-            p.lost_at = None
-            return (
-                False,
-                f"the kubelet holds no connection to {sock}: {self._not_held(r, seen, obs)}",
-                False,
-                True,
-            )
+            return self._held_by_connections(plugin, p, obs, seen, conns)
         # No view of the kubelet's connections: pod-resources is live, the checkpoint is history.
         p.lost_at = None
+        return self._held_by_records(plugin.resource, obs, seen)
+
+    def _held_by_connections(
+        self, plugin: PluginSpec, p: _PluginState, obs: PluginEvidence, seen: RoundEvidence, conns: int
+    ) -> _Held:
+        """Rule 1: the kubelet's connections to the listener that owns the plugin's socket file now."""
+        r, sock = plugin.resource, plugin.socket
+        pair = _Pair(obs.identity_after, self._kubelet_id)
+        held_before = p.connected_pair == pair
+        # Once held, this pair of sockets stays accepted while connected: freshness compares file
+        # times, which a clock step or a `touch` can reorder.
+        accepted = 0 if held_before else self._accepted(r, seen, obs)
+        if unrecorded_connection(conns, seen.checkpoint.value, accepted):
+            # A connection with no device list recorded since this socket was made is no
+            # registration: a Register under way, or a dial the kubelet kept after refusing the
+            # Register (seen with the real kubelet in the state of kubernetes PR 139338).
+            p.lost_at = None
+            return _Held(
+                False,
+                f"the kubelet is connected to {sock} but has recorded no device list from it since "
+                "the socket was created (a Register under way, or refused)",
+            )
+        if conns > 0 and held_before:
+            against = self._newer_evidence(plugin, p, obs, seen, pair)  # rules 1.1 to 1.4
+            if against is not None:
+                if against.held is not None:
+                    p.lost_at = None
+                return against
+        if conns > 0:
+            if not held_before:
+                p.connected_pair, p.connected_since = pair, self.wall()
+                self._track(p, pair, obs.connection_ids, seen.checkpoint.value, r)
+            p.lost_at = None
+            return _Held(True, f"the kubelet holds a connection to {sock}{self._device_note(r, seen)}")
+        if held_before and obs.probe.ok:
+            return self._dropped(sock, p, pair)
+        p.lost_at = None
+        return _Held(False, f"the kubelet holds no connection to {sock}: {self._not_held(r, seen, obs)}")
+
+    def _dropped(self, sock: str, p: _PluginState, pair: _Pair) -> _Held:
+        """Rule 1, no connection left to a pair of sockets seen held: a drop, once confirmed.
+
+        It held this plugin and let go while both sockets stayed: a drop, which no waiting mends
+        (kubernetes issues 121994, 131013). Confirmed once, `drop_confirm` later, so that a kubelet
+        on its way out (it disconnects before its socket goes) is not taken for one.
+        """
+        now = self.clock()
+        if p.lost_at is None:
+            p.lost_at = now
+        if now - p.lost_at < self.rules.drop_confirm:
+            return _UNCONFIRMED
+        since = iso(p.connected_since) if p.connected_since else "?"
+        if p.refused and p.conns_pair == pair:
+            # The connections a refusal left open closed (grpc-go's idle timeout): the path is
+            # still refused, so a plugin restart would still not mend it.
+            return _Held(
+                False,
+                f"the kubelet is no longer connected to {sock} (held it from {since}) and refused "
+                "its later Register: the path is refused until the kubelet restarts",
+                definitive=True,
+                mends=False,
+            )
+        return _Held(
+            False,
+            f"the kubelet is no longer connected to {sock} (held it from {since}): it dropped the "
+            "plugin, which keeps serving; a plugin restart registers it again",
+            definitive=True,
+        )
+
+    def _held_by_records(self, r: str, obs: PluginEvidence, seen: RoundEvidence) -> _Held:
+        """Rules 2 and 3, where the kubelet's connections cannot be seen: pod-resources (live) listing
+        the resource's devices, else the checkpoint (history) dating an acceptance."""
         live = seen.pod_resources.value
         if live is not None and live.get(r):
-            return True, f"pod-resources lists {len(live[r])} device(s) of {r}", False, True
+            return _Held(True, f"pod-resources lists {len(live[r])} device(s) of {r}")
         accepted = self._accepted(r, seen, obs)
         if accepted is None:
-            return False, f"{self._not_held(r, seen, obs)} ({obs.connections.error})", False, True
+            return _Held(False, f"{self._not_held(r, seen, obs)} ({obs.connections.error})")
         if live is not None and accepted:
-            return (
+            return _Held(
                 False,
                 f"pod-resources lists no device of {r} although the kubelet recorded {accepted} healthy: "
                 "it dropped the plugin",
-                False,
-                True,
             )
         # `[]` in a fresh checkpoint: registered with no healthy device, or dropped; a restart would not
         # make a registered plugin more registered, so this passes, saying what cannot be told.
-        return True, f"the kubelet accepted the plugin ({accepted} healthy device(s) recorded)", False, True
+        return _Held(True, f"the kubelet accepted the plugin ({accepted} healthy device(s) recorded)")
 
     def _track(
         self,
         p: _PluginState,
-        pair: tuple[SocketId | None, SocketId | None],
+        pair: _Pair,
         ids: frozenset[int] | None,
         cp: Checkpoint | None,
         r: str,
@@ -836,6 +915,12 @@ class DevicePluginJudge:
             p.conns[i] = _Conn(now, self._checkpoint_mtime, False)
         for i in p.conns.keys() - ids:
             del p.conns[i]
+        self._mark_recorded(p, cp, r)
+
+    @staticmethod
+    def _mark_recorded(p: _PluginState, cp: Checkpoint | None, r: str) -> None:
+        """The later connections the kubelet recorded a device list from since they came: the newest of
+        them carries the registration. One that came before any checkpoint was read cannot be told."""
         fresh = [
             (c.first_seen, i)
             for i, c in p.conns.items()
@@ -862,82 +947,102 @@ class DevicePluginJudge:
         p: _PluginState,
         obs: PluginEvidence,
         seen: RoundEvidence,
-        pair: tuple[SocketId | None, SocketId | None],
-    ) -> tuple[str, bool] | None:
+        pair: _Pair,
+    ) -> _Held | None:
         """What, newer than the connection that made this pair held, says the kubelet no longer holds
-        the plugin: (why, whether a plugin restart mends it); ("", True) while it awaits its
-        confirmation; None when nothing does.
+        the plugin (docs/design.md#registration, 1.1 to 1.4, the first that applies): a verdict that
+        fails at once, `_UNCONFIRMED` while it awaits its confirmation, None when nothing does.
 
-        In order: a later connection the kubelet recorded no device list from (it refused a second
-        Register: 1.37 keeps the first stream but forgets its client, and refuses the path until it
-        restarts, so no plugin restart helps); the connection that carried the registration closed
-        while older ones stay (up to 1.36, the end of an older stream disconnects the newest client:
-        the older connections carry no stream); pod-resources listing none of the resource that a
-        checkpoint written since the plugin's socket was created records healthy (the kubelet
-        marked the devices unhealthy itself, which it does only when it drops the plugin); a
-        checkpoint rewritten since without the resource. Those last three are confirmed once,
-        `drop_confirm` later, as a lost connection is: the kubelet changes its live view a moment
-        before it rewrites the checkpoint, and a stopping kubelet closes its clients before its
-        socket goes.
+        1.1 (`_refused_register`) no plugin restart mends: the kubelet refuses the path until it
+        restarts. 1.2 to 1.4 (`_drop_evidence`) are drops, confirmed once, `drop_confirm` later, as a
+        lost connection is: the kubelet changes its live view a moment before it rewrites the
+        checkpoint, and a stopping kubelet closes its clients before its socket goes.
         """
-        r, sock = plugin.resource, plugin.socket
-        cp = seen.checkpoint.value
         now = self.clock()
-        self._track(p, pair, obs.connection_ids, cp, r)
-        unrecorded = [c for c in p.conns.values() if not c.recorded]
-        if unrecorded:
-            first = min(c.first_seen for c in unrecorded)
-            if now - first < self.rules.drop_confirm:
-                return "", True
-            # An accepted Register records its list within milliseconds; one still unrecorded stays
-            # refused while it stays open: the stream the kubelet kept rewrites the checkpoint too, and
-            # would pass for it. (A connection that closes, a probe's that lingered, ends the verdict.)
-            for c in unrecorded:
-                c.refused = True
-            p.refused = True
-            return (
-                f"the kubelet opened {len(unrecorded)} more connection(s) to {sock} (a second Register) "
-                "and recorded no device list since: it refused that Register (Kubernetes 1.37: device "
-                "plugin already connected), which also forgets the stream it holds; that stream's end "
-                "goes unnoticed and the path is refused until the kubelet restarts, so a plugin restart "
-                "would not mend it",
-                False,
-            )
-        why = ""
-        ids = obs.connection_ids
-        if p.registered_conn is not None and ids is not None and p.registered_conn not in ids:
-            why = (
-                f"the kubelet closed the connection to {sock} that carried its registration and keeps "
-                f"{len(ids)} older one(s) with no stream (an earlier stream's end disconnected the newest "
-                "Register): it dropped the plugin, which keeps serving; a plugin restart registers it again"
-            )
-        live = seen.pod_resources.value
-        accepted = self._accepted(r, seen, obs)
-        if not why and live is not None and not live.get(r) and accepted:
-            why = (
-                f"pod-resources lists no device of {r} although the kubelet's checkpoint, written since "
-                f"{sock} was created, records {accepted} healthy: the kubelet dropped the plugin (its "
-                "connection carries no stream); a plugin restart registers it again"
-            )
-        if (
-            not why
-            and cp is not None
-            and cp.devices(r) is None
-            and pair[0] is not None
-            and cp.mtime_ns >= max(pair[0].mtime_ns, pair[1].mtime_ns if pair[1] else 0)
-        ):
-            why = (
-                f"the kubelet's checkpoint, rewritten since {sock} was created, no longer lists {r}: it "
-                "dropped the plugin; a plugin restart registers it again"
-            )
+        self._track(p, pair, obs.connection_ids, seen.checkpoint.value, plugin.resource)
+        refused = self._refused_register(plugin.socket, p, now)
+        if refused is not None:
+            return refused
+        why = self._drop_evidence(plugin, p, obs, seen, pair)
         if not why:
             p.contradicted_at = None
             return None
         if p.contradicted_at is None:
             p.contradicted_at = now
         if now - p.contradicted_at < self.rules.drop_confirm:
-            return "", True
-        return why, True
+            return _UNCONFIRMED
+        return _Held(False, why, definitive=True)
+
+    def _refused_register(self, sock: str, p: _PluginState, now: float) -> _Held | None:
+        """Rule 1.1: a later connection the kubelet recorded no device list from within `drop_confirm`.
+
+        It refused a second Register: 1.37 keeps the first stream but forgets its client, and refuses
+        the path until it restarts, so no plugin restart helps. `_UNCONFIRMED` while every such
+        connection came less than `drop_confirm` ago; None when there is none.
+        """
+        unrecorded = [c for c in p.conns.values() if not c.recorded]
+        if not unrecorded:
+            return None
+        first = min(c.first_seen for c in unrecorded)
+        if now - first < self.rules.drop_confirm:
+            return _UNCONFIRMED
+        # An accepted Register records its list within milliseconds; one still unrecorded stays
+        # refused while it stays open: the stream the kubelet kept rewrites the checkpoint too, and
+        # would pass for it. (A connection that closes, a probe's that lingered, ends the verdict.)
+        for c in unrecorded:
+            c.refused = True
+        p.refused = True
+        return _Held(
+            False,
+            f"the kubelet opened {len(unrecorded)} more connection(s) to {sock} (a second Register) "
+            "and recorded no device list since: it refused that Register (Kubernetes 1.37: device "
+            "plugin already connected), which also forgets the stream it holds; that stream's end "
+            "goes unnoticed and the path is refused until the kubelet restarts, so a plugin restart "
+            "would not mend it",
+            definitive=True,
+            mends=False,
+        )
+
+    def _drop_evidence(
+        self, plugin: PluginSpec, p: _PluginState, obs: PluginEvidence, seen: RoundEvidence, pair: _Pair
+    ) -> str:
+        """Rules 1.2 to 1.4: why the kubelet dropped the held plugin, by the first that applies; "" when
+        none does."""
+        r, sock = plugin.resource, plugin.socket
+        ids = obs.connection_ids
+        if p.registered_conn is not None and ids is not None and p.registered_conn not in ids:
+            # 1.2: the connection that carried the registration closed while older ones stay (up to
+            # 1.36, the end of an older stream disconnects the newest client: the older connections
+            # carry no stream).
+            return (
+                f"the kubelet closed the connection to {sock} that carried its registration and keeps "
+                f"{len(ids)} older one(s) with no stream (an earlier stream's end disconnected the newest "
+                "Register): it dropped the plugin, which keeps serving; a plugin restart registers it again"
+            )
+        live = seen.pod_resources.value
+        accepted = self._accepted(r, seen, obs)
+        if live is not None and not live.get(r) and accepted:
+            # 1.3: pod-resources lists none of the resource that a checkpoint written since the
+            # plugin's socket was created records healthy (the kubelet marked the devices unhealthy
+            # itself, which it does only when it drops the plugin).
+            return (
+                f"pod-resources lists no device of {r} although the kubelet's checkpoint, written since "
+                f"{sock} was created, records {accepted} healthy: the kubelet dropped the plugin (its "
+                "connection carries no stream); a plugin restart registers it again"
+            )
+        cp = seen.checkpoint.value
+        if (
+            cp is not None
+            and cp.devices(r) is None
+            and pair.plugin is not None
+            and cp.mtime_ns >= max(pair.plugin.mtime_ns, pair.kubelet.mtime_ns if pair.kubelet else 0)
+        ):
+            # 1.4: a checkpoint rewritten since both sockets were created without the resource.
+            return (
+                f"the kubelet's checkpoint, rewritten since {sock} was created, no longer lists {r}: it "
+                "dropped the plugin; a plugin restart registers it again"
+            )
+        return ""
 
     def _recorded(self, r: str, seen: RoundEvidence, obs: PluginEvidence) -> bool:
         """The kubelet has the plugin's first ListAndWatch answer: the end of the latency SLI."""
@@ -962,6 +1067,17 @@ class DevicePluginJudge:
         """Healthy physical devices the kubelet lists now; a stale checkpoint's count is never one."""
         r = plugin.resource
         p = self._plugins[r]
+        counts = self._device_counts(r, seen)
+        self.listener.devices(r, counts)
+        p.devices = counts
+        expect = self.rules.expect_devices
+        if expect.kind is Expect.OFF:
+            return  # opted out: a node where no healthy device is normal
+        self._judge_devices(r, counts, self._wanted(expect, seen))
+
+    def _device_counts(self, r: str, seen: RoundEvidence) -> dict[str, int]:
+        """The counts by source: pod-resources (live), a checkpoint written since the answering
+        kubelet.sock was created (none while the kubelet restarts), and the host's device nodes."""
         counts: dict[str, int] = {}
         live = seen.pod_resources.value
         if live is not None:
@@ -978,13 +1094,13 @@ class DevicePluginJudge:
             counts["checkpoint"] = len(physical_devices(devices))
         if seen.host_devices is not None:
             counts["host"] = seen.host_devices
-        self.listener.devices(r, counts)
-        p.devices = counts
-        expect = self.rules.expect_devices
-        if expect.kind is Expect.OFF:
-            return  # opted out: a node where no healthy device is normal
+        return counts
+
+    def _judge_devices(self, r: str, counts: Mapping[str, int], wanted: _Wanted) -> None:
+        """The devices check: the kubelet lists at least the healthy devices wanted, by pod-resources,
+        else by the checkpoint."""
         name = CheckKey(Kind.DEVICES, r).name
-        want, why_want = self._wanted(expect, seen)
+        want = wanted.minimum
         source = "pod-resources" if "pod_resources" in counts else "checkpoint"
         have = counts.get("pod_resources", counts.get("checkpoint"))
         # Devices are a readiness question: a plugin restart does not make a GPU healthy.
@@ -996,33 +1112,33 @@ class DevicePluginJudge:
             )
         elif have >= want:
             self.state.report(
-                name, True, f"the kubelet lists {have} (want {want}: {why_want})", restarts=False
+                name, True, f"the kubelet lists {have} (want {want}: {wanted.why})", restarts=False
             )
         else:
             self.state.report(
                 name,
                 False,
-                f"the kubelet lists {have} healthy device(s) by {source}, {want} expected ({why_want})",
+                f"the kubelet lists {have} healthy device(s) by {source}, {want} expected ({wanted.why})",
                 restarts=False,
                 quiet=quiet,
             )
 
-    def _wanted(self, expect: DeviceExpectation, seen: RoundEvidence) -> tuple[int, str]:
+    def _wanted(self, expect: DeviceExpectation, seen: RoundEvidence) -> _Wanted:
         """The minimum of healthy devices, and where it comes from."""
         if expect.kind is Expect.ANY:
-            return (
+            return _Wanted(
                 1,
                 "a registered plugin with no healthy device is not ready; --expect-devices 0 opts out",
             )
         if expect.kind is not Expect.AUTO:
-            return expect.count, "--expect-devices"
+            return _Wanted(expect.count, "--expect-devices")
         if seen.expectation is not None:
             e = seen.expectation
             # Every GPU filtered: HAMi registers none, and none is right; no device node: at least one.
-            return (e.want if e.host else 1), f"--expect-devices auto: {e.summary()}"
+            return _Wanted((e.want if e.host else 1), f"--expect-devices auto: {e.summary()}")
         if seen.host_devices:
-            return seen.host_devices, f"--expect-devices auto: {self.rules.device_glob} on the host"
-        return 1, f"--expect-devices auto: no {self.rules.device_glob} on the host; at least one"
+            return _Wanted(seen.host_devices, f"--expect-devices auto: {self.rules.device_glob} on the host")
+        return _Wanted(1, f"--expect-devices auto: no {self.rules.device_glob} on the host; at least one")
 
     # -- transitions -------------------------------------------------------------------------------
     def refresh(self) -> float | None:
@@ -1032,40 +1148,52 @@ class DevicePluginJudge:
     def _on_transition(self, check: Check, old: Status) -> None:
         r = check.key.resource
         if check.status is Status.FAILED and check.key.kind is Kind.REGISTERED:
-            r = check.key.resource
-            p = self._plugins[r]
-            self._close_attempt(r, registered=False)
-            if p.budget_spent and not p.budget_announced:
-                # Said when it takes effect: the failure after the last restart, not that restart.
-                p.budget_announced = True
-                logger.warning(
-                    "restart budget spent for %s: %d plugin restarts did not bring registration back; "
-                    "liveness no longer fails for it until it registers or the kubelet restarts (this node "
-                    "needs a person)",
-                    r,
-                    RESTART_BUDGET,
-                )
-                self.listener.budget(r, True)
-            if check.live_failed and not p.episode:
-                p.episode = True
-                self.listener.restart_requested(check.key.resource)
+            self._registration_failed(check)
         elif check.status is Status.FAILED and check.key.kind is Kind.PLUGIN and not self._plugins[r].served:
-            p = self._plugins[r]
-            if check.live_failed:
-                self.listener.restart_requested(r)  # for a socket it never served
-            elif p.budget_spent and not p.budget_announced:
-                p.budget_announced = True
-                logger.warning(
-                    "restart budget spent for %s: %d plugin restarts did not bring %s back%s; liveness no "
-                    "longer fails for it until it registers (this node needs a person)",
-                    r,
-                    p.restarts_in_vain,
-                    self.plugin_for(r).socket,
-                    f" (it serves {p.found})" if p.found else "",
-                )
-                self.listener.budget(r, True)
+            self._never_served_failed(check)
         self.listener.transition(check, old)
+
+    def _registration_failed(self, check: Check) -> None:
+        """`registered:` failed: the cycle closes unregistered, and a liveness failure opens an episode
+        (the plugin restart it asks for is then one in vain, until registration is seen)."""
+        r = check.key.resource
+        p = self._plugins[r]
+        self._close_attempt(r, registered=False)
+        if p.budget_spent and not p.budget_announced:
+            # Said when it takes effect: the failure after the last restart, not that restart.
+            p.budget_announced = True
+            logger.warning(
+                "restart budget spent for %s: %d plugin restarts did not bring registration back; "
+                "liveness no longer fails for it until it registers or the kubelet restarts (this node "
+                "needs a person)",
+                r,
+                RESTART_BUDGET,
+            )
+            self.listener.budget(r, True)
+        if check.live_failed and not p.episode:
+            p.episode = True
+            self.listener.restart_requested(r)
+
+    def _never_served_failed(self, check: Check) -> None:
+        """`plugin:` failed for a socket the plugin never served since start: a restart is asked for,
+        until the budget is spent."""
+        r = check.key.resource
+        p = self._plugins[r]
+        if check.live_failed:
+            self.listener.restart_requested(r)  # for a socket it never served
+        elif p.budget_spent and not p.budget_announced:
+            p.budget_announced = True
+            logger.warning(
+                "restart budget spent for %s: %d plugin restarts did not bring %s back%s; liveness no "
+                "longer fails for it until it registers (this node needs a person)",
+                r,
+                p.restarts_in_vain,
+                self.plugin_for(r).socket,
+                f" (it serves {p.found})" if p.found else "",
+            )
+            self.listener.budget(r, True)
 
 
 def iso(ts: float) -> str:
+    """A wall-clock time as UTC ISO 8601, to the millisecond."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"

@@ -72,6 +72,7 @@ class Info:
 
     @property
     def ok(self) -> bool:
+        """GetInfo answered (for whichever driver and type: the verdict checks those)."""
         return self.kind == "ok"
 
 
@@ -99,12 +100,15 @@ class Evidence:
 
 @dataclass(frozen=True)
 class Verdict:
+    """One check's verdict on a driver, with its reason, as the health state takes it whole."""
+
     status: Status
     reason: str
     restarts: bool = True  # a failure fails liveness
 
     @property
     def live_failed(self) -> bool:
+        """Failed, and a driver restart is its remedy: it fails liveness."""
         return self.status is Status.FAILED and self.restarts
 
 
@@ -127,6 +131,9 @@ class _Driver:
 
 @dataclass(frozen=True)
 class Judgement:
+    """One round's verdicts on a driver: `dra-plugin` (it answers GetInfo, its DRA service answers)
+    and `dra-registered` (the kubelet holds a connection to its service socket)."""
+
     plugin: Verdict
     registered: Verdict
     spell_started: float  # monotonic
@@ -147,7 +154,8 @@ def slices_note(ev: Evidence) -> str:
 
 
 class DraJudge:
-    """Verdicts for the configured drivers from each round's evidence."""
+    """Whether the kubelet holds each configured DRA driver, from each round's evidence: the grace
+    of each spell, hung drivers and services, and each driver's restart budget."""
 
     def __init__(
         self,
@@ -161,9 +169,12 @@ class DraJudge:
         self._d = {name: _Driver(since=now, plugin_since=now) for name in drivers}
 
     def restarts_in_vain(self, driver: str) -> int:
+        """Driver restarts in vain (a new instance after one that failed liveness for not being
+        registered), counted until the kubelet holds the driver again: the restart budget's count."""
         return self._d[driver].restarts_in_vain
 
     def judge(self, driver: str, ev: Evidence) -> Judgement:
+        """Judge one round's evidence of `driver`: a new spell first, then its two checks."""
         d = self._d[driver]
         now = self.clock()
         self._spells(d, ev, now)
