@@ -2,7 +2,7 @@
 
 Inputs are observations (folder events, probe results, the kubelet's connections, pod-resources,
 the checkpoint); outputs are the checks of a `HealthState` and the registration cycles. No I/O and
-no sleeping here: `sidecar.app` gathers the observations and calls in; the clock is injected.
+no sleeping here: `sidecar.deviceplugin.watch` gathers the observations and calls in; the clock is injected.
 The kubelet behaviour each rule rests on is in docs/kubelet.md (#registration, #kubelet-restart,
 #stream-end, #checkpoint, #live-connection, #known-bugs); the rules in docs/design.md.
 """
