@@ -31,7 +31,7 @@ def diagnose(settings: DoctorSettings) -> Report:
     internal error the command line reports in one line, not a traceback at import.
     """
     # After the flags: a broken grpc or psutil is an internal error said in one line, not a traceback.
-    from doctor import causes, evidence, repairs  # noqa: PLC0415, RUF100
+    from doctor import causes, evidence, repairs  # noqa: PLC0415
 
     found = asyncio.run(evidence.gather(settings))
     planned = repairs.plan(found)

@@ -295,7 +295,7 @@ def kubelet_process(name: str) -> KubeletProcess:
     if not process_visible(name):
         return KubeletProcess(False, f"no process named {name} is visible (run with hostPID)")
     # Imports psutil: here, so that a broken psutil costs this reader alone (said in the report's errors).
-    from hami_guard.node.kubelet import KubeletLookupError, listening_paths  # noqa: PLC0415, RUF100
+    from hami_guard.node.kubelet import KubeletLookupError, listening_paths  # noqa: PLC0415
 
     try:
         found = listening_paths(name)
@@ -327,7 +327,7 @@ def kubelet_version(pid: int, process: str) -> str | None:
 
 def sample_processes(name: str, interval: float) -> PluginProcesses:
     """Two samples of every process named `name`, `interval` seconds apart (blocks: run it in a thread)."""
-    import psutil  # noqa: PLC0415, RUF100  # here: a broken psutil costs this reader alone
+    import psutil  # noqa: PLC0415  # here: a broken psutil costs this reader alone
 
     procs = [p for p in psutil.process_iter(["name"]) if p.info["name"] == name]
     if not procs:

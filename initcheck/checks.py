@@ -340,7 +340,7 @@ def check_kubelet_path(o: Options) -> Finding:
     if not process_visible(o.kubelet_process):
         return Finding("PATH_MISMATCH", "skip", o.socket_path, no_kubelet(o.kubelet_process))
     try:
-        from hami_guard.node.kubelet import KubeletLookupError, listening_paths
+        from hami_guard.node.kubelet import KubeletLookupError, listening_paths  # noqa: PLC0415  # psutil
     except ImportError as e:  # a broken psutil costs this check, not the run
         return Finding("PATH_MISMATCH", "skip", o.socket_path, f"psutil cannot be imported: {e}")
     try:

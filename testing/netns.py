@@ -29,6 +29,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
+
 from testing.plugin import FakeDevicePlugin
 
 HOLDER = "import sys; print('ready', flush=True); sys.stdin.read()"
@@ -55,7 +57,6 @@ def require() -> None:
     why = unavailable()
     if why is None:
         return
-    import pytest
 
     if os.environ.get("CI") == "true":
         pytest.fail(f"a network namespace of its own is required in CI: {why}")

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import pytest
 
+from hami_guard.node.unixdiag import ESTABLISHED, normalise, proc_net_unix
 from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
 from sidecar.proto import deviceplugin_v1beta1_pb2 as dp
 from sidecar.proto import podresources_v1_pb2 as pr
@@ -469,7 +470,6 @@ async def test_register_failures_read_the_same(sides: tuple[Side, Side]) -> None
 
 
 def _accepted_connections(path: str) -> int:
-    from hami_guard.node.unixdiag import ESTABLISHED, normalise, proc_net_unix
 
     return sum(1 for s in proc_net_unix() if s.state == ESTABLISHED and s.path == normalise(path))
 

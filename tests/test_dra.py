@@ -21,7 +21,7 @@ from sidecar.dra import probes as draprobes
 from sidecar.dra import slices as draslices
 from sidecar.dra import spec as draspec
 from sidecar.dra.spec import DEFAULT_GRACE, DraSpec, dra_spec
-from sidecar.dra.verdicts import RESTART_BUDGET, DraJudge, Evidence, Info
+from sidecar.dra.verdicts import KUBELET_RETRY_CAP, RESTART_BUDGET, DraJudge, Evidence, Info
 from sidecar.health import HealthState, Status
 
 DRIVER = "gpu.example.com"
@@ -65,7 +65,6 @@ def test_not_held_is_pending_for_the_grace_then_fails_liveness(judge: DraJudge, 
 
 
 def test_the_grace_covers_the_kubelets_longest_retry() -> None:
-    from sidecar.dra.verdicts import KUBELET_RETRY_CAP
 
     assert DEFAULT_GRACE > KUBELET_RETRY_CAP
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
 
+from fuzz.fuzz_hamiconfig import TestOneInput
 from sidecar.deviceplugin.hamiconfig import (
     Sources,
     expectation,
@@ -261,9 +263,6 @@ def test_hostile_files_never_raise(host: Host) -> None:
 
 def test_the_fuzz_harness_holds_over_its_corpus_and_seeded_mutations() -> None:
     """The harness's invariants over the seed corpus and 3,000 seeded mutations of it (a fuzzer goes on)."""
-    import random
-
-    from fuzz.fuzz_hamiconfig import TestOneInput
 
     corpus = Path(__file__).parents[1] / "fuzz" / "corpus" / "hamiconfig"
     seeds = [p.read_bytes() for p in sorted(corpus.iterdir())]

@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
+from hami_guard import flags
+from sidecar.config import parse_settings
 from sidecar.server import serving
 from sidecar.server.serving import BoundedServer, is_probe_path, open_fds
 from testing import FakeDevicePlugin, FakeKubelet, free_port
@@ -498,7 +500,6 @@ def test_a_vanishing_duration_is_a_usage_error(
 ) -> None:
     """`--probe-timeout 1e-300` was a permanent 503 and `--polling-interval 1e-300` a spinning core.
     (The process serves such an error instead of exiting: tests/test_sidecar_cli.py.)"""
-    from sidecar.config import parse_settings
 
     for argv, environ in (([flag, TINY], {}), ([], {variable: TINY})):
         with pytest.raises(SystemExit) as e:
@@ -511,8 +512,6 @@ def test_a_vanishing_duration_is_a_usage_error(
 
 
 def test_the_shortest_durations_accepted_are_a_few_milliseconds() -> None:
-    from hami_guard import flags
-    from sidecar.config import parse_settings
 
     assert flags.MIN_PERIOD >= 0.005
     s = parse_settings(

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
@@ -682,8 +683,6 @@ def _check_limits(handler: asyncio.Protocol, limits: dict[str, Any]) -> None:
         if held is missing or held != want:
             wrong[name] = "(missing)" if held is missing else held
     if wrong:
-        import aiohttp
-
         raise RuntimeError(
             f"aiohttp {aiohttp.__version__} did not take the serving limits "
             f"({', '.join(f'{k}={v!r}' for k, v in wrong.items())}); "

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -22,13 +23,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hami_guard.flags import AUTO_DEVICES
+from sidecar.cli import serve
 from sidecar.config import PluginSpec
 from sidecar.deviceplugin.probes import probe_kubelet, socket_identity
 from sidecar.rpc import unix_target
 from testing import FakeDevicePlugin, FakeKubelet, free_port
 from testing.grpcserve import GoStyleUnimplemented
 from tests.conftest import wait_for, wait_ready
-from tests.e2e.conftest import GPU, Node, NodeFactory, Watch, sidecar_running
+from tests.e2e.conftest import FAST, GPU, Node, NodeFactory, Watch, sidecar_running
 from tests.e2e.test_liveness import LIVE, READY
 
 ASCEND = "huawei.com/Ascend910B3"
@@ -149,9 +151,6 @@ async def test_kubelet_restart_without_reregistration_fails_when_the_grace_runs_
 async def test_kubelet_socket_without_the_registration_service_fails_with_unknown_service(
     dp_dir: str, short_tmp: str
 ) -> None:
-    from dataclasses import replace
-
-    from tests.e2e.conftest import FAST
 
     server = grpc.aio.server()
     server.add_generic_rpc_handlers([GoStyleUnimplemented({})])  # a gRPC server serving something else
@@ -363,9 +362,6 @@ async def test_polling_fallback_detects_a_removed_socket_within_its_period(
 
 # 10
 async def test_two_plugins_one_failing(dp_dir: str, short_tmp: str) -> None:
-    from dataclasses import replace
-
-    from tests.e2e.conftest import FAST
 
     settings = replace(
         FAST,
@@ -467,9 +463,6 @@ async def test_metrics_status_readyz_and_errors(node: Node) -> None:
 
 
 async def test_sidecarz_is_503_until_the_first_round_finishes(make_node: NodeFactory, dp_dir: str) -> None:
-    from dataclasses import replace
-
-    from tests.e2e.conftest import FAST
 
     async with FakeKubelet(dp_dir, dial_timeout=0.5), FakeDevicePlugin(dp_dir) as plugin:
         plugin.hung = True  # the first round waits for its probe timeout
@@ -477,7 +470,6 @@ async def test_sidecarz_is_503_until_the_first_round_finishes(make_node: NodeFac
             FAST, device_plugin_dir=dp_dir, pod_resources_socket="/none", port=free_port(), probe_timeout=0.5
         )
         stop = asyncio.Event()
-        from sidecar.cli import serve
 
         task = asyncio.get_running_loop().create_task(serve(settings, stop))
         url = f"http://127.0.0.1:{settings.port}/sidecarz"
@@ -531,9 +523,6 @@ def test_sigterm_exits_0_within_2s(dp_dir: str) -> None:
 
 
 async def test_stop_leaves_no_thread_nor_task(dp_dir: str) -> None:
-    from dataclasses import replace
-
-    from tests.e2e.conftest import FAST
 
     async with FakeKubelet(dp_dir, dial_timeout=0.5), FakeDevicePlugin(dp_dir):
         threads_before = set(threading.enumerate())
