@@ -66,20 +66,26 @@ def stage_sources(copies: list[list[str]], into: Path) -> None:
                 shutil.copy2(src, target)
 
 
+def build_wheel(src: Path, out: Path, pattern: str) -> Path:
+    """The wheel of the project in `src`, as the images' build stage makes it."""
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run(
+        [*pip, "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out), "."],
+        cwd=src,
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = out.glob(pattern)
+    return wheel
+
+
 def build_image(dockerfile: str, tmp: Path) -> Image:
     text = (ROOT / dockerfile).read_text()
     entry = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.MULTILINE).group(1))  # type: ignore[union-attr]
     copies, wheel_glob = build_stage(dockerfile)
     src, wheels, venv = tmp / "src", tmp / "wheels", tmp / "opt-hami-guard"
     stage_sources(copies, src)
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-    subprocess.run(
-        [*pip, "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(wheels), "."],
-        cwd=src,
-        check=True,
-        capture_output=True,
-    )
-    (wheel,) = wheels.glob(wheel_glob)
+    wheel = build_wheel(src, wheels, wheel_glob)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run(
         [str(venv / "bin" / "pip"), "install", "--quiet", "--no-deps", "-r", "requirements.txt", str(wheel)],
@@ -214,14 +220,7 @@ def test_the_product_wheel_holds_no_test_rig(tmp_path: Path) -> None:
                 package, src / package.name, ignore=shutil.ignore_patterns("__pycache__", "bin", "*.tar")
             )
     assert (src / "testing").is_dir()
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-    subprocess.run(
-        [*pip, "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), "."],
-        check=True,
-        capture_output=True,
-        cwd=src,
-    )
-    (wheel,) = tmp_path.glob("hami_guard-*.whl")
+    wheel = build_wheel(src, tmp_path, "hami_guard-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
