@@ -976,3 +976,93 @@ def test_each_no_restart_line_says_what_is_true_in_its_state(state: str) -> None
     assert reg.state.failed == live, lines
     if live:  # a plugin restart is under way: no registration line may say it would not mend it
         assert all(NO_RESTART not in lines[n] for n in marked if not n.startswith(("kubelet", "checkpoint")))
+
+
+# -- an unknown count keeps the last trustworthy one: a forged line hides, it never registers -----------
+def test_an_unknown_count_after_a_drop_does_not_register_on_the_checkpoint_alone() -> None:
+    """A neighbour's made-up /proc/net/unix line makes the count unknown; the kubelet does not rewrite
+    its checkpoint on a drop, so the checkpoint alone would read a dropped plugin as registered."""
+    reg, clock, seen = make(drop_confirm=0.2)
+    node = Node()
+    reg.round(node.round())
+    node.connections = 0  # dropped
+    clock.now += 1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+    assert seen.restart_requests == 1
+    node.connections = None  # the count cannot be read; the checkpoint still lists it, no pod-resources
+    for _ in range(3):
+        clock.now += 1
+        reg.round(node.round())
+        assert status(reg, f"registered:{GPU}") == ("failed", True)
+    why = reason(reg, f"registered:{GPU}")
+    assert "the live connection cannot be read: not visible" in why
+    assert "the checkpoint recorded it at" in why
+    assert "no longer connected to nvidia-gpu.sock" in why
+    assert verdicts(reg) == (False, False)
+    assert seen.restart_requests == 1  # the same episode
+    # Trustworthy again and held (a plugin restart registered it): registered.
+    node.plugin, node.checkpoint, node.connections = alive(P2), Checkpoint({GPU: ("GPU-0",)}, 7_000), 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_an_unknown_count_of_a_plugin_never_seen_dropped_falls_back_to_the_records_as_before() -> None:
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node()
+    reg.round(node.round())
+    node.connections = None
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    assert "the kubelet accepted the plugin" in reason(reg, f"registered:{GPU}")
+    # A drop the count could not show: the same as before, and a readable count takes over.
+    node.connections = 0
+    clock.now += 1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+
+
+def test_an_unknown_count_after_no_connection_to_a_recorded_pair_keeps_it_not_registered() -> None:
+    """Never seen held, no connection while the checkpoint already records the pair: not registered (rule
+    1); an unknown count then does not make the checkpoint's old record a registration."""
+    reg, clock, _ = make(grace=10)
+    node = Node(connections=0)
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("pending", False)
+    node.connections = None
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("pending", False)
+    assert "the live connection cannot be read" in reason(reg, f"registered:{GPU}")
+
+
+def test_an_unknown_count_while_a_register_is_under_way_falls_back_to_the_records() -> None:
+    """A connection with no device list yet is a Register under way: its record, when it comes, counts."""
+    reg, clock, _ = make(grace=10)
+    node = Node(plugin=alive(P2))  # the checkpoint predates the socket
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("pending", False)
+    node.connections, node.checkpoint = None, Checkpoint({GPU: ("GPU-0",)}, 7_000)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_an_unknown_count_with_pod_resources_listing_the_devices_is_registered_as_before() -> None:
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node()
+    reg.round(node.round())
+    node.connections = 0
+    clock.now += 1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    node.connections, node.pod_resources = None, {GPU: frozenset({"GPU-0"})}
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
