@@ -301,7 +301,6 @@ class _PluginState:
     conns: dict[int, _Conn] = field(default_factory=dict)
     conns_pair: _Pair | None = None
     registered_conn: int | None = None
-    refused: bool = False  # the kubelet refused a later Register of the held pair (1.37): until a new pair
     # The last verdict of not held that the kubelet's connections gave (trustworthy), with its pair: an
     # unknown count keeps it, never upgrades it on the checkpoint alone.
     not_held: tuple[_Pair, _Held] | None = None
@@ -881,11 +880,11 @@ class DevicePluginJudge:
             p.lost_at = None
             return _Held(True, f"the kubelet holds a connection to {sock}{self._device_note(r, seen)}")
         if held_before and obs.probe.ok:
-            return self._dropped(sock, p, pair)
+            return self._dropped(sock, p)
         p.lost_at = None
         return _Held(False, f"the kubelet holds no connection to {sock}: {self._not_held(r, seen, obs)}")
 
-    def _dropped(self, sock: str, p: _PluginState, pair: _Pair) -> _Held:
+    def _dropped(self, sock: str, p: _PluginState) -> _Held:
         """Rule 1, no connection left to a pair of sockets seen held: a drop, once confirmed.
 
         It held this plugin and let go while both sockets stayed: a drop, which no waiting mends
@@ -898,16 +897,9 @@ class DevicePluginJudge:
         if now - p.lost_at < self.rules.drop_confirm:
             return _UNCONFIRMED
         since = iso(p.connected_since) if p.connected_since else "?"
-        if p.refused and p.conns_pair == pair:
-            # The connections a refusal left open closed (grpc-go's idle timeout): the path is
-            # still refused, so a plugin restart would still not mend it.
-            return _Held(
-                False,
-                f"the kubelet is no longer connected to {sock} (held it from {since}) and refused "
-                "its later Register: the path is refused until the kubelet restarts",
-                definitive=True,
-                mends=False,
-            )
+        # A refusal (rule 1.1) holds only while the connection that showed it stays: with it gone, the
+        # live evidence is judged afresh. A look-alike connection (a neighbour's, bound at the plugin's
+        # path in namespaces of its own) must not leave a dropped plugin unrestarted after it leaves.
         return _Held(
             False,
             f"the kubelet is no longer connected to {sock} (held it from {since}): it dropped the "
@@ -958,7 +950,7 @@ class DevicePluginJudge:
             p.conns = {i: _Conn(now, None, True) for i in ids}
             p.conns_pair = pair
             p.registered_conn = next(iter(ids)) if len(ids) == 1 else None
-            p.contradicted_at, p.refused = None, False
+            p.contradicted_at = None
             return
         for i in ids - p.conns.keys():
             p.conns[i] = _Conn(now, self._checkpoint_mtime, False)
@@ -1040,7 +1032,6 @@ class DevicePluginJudge:
         # would pass for it. (A connection that closes, a probe's that lingered, ends the verdict.)
         for c in unrecorded:
             c.refused = True
-        p.refused = True
         return _Held(
             False,
             f"the kubelet opened {len(unrecorded)} more connection(s) to {sock} (a second Register) "
