@@ -212,3 +212,62 @@ async def judged(route: str, release: Release, dp_dir: str, short_tmp: str, pod:
         finally:
             await never.close()
             await held.close()
+
+
+@pytest.mark.parametrize("release", ["new"], indirect=True)
+async def test_forged_names_after_a_drop_without_pod_resources_do_not_register_it(
+    release: Release, dp_dir: str, short_tmp: str
+) -> None:
+    """The kubelet drops a held plugin (its stream ends: the kubelet closes the connection, writes no
+    checkpoint); the sidecar, reading /proc from a pod's namespace with no pod-resources, fails it. A
+    neighbour's made-up lines then make the count unknown: the checkpoint still lists the plugin, and
+    must not make it registered again."""
+    netns.require()
+    pod = Netns().start()
+    try:
+        missing = os.path.join(short_tmp, "no-pod-resources", "kubelet.sock")  # never served
+        async with RealKubelet(
+            dp_dir, os.path.join(short_tmp, "pod-resources", "kubelet.sock"), release=release, netns=True
+        ) as kubelet:
+            kpid = kubelet.process.pid or 0
+            settings = replace(
+                SETTINGS,
+                device_plugin_dir=dp_dir,
+                pod_resources_socket=missing,
+                port=free_port(),
+                plugins=(PluginSpec(GPU, "nvidia-gpu.sock"),),
+                kubelet_process_name=kubelet.process_name,
+            )
+            plugin = RealPlugin(dp_dir, GPU, "nvidia-gpu.sock", release=release, watch_kubelet=False)
+            try:
+                mark = plugin.mark()
+                await plugin.start()
+                await plugin.wait_event("stream-open", after=mark)
+                async with sidecar_in(
+                    Entered(pod.path), settings, os.path.join(short_tmp, "s.log")
+                ) as status:
+                    await wait_for(
+                        lambda: check(status(), GPU)[0] == "ok", timeout=20, what="registered, held"
+                    )
+                    assert status()["kubelet_connections_from"].startswith("the kubelet's network namespace")
+                    await plugin.end_stream("oldest")
+                    await wait_for(
+                        lambda: "no longer connected" in check(status(), GPU)[1],
+                        timeout=20,
+                        what="the drop",
+                    )
+                    assert check(status(), GPU)[0] == "failed"
+                    lies = forged_names(kubelet.socket_path, plugin.socket_path, BOUND_DIR)
+                    with Holder(names(*lies), nsenter(kpid)):
+                        start = status()["probe_rounds"]
+                        await wait_for(
+                            lambda: status()["probe_rounds"] >= start + 4, timeout=30, what="4 rounds"
+                        )
+                        doc = status()
+                        state, reason = check(doc, GPU)
+                        assert state == "failed", (reason, doc["checks"])
+                        assert "the live connection cannot be read" in reason, reason
+            finally:
+                await plugin.close()
+    finally:
+        pod.close()
