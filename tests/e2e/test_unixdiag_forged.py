@@ -29,7 +29,7 @@ from testing.netns import Netns
 from testing.realkubelet import RealKubelet, RealPlugin, Release
 from tests.conftest import wait_for
 from tests.e2e.realnode import SETTINGS
-from tests.forged import LOOPBACK_UP, ROOT_NO_CAPS, Holder, forged_names, names, nsenter
+from tests.forged import LOOPBACK_UP, ROOT_NO_CAPS, Holder, forged_names, names, nsenter, pair
 from tests.test_doctor import Doctor, row, verdicts
 
 GPU = "nvidia.com/gpu"  # its plugin serves and never registers: the name lies about it
@@ -271,3 +271,28 @@ async def test_forged_names_after_a_drop_without_pod_resources_do_not_register_i
                 await plugin.close()
     finally:
         pod.close()
+
+
+@pytest.mark.parametrize("release", ["new"], indirect=True)
+async def test_a_look_alike_connection_to_a_dropped_plugin_leaves_no_lasting_refusal(
+    node_factory: Any,
+) -> None:
+    """A neighbour in the kubelet's network namespace with user and mount namespaces of its own (as an
+    unprivileged user may: `unshare -U -r -m`) mounts a tmpfs over the folder, binds the plugin's path
+    there, connects, accepts and closes the listener: by path, the sidecar (reading /proc, the kubelet
+    in a network namespace of its own) counts a later connection to the dropped plugin and reads a
+    refused second Register. Once the neighbour leaves, the drop fails liveness again: the plugin is
+    restarted."""
+    netns.require()
+    async with node_factory(kubelet_netns=True) as node:
+        plugin = await node.plugin(watch_kubelet=False)
+        await node.until("/readyz", 200)
+        await plugin.end_stream("oldest")
+        await node.until("/healthz?verbose", 503, contains="it dropped the plugin")
+        kpid = node.kubelet.process.pid or 0
+        enter = [*nsenter(kpid), "unshare", "-U", "-r", "-m", "sh", "-c"]
+        enter += [f'mount -t tmpfs none {node.dir} && exec "$@"', "sh"]
+        with Holder([pair(plugin.socket_path)], enter):
+            await node.until("/readyz?verbose", 503, contains="refused that Register")
+            assert (await node.get("/healthz"))[0] == 200  # read as a refusal: no restart, while it stays
+        await node.until("/healthz?verbose", 503, contains="it dropped the plugin")
