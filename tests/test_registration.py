@@ -272,17 +272,15 @@ def test_a_second_register_the_kubelet_never_recorded_was_refused_and_fails_read
     clock.now += 1
     reg.round(node.round())
     assert status(reg, f"registered:{GPU}") == ("failed", False)
-    # The connections it left open close (grpc-go's idle timeout): the refusal held only while the
-    # connection that showed it stayed; judged afresh, no connection to a held pair is a drop. (A
-    # look-alike connection a neighbour made and closed must not leave a dropped plugin unrestarted;
-    # on 1.37 the restart is refused, and the restart budget bounds the cost.)
+    # The connections it left open close (grpc-go's idle timeout) while the kubelet keeps the endpoint
+    # (pod-resources cannot be read here): the path is still refused, no restart.
     node.connect()
     for _ in range(2):
         clock.now += 0.2
         reg.round(node.round())
-    assert status(reg, f"registered:{GPU}") == ("failed", True)
-    assert "it dropped the plugin" in reason(reg, f"registered:{GPU}")
-    assert seen.restart_requests == 1
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert "refused its later Register" in reason(reg, f"registered:{GPU}")
+    assert seen.restart_requests == 0
     # A kubelet restart is the remedy: a new pair, a new registration.
     node.kubelet, node.checkpoint = alive(K2), Checkpoint({GPU: ("GPU-0", "GPU-1")}, 8_000)
     node.connect(201)
@@ -1071,12 +1069,24 @@ def test_an_unknown_count_with_pod_resources_listing_the_devices_is_registered_a
     assert status(reg, f"registered:{GPU}") == ("ok", False)
 
 
-def test_a_refusal_ends_with_the_connection_that_showed_it_and_a_drop_then_fails_liveness() -> None:
+@pytest.mark.parametrize(
+    ("pod_resources", "restarts"),
+    [
+        pytest.param({}, True, id="pod-resources lists no healthy device: the kubelet dropped it"),
+        pytest.param(None, False, id="pod-resources not mounted: the 1.37 trap cannot be ruled out"),
+    ],
+)
+def test_a_refusal_ends_with_the_connection_that_showed_it_and_a_drop_then_fails_liveness(
+    pod_resources: dict[str, frozenset[str]] | None, restarts: bool
+) -> None:
     """A look-alike connection (a neighbour's own namespaces, a tmpfs over the folder, the plugin's path
     bound there) to a dropped plugin reads as a refused second Register while it stays; once it closes,
-    the verdict is judged afresh: the drop fails liveness after its confirmation."""
+    the verdict is judged afresh from the kubelet's own view: devices it marked unhealthy (pod-resources)
+    are a drop, which fails liveness after its confirmation. Where that view cannot be read, the refusal
+    stays readiness only: on 1.37 the kubelet keeps a refused path's endpoint after its dials close, and
+    a restart it refuses would be a wrong 503."""
     reg, clock, _ = make(drop_confirm=0.2)
-    node = Node()
+    node = Node(pod_resources=pod_resources)
     node.connect(101)
     reg.round(node.round())
     node.connect()  # dropped
@@ -1098,10 +1108,36 @@ def test_a_refusal_ends_with_the_connection_that_showed_it_and_a_drop_then_fails
     assert status(reg, f"registered:{GPU}") == ("failed", False)  # confirmed once first
     clock.now += 0.2
     reg.round(node.round())
-    assert status(reg, f"registered:{GPU}") == ("failed", True)
+    assert status(reg, f"registered:{GPU}") == ("failed", restarts)
+    if not restarts:
+        assert "refused its later Register" in reason(reg, f"registered:{GPU}")
+        return
     assert "it dropped the plugin" in reason(reg, f"registered:{GPU}")
     assert verdicts(reg)[0] is False
     for _ in range(3):
         clock.now += 5
         reg.round(node.round())
         assert status(reg, f"registered:{GPU}") == ("failed", True)
+
+
+def test_a_refused_path_whose_endpoint_the_kubelet_keeps_is_no_drop_when_its_dials_close() -> None:
+    """1.37's trap: the kubelet refused a second Register, forgot the first stream's client, and keeps
+    the endpoint when the dials close: pod-resources still lists the devices healthy with no stream
+    behind them. Not a drop (a plugin restart is refused too): readiness only, the phantom named."""
+    reg, clock, seen = make(drop_confirm=0.2)
+    node = Node(pod_resources={GPU: frozenset({"GPU-0", "GPU-1"})})
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 102)
+    clock.now += 1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    assert "refused that Register" in reason(reg, f"registered:{GPU}")
+    node.connect()
+    for _ in range(3):
+        clock.now += 0.2
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert "no stream behind them" in reason(reg, f"registered:{GPU}")
+    assert seen.restart_requests == 0

@@ -301,6 +301,7 @@ class _PluginState:
     conns: dict[int, _Conn] = field(default_factory=dict)
     conns_pair: _Pair | None = None
     registered_conn: int | None = None
+    refused: bool = False  # the kubelet refused a later Register of the held pair (1.37): until a new pair
     # The last verdict of not held that the kubelet's connections gave (trustworthy), with its pair: an
     # unknown count keeps it, never upgrades it on the checkpoint alone.
     not_held: tuple[_Pair, _Held] | None = None
@@ -880,11 +881,17 @@ class DevicePluginJudge:
             p.lost_at = None
             return _Held(True, f"the kubelet holds a connection to {sock}{self._device_note(r, seen)}")
         if held_before and obs.probe.ok:
-            return self._dropped(sock, p)
+            return self._dropped(sock, p, pair, self._endpoint_alive(r, seen))
         p.lost_at = None
         return _Held(False, f"the kubelet holds no connection to {sock}: {self._not_held(r, seen, obs)}")
 
-    def _dropped(self, sock: str, p: _PluginState) -> _Held:
+    def _endpoint_alive(self, r: str, seen: RoundEvidence) -> bool | None:
+        """Does the kubelet keep the resource's endpoint: pod-resources lists healthy devices of it (a
+        kubelet that drops a plugin marks its devices unhealthy first)? None where it cannot be read."""
+        live = seen.pod_resources.value
+        return None if live is None else bool(physical_devices(live.get(r, ())))
+
+    def _dropped(self, sock: str, p: _PluginState, pair: _Pair, endpoint: bool | None) -> _Held:
         """Rule 1, no connection left to a pair of sockets seen held: a drop, once confirmed.
 
         It held this plugin and let go while both sockets stayed: a drop, which no waiting mends
@@ -897,9 +904,26 @@ class DevicePluginJudge:
         if now - p.lost_at < self.rules.drop_confirm:
             return _UNCONFIRMED
         since = iso(p.connected_since) if p.connected_since else "?"
-        # A refusal (rule 1.1) holds only while the connection that showed it stays: with it gone, the
-        # live evidence is judged afresh. A look-alike connection (a neighbour's, bound at the plugin's
-        # path in namespaces of its own) must not leave a dropped plugin unrestarted after it leaves.
+        if p.refused and p.conns_pair == pair and endpoint is not False:
+            # The connections a refusal left open closed (grpc-go's idle timeout) while the kubelet keeps
+            # the plugin's endpoint (pod-resources lists its healthy devices, or cannot be read): the
+            # 1.37 trap, not a drop. The path is still refused: a plugin restart would not mend it.
+            # Where pod-resources shows the devices unhealthy the kubelet dropped the plugin, whatever a
+            # look-alike connection (a neighbour's, at the plugin's path in namespaces of its own) made
+            # of it before: that is a drop, and it fails liveness below.
+            phantom = (
+                ": pod-resources still lists its devices healthy with no stream behind them (Pods "
+                "admitted to them fail in Allocate)"
+                if endpoint
+                else ""
+            )
+            return _Held(
+                False,
+                f"the kubelet is no longer connected to {sock} (held it from {since}) and refused "
+                f"its later Register: the path is refused until the kubelet restarts{phantom}",
+                definitive=True,
+                mends=False,
+            )
         return _Held(
             False,
             f"the kubelet is no longer connected to {sock} (held it from {since}): it dropped the "
@@ -950,7 +974,7 @@ class DevicePluginJudge:
             p.conns = {i: _Conn(now, None, True) for i in ids}
             p.conns_pair = pair
             p.registered_conn = next(iter(ids)) if len(ids) == 1 else None
-            p.contradicted_at = None
+            p.contradicted_at, p.refused = None, False
             return
         for i in ids - p.conns.keys():
             p.conns[i] = _Conn(now, self._checkpoint_mtime, False)
@@ -1032,6 +1056,7 @@ class DevicePluginJudge:
         # would pass for it. (A connection that closes, a probe's that lingered, ends the verdict.)
         for c in unrecorded:
             c.refused = True
+        p.refused = True
         return _Held(
             False,
             f"the kubelet opened {len(unrecorded)} more connection(s) to {sock} (a second Register) "
