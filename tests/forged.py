@@ -10,9 +10,10 @@ from collections.abc import Sequence
 
 # Each argument is an operation: `name:<hex>` binds an abstract or file name (hex: names hold NULs and
 # newlines), listens and connects to it; `listen:<hex>` only binds and listens; `serve:<hex>` also accepts
-# every connection, as a plugin's gRPC server does; `connect:<hex>` connects
-# to a listener elsewhere; `comm:<name>` names the process. Then it says "ready" and holds every socket
-# until stdin closes.
+# every connection, as a plugin's gRPC server does; `connect:<hex>` connects to a listener elsewhere;
+# `pair:<hex>` binds, connects and accepts, then closes the listener (a connection whose accepted end
+# bears that name, with nothing listening); `comm:<name>` names the process. Then it says "ready" and
+# holds every socket until stdin closes.
 HOLDER = r"""
 import socket, sys, threading
 held = []
@@ -38,10 +39,13 @@ for arg in sys.argv[1:]:
     held.append(s)
     if op == "serve":
         threading.Thread(target=serve, args=(s,), daemon=True).start()
-    if op == "name":
+    if op in ("name", "pair"):
         c = socket.socket(socket.AF_UNIX)
         c.connect(name)
         held += [c, s.accept()[0]]
+    if op == "pair":
+        held.remove(s)
+        s.close()
 print("ready", flush=True)
 sys.stdin.read()
 """
@@ -121,6 +125,10 @@ def listen(path: str) -> str:
 
 def serve(path: str) -> str:
     return f"serve:{path.encode().hex()}"
+
+
+def pair(path: str) -> str:
+    return f"pair:{path.encode().hex()}"
 
 
 def connect(path: str) -> str:

@@ -272,7 +272,8 @@ def test_a_second_register_the_kubelet_never_recorded_was_refused_and_fails_read
     clock.now += 1
     reg.round(node.round())
     assert status(reg, f"registered:{GPU}") == ("failed", False)
-    # The connections it left open close (grpc-go's idle timeout): the path is still refused.
+    # The connections it left open close (grpc-go's idle timeout) while the kubelet keeps the endpoint
+    # (pod-resources cannot be read here): the path is still refused, no restart.
     node.connect()
     for _ in range(2):
         clock.now += 0.2
@@ -976,3 +977,167 @@ def test_each_no_restart_line_says_what_is_true_in_its_state(state: str) -> None
     assert reg.state.failed == live, lines
     if live:  # a plugin restart is under way: no registration line may say it would not mend it
         assert all(NO_RESTART not in lines[n] for n in marked if not n.startswith(("kubelet", "checkpoint")))
+
+
+# -- an unknown count keeps the last trustworthy one: a forged line hides, it never registers -----------
+def test_an_unknown_count_after_a_drop_does_not_register_on_the_checkpoint_alone() -> None:
+    """A neighbour's made-up /proc/net/unix line makes the count unknown; the kubelet does not rewrite
+    its checkpoint on a drop, so the checkpoint alone would read a dropped plugin as registered."""
+    reg, clock, seen = make(drop_confirm=0.2)
+    node = Node()
+    reg.round(node.round())
+    node.connections = 0  # dropped
+    clock.now += 1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+    assert seen.restart_requests == 1
+    node.connections = None  # the count cannot be read; the checkpoint still lists it, no pod-resources
+    for _ in range(3):
+        clock.now += 1
+        reg.round(node.round())
+        assert status(reg, f"registered:{GPU}") == ("failed", True)
+    why = reason(reg, f"registered:{GPU}")
+    assert "the live connection cannot be read: not visible" in why
+    assert "the checkpoint recorded it at" in why
+    assert "no longer connected to nvidia-gpu.sock" in why
+    assert verdicts(reg) == (False, False)
+    assert seen.restart_requests == 1  # the same episode
+    # Trustworthy again and held (a plugin restart registered it): registered.
+    node.plugin, node.checkpoint, node.connections = alive(P2), Checkpoint({GPU: ("GPU-0",)}, 7_000), 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_an_unknown_count_of_a_plugin_never_seen_dropped_falls_back_to_the_records_as_before() -> None:
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node()
+    reg.round(node.round())
+    node.connections = None
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    assert "the kubelet accepted the plugin" in reason(reg, f"registered:{GPU}")
+    # A drop the count could not show: the same as before, and a readable count takes over.
+    node.connections = 0
+    clock.now += 1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+
+
+def test_an_unknown_count_after_no_connection_to_a_recorded_pair_keeps_it_not_registered() -> None:
+    """Never seen held, no connection while the checkpoint already records the pair: not registered (rule
+    1); an unknown count then does not make the checkpoint's old record a registration."""
+    reg, clock, _ = make(grace=10)
+    node = Node(connections=0)
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("pending", False)
+    node.connections = None
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("pending", False)
+    assert "the live connection cannot be read" in reason(reg, f"registered:{GPU}")
+
+
+def test_an_unknown_count_while_a_register_is_under_way_falls_back_to_the_records() -> None:
+    """A connection with no device list yet is a Register under way: its record, when it comes, counts."""
+    reg, clock, _ = make(grace=10)
+    node = Node(plugin=alive(P2))  # the checkpoint predates the socket
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("pending", False)
+    node.connections, node.checkpoint = None, Checkpoint({GPU: ("GPU-0",)}, 7_000)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_an_unknown_count_with_pod_resources_listing_the_devices_is_registered_as_before() -> None:
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node()
+    reg.round(node.round())
+    node.connections = 0
+    clock.now += 1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    node.connections, node.pod_resources = None, {GPU: frozenset({"GPU-0"})}
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+@pytest.mark.parametrize(
+    ("pod_resources", "restarts"),
+    [
+        pytest.param({}, True, id="pod-resources lists no healthy device: the kubelet dropped it"),
+        pytest.param(None, False, id="pod-resources not mounted: the 1.37 trap cannot be ruled out"),
+    ],
+)
+def test_a_refusal_ends_with_the_connection_that_showed_it_and_a_drop_then_fails_liveness(
+    pod_resources: dict[str, frozenset[str]] | None, restarts: bool
+) -> None:
+    """A look-alike connection (a neighbour's own namespaces, a tmpfs over the folder, the plugin's path
+    bound there) to a dropped plugin reads as a refused second Register while it stays; once it closes,
+    the verdict is judged afresh from the kubelet's own view: devices it marked unhealthy (pod-resources)
+    are a drop, which fails liveness after its confirmation. Where that view cannot be read, the refusal
+    stays readiness only: on 1.37 the kubelet keeps a refused path's endpoint after its dials close, and
+    a restart it refuses would be a wrong 503."""
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node(pod_resources=pod_resources)
+    node.connect(101)
+    reg.round(node.round())
+    node.connect()  # dropped
+    clock.now += 1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+    node.connect(666)  # the neighbour's connection, counted by path
+    clock.now += 1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert "refused that Register" in reason(reg, f"registered:{GPU}")
+    node.connect()  # the neighbour left
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)  # confirmed once first
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", restarts)
+    if not restarts:
+        assert "refused its later Register" in reason(reg, f"registered:{GPU}")
+        return
+    assert "it dropped the plugin" in reason(reg, f"registered:{GPU}")
+    assert verdicts(reg)[0] is False
+    for _ in range(3):
+        clock.now += 5
+        reg.round(node.round())
+        assert status(reg, f"registered:{GPU}") == ("failed", True)
+
+
+def test_a_refused_path_whose_endpoint_the_kubelet_keeps_is_no_drop_when_its_dials_close() -> None:
+    """1.37's trap: the kubelet refused a second Register, forgot the first stream's client, and keeps
+    the endpoint when the dials close: pod-resources still lists the devices healthy with no stream
+    behind them. Not a drop (a plugin restart is refused too): readiness only, the phantom named."""
+    reg, clock, seen = make(drop_confirm=0.2)
+    node = Node(pod_resources={GPU: frozenset({"GPU-0", "GPU-1"})})
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 102)
+    clock.now += 1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    assert "refused that Register" in reason(reg, f"registered:{GPU}")
+    node.connect()
+    for _ in range(3):
+        clock.now += 0.2
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert "no stream behind them" in reason(reg, f"registered:{GPU}")
+    assert seen.restart_requests == 0

@@ -302,6 +302,9 @@ class _PluginState:
     conns_pair: _Pair | None = None
     registered_conn: int | None = None
     refused: bool = False  # the kubelet refused a later Register of the held pair (1.37): until a new pair
+    # The last verdict of not held that the kubelet's connections gave (trustworthy), with its pair: an
+    # unknown count keeps it, never upgrades it on the checkpoint alone.
+    not_held: tuple[_Pair, _Held] | None = None
     contradicted_at: float | None = None  # monotonic: newer evidence first said the held pair is gone
     lost_at: float | None = None  # monotonic: the connection was first seen lost
     failed_at: float | None = None  # monotonic: a probe of the answering plugin first failed
@@ -793,11 +796,57 @@ class DevicePluginJudge:
         connections where they can be seen (rule 1), else pod-resources and the checkpoint (2, 3)."""
         conns = obs.connections.value
         self.listener.connected(plugin.resource, conns)
+        pair = _Pair(obs.identity_after, self._kubelet_id)
         if conns is not None:
-            return self._held_by_connections(plugin, p, obs, seen, conns)
+            accepted = self._accepted(plugin.resource, seen, obs)
+            verdict = self._held_by_connections(plugin, p, obs, seen, conns)
+            self._remember(p, pair, verdict, seen_held=p.connected_pair == pair, accepted=accepted)
+            return verdict
         # No view of the kubelet's connections: pod-resources is live, the checkpoint is history.
         p.lost_at = None
-        return self._held_by_records(plugin.resource, obs, seen)
+        kept = self._unknown_keeps(plugin.resource, p, obs, seen, pair)
+        return kept if kept is not None else self._held_by_records(plugin.resource, obs, seen)
+
+    @staticmethod
+    def _remember(
+        p: _PluginState, pair: _Pair, verdict: _Held, seen_held: bool, accepted: int | None
+    ) -> None:
+        """Keep what a trustworthy count said against a registration the checkpoint records: not held
+        (after this pair was seen held, or with the checkpoint already recording it); a held one, or a
+        count that may yet be a Register under way, forgets it."""
+        if verdict.held is None:
+            return  # awaiting its confirmation: the last verdict stands
+        if verdict.held or not (seen_held or accepted is not None):
+            p.not_held = None
+        else:
+            p.not_held = (pair, verdict)
+
+    def _unknown_keeps(
+        self, r: str, p: _PluginState, obs: PluginEvidence, seen: RoundEvidence, pair: _Pair
+    ) -> _Held | None:
+        """An unknown count (a reader that cannot see, or a line a neighbour may have made up) never
+        turns the last trustworthy "not held" of this pair into registered on the checkpoint alone: the
+        kubelet does not rewrite its checkpoint when it drops a plugin. pod-resources, live, still
+        decides where it can be read. None: nothing kept, the records decide."""
+        if p.not_held is None or p.not_held[0] != pair:
+            p.not_held = None
+            return None
+        if seen.pod_resources.value is not None:
+            return None
+        last = p.not_held[1]
+        cp = seen.checkpoint.value
+        recorded = (
+            f"the checkpoint recorded it at {iso(cp.mtime_ns / 1e9)}"
+            if cp is not None and cp.devices(r) is not None
+            else "the checkpoint does not record it"
+        )
+        return _Held(
+            False,
+            f"not registered: {recorded}; the live connection cannot be read: {obs.connections.error}; "
+            f"the last reading of it: {last.why}",
+            definitive=last.definitive,
+            mends=last.mends,
+        )
 
     def _held_by_connections(
         self, plugin: PluginSpec, p: _PluginState, obs: PluginEvidence, seen: RoundEvidence, conns: int
@@ -832,11 +881,17 @@ class DevicePluginJudge:
             p.lost_at = None
             return _Held(True, f"the kubelet holds a connection to {sock}{self._device_note(r, seen)}")
         if held_before and obs.probe.ok:
-            return self._dropped(sock, p, pair)
+            return self._dropped(sock, p, pair, self._endpoint_alive(r, seen))
         p.lost_at = None
         return _Held(False, f"the kubelet holds no connection to {sock}: {self._not_held(r, seen, obs)}")
 
-    def _dropped(self, sock: str, p: _PluginState, pair: _Pair) -> _Held:
+    def _endpoint_alive(self, r: str, seen: RoundEvidence) -> bool | None:
+        """Does the kubelet keep the resource's endpoint: pod-resources lists healthy devices of it (a
+        kubelet that drops a plugin marks its devices unhealthy first)? None where it cannot be read."""
+        live = seen.pod_resources.value
+        return None if live is None else bool(physical_devices(live.get(r, ())))
+
+    def _dropped(self, sock: str, p: _PluginState, pair: _Pair, endpoint: bool | None) -> _Held:
         """Rule 1, no connection left to a pair of sockets seen held: a drop, once confirmed.
 
         It held this plugin and let go while both sockets stayed: a drop, which no waiting mends
@@ -849,13 +904,23 @@ class DevicePluginJudge:
         if now - p.lost_at < self.rules.drop_confirm:
             return _UNCONFIRMED
         since = iso(p.connected_since) if p.connected_since else "?"
-        if p.refused and p.conns_pair == pair:
-            # The connections a refusal left open closed (grpc-go's idle timeout): the path is
-            # still refused, so a plugin restart would still not mend it.
+        if p.refused and p.conns_pair == pair and endpoint is not False:
+            # The connections a refusal left open closed (grpc-go's idle timeout) while the kubelet keeps
+            # the plugin's endpoint (pod-resources lists its healthy devices, or cannot be read): the
+            # 1.37 trap, not a drop. The path is still refused: a plugin restart would not mend it.
+            # Where pod-resources shows the devices unhealthy the kubelet dropped the plugin, whatever a
+            # look-alike connection (a neighbour's, at the plugin's path in namespaces of its own) made
+            # of it before: that is a drop, and it fails liveness below.
+            phantom = (
+                ": pod-resources still lists its devices healthy with no stream behind them (Pods "
+                "admitted to them fail in Allocate)"
+                if endpoint
+                else ""
+            )
             return _Held(
                 False,
                 f"the kubelet is no longer connected to {sock} (held it from {since}) and refused "
-                "its later Register: the path is refused until the kubelet restarts",
+                f"its later Register: the path is refused until the kubelet restarts{phantom}",
                 definitive=True,
                 mends=False,
             )

@@ -29,7 +29,7 @@ from testing.netns import Netns
 from testing.realkubelet import RealKubelet, RealPlugin, Release
 from tests.conftest import wait_for
 from tests.e2e.realnode import SETTINGS
-from tests.forged import LOOPBACK_UP, ROOT_NO_CAPS, Holder, forged_names, names, nsenter
+from tests.forged import LOOPBACK_UP, ROOT_NO_CAPS, Holder, forged_names, names, nsenter, pair
 from tests.test_doctor import Doctor, row, verdicts
 
 GPU = "nvidia.com/gpu"  # its plugin serves and never registers: the name lies about it
@@ -212,3 +212,87 @@ async def judged(route: str, release: Release, dp_dir: str, short_tmp: str, pod:
         finally:
             await never.close()
             await held.close()
+
+
+@pytest.mark.parametrize("release", ["new"], indirect=True)
+async def test_forged_names_after_a_drop_without_pod_resources_do_not_register_it(
+    release: Release, dp_dir: str, short_tmp: str
+) -> None:
+    """The kubelet drops a held plugin (its stream ends: the kubelet closes the connection, writes no
+    checkpoint); the sidecar, reading /proc from a pod's namespace with no pod-resources, fails it. A
+    neighbour's made-up lines then make the count unknown: the checkpoint still lists the plugin, and
+    must not make it registered again."""
+    netns.require()
+    pod = Netns().start()
+    try:
+        missing = os.path.join(short_tmp, "no-pod-resources", "kubelet.sock")  # never served
+        async with RealKubelet(
+            dp_dir, os.path.join(short_tmp, "pod-resources", "kubelet.sock"), release=release, netns=True
+        ) as kubelet:
+            kpid = kubelet.process.pid or 0
+            settings = replace(
+                SETTINGS,
+                device_plugin_dir=dp_dir,
+                pod_resources_socket=missing,
+                port=free_port(),
+                plugins=(PluginSpec(GPU, "nvidia-gpu.sock"),),
+                kubelet_process_name=kubelet.process_name,
+            )
+            plugin = RealPlugin(dp_dir, GPU, "nvidia-gpu.sock", release=release, watch_kubelet=False)
+            try:
+                mark = plugin.mark()
+                await plugin.start()
+                await plugin.wait_event("stream-open", after=mark)
+                async with sidecar_in(
+                    Entered(pod.path), settings, os.path.join(short_tmp, "s.log")
+                ) as status:
+                    await wait_for(
+                        lambda: check(status(), GPU)[0] == "ok", timeout=20, what="registered, held"
+                    )
+                    assert status()["kubelet_connections_from"].startswith("the kubelet's network namespace")
+                    await plugin.end_stream("oldest")
+                    await wait_for(
+                        lambda: "no longer connected" in check(status(), GPU)[1],
+                        timeout=20,
+                        what="the drop",
+                    )
+                    assert check(status(), GPU)[0] == "failed"
+                    lies = forged_names(kubelet.socket_path, plugin.socket_path, BOUND_DIR)
+                    with Holder(names(*lies), nsenter(kpid)):
+                        start = status()["probe_rounds"]
+                        await wait_for(
+                            lambda: status()["probe_rounds"] >= start + 4, timeout=30, what="4 rounds"
+                        )
+                        doc = status()
+                        state, reason = check(doc, GPU)
+                        assert state == "failed", (reason, doc["checks"])
+                        assert "the live connection cannot be read" in reason, reason
+            finally:
+                await plugin.close()
+    finally:
+        pod.close()
+
+
+@pytest.mark.parametrize("release", ["new"], indirect=True)
+async def test_a_look_alike_connection_to_a_dropped_plugin_leaves_no_lasting_refusal(
+    node_factory: Any,
+) -> None:
+    """A neighbour in the kubelet's network namespace with user and mount namespaces of its own (as an
+    unprivileged user may: `unshare -U -r -m`) mounts a tmpfs over the folder, binds the plugin's path
+    there, connects, accepts and closes the listener: by path, the sidecar (reading /proc, the kubelet
+    in a network namespace of its own) counts a later connection to the dropped plugin and reads a
+    refused second Register. Once the neighbour leaves, the drop fails liveness again: the plugin is
+    restarted."""
+    netns.require()
+    async with node_factory(kubelet_netns=True) as node:
+        plugin = await node.plugin(watch_kubelet=False)
+        await node.until("/readyz", 200)
+        await plugin.end_stream("oldest")
+        await node.until("/healthz?verbose", 503, contains="it dropped the plugin")
+        kpid = node.kubelet.process.pid or 0
+        enter = [*nsenter(kpid), "unshare", "-U", "-r", "-m", "sh", "-c"]
+        enter += [f'mount -t tmpfs none {node.dir} && exec "$@"', "sh"]
+        with Holder([pair(plugin.socket_path)], enter):
+            await node.until("/readyz?verbose", 503, contains="refused that Register")
+            assert (await node.get("/healthz"))[0] == 200  # read as a refusal: no restart, while it stays
+        await node.until("/healthz?verbose", 503, contains="it dropped the plugin")
