@@ -9,7 +9,8 @@ points at the sidecar's port:
 - SIGTERM and SIGINT are caught before the heavy imports (grpc and aiohttp take over a second): one
   arriving during start-up stops the sidecar with one log line, not a traceback or a silent -15.
 
-Only the standard library is imported at module level, for that reason.
+Only the standard library (and hami_guard.console, which imports nothing else) is imported at module
+level, for that reason.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING
+
+from hami_guard.console import tolerate_any_encoding
 
 if TYPE_CHECKING:
     import asyncio
@@ -200,4 +203,5 @@ def _serve_error(problem: BadConfig) -> int:
 def run() -> None:
     """Console-script entry point (and `python -m sidecar`): stop signals are caught first."""
     catch_stop_signals()
+    tolerate_any_encoding()
     raise SystemExit(main())
