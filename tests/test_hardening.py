@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from testing import free_port
+from tests.test_initcheck import catches
 from tests.test_serving import _sidecar_argv as sidecar_argv
 from tests.test_sidecar_cli import CLEAN_ENV, get, stop, wait_serving
 
@@ -79,3 +83,96 @@ def test_the_sidecar_logs_under_a_c_locale(short_tmp: str) -> None:
     assert "Logging error" not in err
     assert "--probe-timeout: expected seconds, got 'bient" in err
     assert code == 2
+
+
+def _start(short_tmp: str, port: int, *argv: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        sidecar_argv(short_tmp, port, *argv), env=CLEAN_ENV, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _wait_caught(proc: subprocess.Popen[str], signum: int) -> None:
+    deadline = time.monotonic() + 20
+    while not catches(proc.pid, signum):
+        assert proc.poll() is None
+        assert time.monotonic() < deadline, f"the sidecar never caught {signum}"
+        time.sleep(0.001)
+
+
+def _storm(proc: subprocess.Popen[str], rng: random.Random, count: int = 50) -> None:
+    """`count` SIGTERM/SIGINT at random 0-50 ms gaps, or until the process is gone."""
+    for _ in range(count):
+        if proc.poll() is not None:
+            return
+        proc.send_signal(rng.choice([signal.SIGTERM, signal.SIGINT]))
+        time.sleep(rng.uniform(0, 0.05))
+
+
+def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("bad_config", [False, True])
+@pytest.mark.parametrize("when", ["start-up", "serving", "shutdown"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_storm_of_stop_signals_ends_the_sidecar_once(
+    when: str, bad_config: bool, seed: int, short_tmp: str
+) -> None:
+    """Fifty SIGTERM/SIGINT at random gaps: exit 0 (2 serving a bad configuration), no traceback."""
+    rng = random.Random(f"{when}-{bad_config}-{seed}")
+    port = free_port()
+    proc = _start(short_tmp, port, *(["--probe-timeout", "soon"] if bad_config else []))
+    try:
+        _wait_caught(proc, signal.SIGTERM)  # not SIGINT: Python's own handler has it from the start
+        if when == "start-up":
+            time.sleep(rng.uniform(0, 0.3))
+        else:
+            wait_serving(proc, port)
+        if when == "shutdown":
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(rng.uniform(0, 0.1))
+        _storm(proc, rng)
+    finally:
+        code, err = _finish(proc)
+    assert "Traceback" not in err, err
+    assert "KeyboardInterrupt" not in err, err
+    assert code == (2 if bad_config else 0), err
+
+
+def test_sighup_is_ignored_and_logged_once(short_tmp: str) -> None:
+    port = free_port()
+    proc = _start(short_tmp, port)
+    try:
+        _wait_caught(proc, signal.SIGHUP)
+        proc.send_signal(signal.SIGHUP)  # during start-up
+        wait_serving(proc, port)
+        for _ in range(5):
+            proc.send_signal(signal.SIGHUP)
+            time.sleep(0.02)
+        time.sleep(0.3)
+        assert proc.poll() is None
+        wait_serving(proc, port)
+        assert get(port, "/sidecarz/live")[0] == 200
+    finally:
+        code, err = stop(proc)
+    assert code == 0, err
+    assert err.count("SIGHUP ignored") == 1, err
+    assert "Traceback" not in err
+
+
+def test_a_bad_configuration_and_sigint_exits_2(short_tmp: str) -> None:
+    port = free_port()
+    proc = _start(short_tmp, port, "--probe-timeout", "soon")
+    try:
+        wait_serving(proc, port)
+        proc.send_signal(signal.SIGINT)
+    finally:
+        code, err = _finish(proc)
+    assert code == 2, err
+    assert "Traceback" not in err
