@@ -12,9 +12,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
+from sidecar.deviceplugin import hamiconfig
+from sidecar.deviceplugin.checkpoint import CheckpointError, read_checkpoint
 from testing import free_port
 from tests.test_initcheck import catches
 from tests.test_serving import _sidecar_argv as sidecar_argv
@@ -176,3 +180,95 @@ def test_a_bad_configuration_and_sigint_exits_2(short_tmp: str) -> None:
         code, err = _finish(proc)
     assert code == 2, err
     assert "Traceback" not in err
+
+
+def _status_until(
+    proc: subprocess.Popen[str], port: int, done: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while True:
+        assert proc.poll() is None
+        status, body = get(port, "/status")
+        if status in (200, 503):
+            doc: dict[str, Any] = json.loads(body)
+            if done(doc):
+                return doc
+        assert time.monotonic() < deadline, body
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("fifo", ["config", "checkpoint"])
+def test_a_fifo_is_a_reason_not_a_stuck_reader(fifo: str, short_tmp: str) -> None:
+    """A FIFO no one writes to, at HAMi's config path or the checkpoint's: opening it must not block
+    the reader thread (which every later read, and the exit, waits for)."""
+    plugins = os.path.join(short_tmp, "device-plugins")
+    os.makedirs(plugins)
+    config = os.path.join(short_tmp, "config.json")
+    checkpoint = os.path.join(plugins, "kubelet_internal_checkpoint")
+    if fifo == "config":
+        os.mkfifo(config)
+        with open(checkpoint, "w") as f:
+            json.dump({"Data": {"PodDeviceEntries": [], "RegisteredDevices": {}}, "Checksum": 0}, f)
+    else:
+        os.mkfifo(checkpoint)
+    port = free_port()
+    argv = ["--hami-config", config, "--expect-devices", "auto", "--node-name", "n1"]
+    proc = _start(short_tmp, port, *argv)
+    try:
+        wait_serving(proc, port)
+        doc = _status_until(
+            proc,
+            port,
+            lambda d: bool(d["checks"]["checkpoint"].get("reason")) and bool(d["expected_devices"]["notes"]),
+        )
+        reason = doc["checks"]["checkpoint"]["reason"]
+        notes = " ".join(doc["expected_devices"]["notes"])
+        if fifo == "config":
+            assert f"{config} cannot be read (a FIFO, not a regular file)" in notes
+            assert "FIFO" not in reason
+        else:
+            assert reason == "the checkpoint is a FIFO, not a regular file"
+        for name, check in doc["checks"].items():
+            if name != "checkpoint":
+                assert "FIFO" not in str(check), name
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+
+
+def test_the_configmap_symlink_is_followed_a_fifo_behind_it_is_not_read(short_tmp: str) -> None:
+    """A ConfigMap's files are symlinks into ..data/: followed, but what they lead to must be a file."""
+    data = os.path.join(short_tmp, "..data")
+    os.mkdir(data)
+    with open(os.path.join(data, "config.json"), "w") as f:
+        json.dump({"nodeconfig": []}, f)
+    config = os.path.join(short_tmp, "config.json")
+    os.symlink(os.path.join("..data", "config.json"), config)
+    src = hamiconfig.Sources(
+        device_glob=os.path.join(short_tmp, "nvidia*"), config_path=config, node_name="n1"
+    )
+    assert hamiconfig.expectation(src).notes == (
+        f"{config} has no nodeconfig entry named n1: nothing filtered",
+    )
+    os.remove(os.path.join(data, "config.json"))
+    os.mkfifo(os.path.join(data, "config.json"))
+    (note,) = hamiconfig.expectation(src).notes
+    assert note == f"{config} cannot be read (a FIFO, not a regular file): HAMi's filter not subtracted"
+
+
+def test_the_checkpoint_and_the_gpu_attributes_are_not_followed(short_tmp: str) -> None:
+    target = os.path.join(short_tmp, "elsewhere")
+    with open(target, "w") as f:
+        json.dump({"Data": {"RegisteredDevices": {"r": ["a"]}}}, f)
+    link = os.path.join(short_tmp, "kubelet_internal_checkpoint")
+    os.symlink(target, link)
+    with pytest.raises(CheckpointError, match=r"^the checkpoint is a symbolic link, not followed$"):
+        read_checkpoint(link)
+    gpus = os.path.join(short_tmp, "gpus")
+    os.makedirs(os.path.join(gpus, "0000:01:00.0"))
+    os.mkfifo(os.path.join(gpus, "0000:01:00.0", "information"))
+    assert hamiconfig.read_gpus(gpus) == ([], "")  # skipped, not waited on

@@ -6,11 +6,14 @@ raises `CheckpointError` with a reason an operator can act on, and nothing else 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from sidecar.deviceplugin.hamiconfig import file_kind
 
 CHECKPOINT_NAME = "kubelet_internal_checkpoint"
 # A real checkpoint holds one entry per allocated container: well under 1 MiB on a full node.
@@ -37,13 +40,15 @@ def read_checkpoint(path: str, max_bytes: int = MAX_CHECKPOINT_BYTES) -> Checkpo
     except FileNotFoundError:
         raise CheckpointError("no checkpoint: the kubelet has not recorded any device plugin") from None
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError("the checkpoint is a symbolic link, not followed") from None
         raise CheckpointError(f"cannot open the checkpoint: {e.strerror}") from None
     except ValueError as e:  # a path no file can have (a NUL byte)
         raise CheckpointError(f"cannot open the checkpoint: {e}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError("the checkpoint is not a regular file")
+            raise CheckpointError(f"the checkpoint is {file_kind(st.st_mode)}, not a regular file")
         if st.st_size > max_bytes:
             raise CheckpointError(f"the checkpoint is {st.st_size} bytes, over the {max_bytes}-byte bound")
         # The kubelet replaces the file (rename), never writes into it: its size is what there is to
