@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.deviceplugin import hamiconfig
+from sidecar.deviceplugin import checkpoint, hamiconfig
 from sidecar.deviceplugin.checkpoint import CheckpointError, read_checkpoint
 from testing import free_port
 from tests.test_initcheck import catches
@@ -272,3 +272,56 @@ def test_the_checkpoint_and_the_gpu_attributes_are_not_followed(short_tmp: str) 
     os.makedirs(os.path.join(gpus, "0000:01:00.0"))
     os.mkfifo(os.path.join(gpus, "0000:01:00.0", "information"))
     assert hamiconfig.read_gpus(gpus) == ([], "")  # skipped, not waited on
+
+
+def _checkpoint(registered: object) -> bytes:
+    doc = {"Data": {"PodDeviceEntries": [], "RegisteredDevices": registered}, "Checksum": 1}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (
+            _checkpoint({f"r{i}": [] for i in range(1_000_000)}),
+            r"^the checkpoint is \d+ bytes, over the 8388608-byte bound: too large to be a kubelet's$",
+        ),
+        (
+            _checkpoint({"r": [0] * checkpoint.MAX_CHECKPOINT_VALUES}),
+            r"^the checkpoint holds over 131072 values: too large to be a kubelet's$",
+        ),
+        (
+            _checkpoint({f"r{i}": [] for i in range(1025)}),
+            r"^the checkpoint registers 1025 resources, over 1024: too large to be a kubelet's$",
+        ),
+    ],
+    ids=["1e6-keys", "values", "resources"],
+)
+def test_a_huge_valid_checkpoint_is_a_reason(raw: bytes, reason: str, short_tmp: str) -> None:
+    path = os.path.join(short_tmp, "kubelet_internal_checkpoint")
+    with open(path, "wb") as f:
+        f.write(raw)
+    with pytest.raises(CheckpointError, match=reason):
+        read_checkpoint(path, max_bytes=64 << 20)  # past the file bound: the parser's own bounds
+    with pytest.raises(CheckpointError, match=reason if len(raw) > 8 << 20 else "."):
+        read_checkpoint(path)
+
+
+def test_the_largest_realistic_checkpoint_is_read(short_tmp: str) -> None:
+    """256 GPUs split 100 ways, all allocated: the bounds' own sizing (checkpoint.py)."""
+    ids = [f"GPU-{i:08x}-0000-0000-0000-000000000000-{s}" for i in range(256) for s in range(100)]
+    entries = [
+        {
+            "PodUID": f"{i:036d}",
+            "ContainerName": "cuda",
+            "ResourceName": "nvidia.com/gpu",
+            "DeviceIDs": {"0": ids[i * 25 : (i + 1) * 25]},
+            "AllocResp": "A" * 4096,
+        }
+        for i in range(1024)
+    ]
+    doc = {"Data": {"PodDeviceEntries": entries, "RegisteredDevices": {"nvidia.com/gpu": ids}}, "Checksum": 1}
+    path = os.path.join(short_tmp, "kubelet_internal_checkpoint")
+    with open(path, "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
+    assert read_checkpoint(path).devices("nvidia.com/gpu") == tuple(ids)
