@@ -219,7 +219,10 @@ def test_a_fifo_is_a_reason_not_a_stuck_reader(fifo: str, short_tmp: str) -> Non
         doc = _status_until(
             proc,
             port,
-            lambda d: bool(d["checks"]["checkpoint"].get("reason")) and bool(d["expected_devices"]["notes"]),
+            lambda d: (
+                d["checks"]["checkpoint"].get("reason", "not probed yet") != "not probed yet"
+                and bool(d["expected_devices"]["notes"])
+            ),
         )
         reason = doc["checks"]["checkpoint"]["reason"]
         notes = " ".join(doc["expected_devices"]["notes"])
