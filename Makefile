@@ -148,6 +148,7 @@ bench: $(STAMP) ## the benchmark scripts behind BENCHMARKS.md
 	$(PY) -m bench.fault_latency
 	$(PY) -m bench.resources
 	$(PY) bench/doctor_log.py
+	$(PY) -m bench.checkpoint_parse
 	$(PY) -m bench.sidecar_listen
 
 soak: $(STAMP) ## random faults against the simulator, wrong verdicts counted

@@ -1,5 +1,5 @@
 """`python -m doctor`: hami-doctor's command line."""
 
-from doctor.cli import main
+from doctor.cli import run
 
-raise SystemExit(main())
+run()

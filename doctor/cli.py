@@ -19,6 +19,7 @@ from doctor import render
 from doctor.npd import npd_error, npd_usage, one_line
 from doctor.settings import DoctorSettings, parse_settings
 from doctor.types import Report
+from hami_guard.console import tolerate_any_encoding
 from hami_guard.envflags import env_name
 
 USAGE = 2
@@ -97,4 +98,5 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
 
 def run() -> None:
     """Console-script entry point."""
+    tolerate_any_encoding()
     raise SystemExit(main())

@@ -12,6 +12,7 @@ from types import FrameType
 from typing import TextIO
 
 from hami_guard import flags
+from hami_guard.console import tolerate_any_encoding
 from hami_guard.envflags import parse_with_env
 from hami_guard.flags import one_line
 from hami_guard.node.sockets import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, DEFAULT_SOCKET
@@ -141,6 +142,7 @@ def print_text(findings: list[Finding], options: Options, code: int, out: TextIO
 
 def run() -> None:
     """Console-script entry point."""
+    tolerate_any_encoding()
     try:
         code = main()
     except KeyboardInterrupt:  # SIGINT before main's handler: one line, not a traceback

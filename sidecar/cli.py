@@ -9,11 +9,13 @@ points at the sidecar's port:
 - SIGTERM and SIGINT are caught before the heavy imports (grpc and aiohttp take over a second): one
   arriving during start-up stops the sidecar with one log line, not a traceback or a silent -15.
 
-Only the standard library is imported at module level, for that reason.
+Only the standard library (and hami_guard.console, which imports nothing else) is imported at module
+level, for that reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -23,8 +25,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from hami_guard.console import tolerate_any_encoding
+
 if TYPE_CHECKING:
     import asyncio
+    import socket
 
     from sidecar.app import Sidecar
     from sidecar.config import BadConfig, Settings
@@ -32,26 +37,61 @@ if TYPE_CHECKING:
 logger = logging.getLogger("sidecar")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# Stop signals received before the event loop took them over.
+HANDLED = (*STOP_SIGNALS, signal.SIGHUP)
+# Stop signals received (the first few: a storm must not grow it), and whether a SIGHUP came.
 _received: list[int] = []
+_hup = {"seen": False, "logged": False}
+# Set while an event loop runs: schedules a call in it. Outside that window a signal is only recorded.
+_post: Callable[[Callable[[], object]], object] | None = None
+_stop: Callable[[], object] | None = None
 
 
 def _record(signum: int, _frame: FrameType | None) -> None:
-    _received.append(signum)
+    if signum == signal.SIGHUP:
+        _hup["seen"] = True
+        _in_loop(_log_hup)
+        return
+    if len(_received) < 8:
+        _received.append(signum)
+    if _stop is not None:
+        _in_loop(_stop)
+
+
+def _in_loop(call: Callable[[], object]) -> None:
+    """Schedule `call` in the running loop, if one runs; a loop that just closed is no error."""
+    post = _post
+    if post is not None:
+        with contextlib.suppress(RuntimeError):  # closed between the check and the call
+            post(call)
+
+
+def _log_hup() -> None:
+    if not _hup["logged"]:
+        _hup["logged"] = True
+        logger.warning("SIGHUP ignored (and any further one, silently): stop with SIGTERM or SIGINT")
 
 
 def catch_stop_signals() -> None:
-    """From now on a stop signal is recorded (the loop acts on it once it runs), never fatal.
+    """For the life of the process a stop signal is recorded (the loop acts on it), never fatal.
 
+    Python's handlers stay in place: nothing installs them with the event loop, whose close would
+    put the defaults back (a second SIGTERM during shutdown was a -15, a SIGINT a traceback). SIGHUP
+    is caught too and ignored: a node's session hang-up must not end the plugin's probe target.
     Blocked while the handlers go in: a SIGINT between SIGTERM's handler and its own would otherwise
     meet Python's default one, a KeyboardInterrupt traceback. A blocked signal waits, then is recorded.
     """
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
     try:
-        for sig in STOP_SIGNALS:
+        for sig in HANDLED:
             signal.signal(sig, _record)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def ignore_signals_for_exit() -> None:
+    """SIG_IGN from here on: Python's finalization resets its own handlers to SIG_DFL, not SIG_IGN."""
+    for sig in HANDLED:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class JsonFormatter(logging.Formatter):
@@ -131,15 +171,41 @@ async def serve_error(problem: BadConfig, stop: asyncio.Event) -> None:
 async def _run(body: Callable[[asyncio.Event], Awaitable[object]]) -> bool:
     """Run `body` until a stop signal; False when one came during start-up (nothing was served)."""
     import asyncio
+    import socket
 
+    global _post, _stop  # noqa: PLW0603 - the signal handler's way into the loop
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, stop.set)
-    if _received:
-        return False
-    await body(stop)
-    return True
+    # A signal that lands just before the loop's epoll_wait would wait for its timeout: the wakeup
+    # fd makes the C-level handler wake the loop, and Python's handler runs right after.
+    rsock, wsock = socket.socketpair()
+    rsock.setblocking(False)
+    wsock.setblocking(False)
+    loop.add_reader(rsock.fileno(), _drain, rsock)
+    previous = signal.set_wakeup_fd(wsock.fileno(), warn_on_full_buffer=False)
+    _stop = stop.set
+    _post = loop.call_soon_threadsafe
+    try:
+        if _received:
+            return False
+        if _hup["seen"]:
+            _log_hup()
+        await body(stop)
+        return True
+    finally:
+        _post = _stop = None
+        signal.set_wakeup_fd(previous)
+        loop.remove_reader(rsock.fileno())
+        rsock.close()
+        wsock.close()
+
+
+def _drain(sock: socket.socket) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except OSError:
+        pass
 
 
 def _stopped_early() -> None:
@@ -200,4 +266,7 @@ def _serve_error(problem: BadConfig) -> int:
 def run() -> None:
     """Console-script entry point (and `python -m sidecar`): stop signals are caught first."""
     catch_stop_signals()
-    raise SystemExit(main())
+    tolerate_any_encoding()
+    code = main()
+    ignore_signals_for_exit()
+    raise SystemExit(code)

@@ -2009,19 +2009,20 @@ def test_every_checkpoint_failure_is_a_checkpoint_error(short_tmp: str) -> None:
     )
     assert (
         read(b" " * ((1 << 20) + 1))
-        == f"the checkpoint is {(1 << 20) + 1} bytes, over the 1048576-byte bound"
+        == f"the checkpoint is {(1 << 20) + 1} bytes, over the 1048576-byte bound: "
+        "too large to be a kubelet's"
     )
     os.unlink(path)
     for where, reason in (
         (path, "no checkpoint: the kubelet has not recorded any device plugin"),
-        (short_tmp, "the checkpoint is not a regular file"),
+        (short_tmp, "the checkpoint is a folder, not a regular file"),
         (path + "\0", "cannot open the checkpoint: embedded null byte"),
     ):
         with pytest.raises(CheckpointError) as e:
             read_checkpoint(where)
         assert str(e.value) == reason
     os.mkfifo(path)
-    with pytest.raises(CheckpointError, match=r"^the checkpoint is not a regular file$"):
+    with pytest.raises(CheckpointError, match=r"^the checkpoint is a FIFO, not a regular file$"):
         read_checkpoint(path)  # opened without blocking: a FIFO never hangs the reader
 
 

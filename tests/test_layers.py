@@ -63,7 +63,9 @@ LAYERS: Mapping[str, frozenset[str]] = {
         {"hami_guard", "sidecar", "sidecar.app", "sidecar.config", "sidecar.health", "sidecar.server.*"}
         | {"sidecar.deviceplugin.*", "sidecar.dra.*"}
     ),
-    "sidecar.cli": frozenset({"sidecar.app", "sidecar.config", "sidecar.server.*", "sidecar.watcher"}),
+    "sidecar.cli": frozenset(
+        {"hami_guard", "sidecar.app", "sidecar.config", "sidecar.server.*", "sidecar.watcher"}
+    ),
     "sidecar.__main__": frozenset({"sidecar.cli"}),
     "doctor": frozenset({"hami_guard", "initcheck", "sidecar.*"}),
     "testing": frozenset({"hami_guard", "sidecar.*"}),

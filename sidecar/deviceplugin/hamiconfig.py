@@ -27,10 +27,12 @@ Every parser here is total: any input gives an answer, never an exception.
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
 import re
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -315,9 +317,54 @@ class _Read:
     notes: list[str] = field(default_factory=list)
 
 
-def _read_bounded(path: str, limit: int) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(limit + 1)
+class NotAFile(OSError):
+    """The path names something that is not a regular file (a FIFO, a socket, a device, a folder)."""
+
+
+def file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _read_bounded(path: str, limit: int, *, follow: bool = False) -> bytes:
+    """At most `limit + 1` bytes of the regular file at `path`, without ever blocking on what it is.
+
+    O_NONBLOCK: a FIFO at the path (nothing writing) would otherwise hold the reader thread forever,
+    and with it every later read and the sidecar's exit. The opened descriptor is fstat'ed, so what
+    is read is what was judged. `follow` for HAMi's config, a ConfigMap file: a symlink into `..data/`;
+    the sysfs and procfs attributes are read with O_NOFOLLOW. Raises OSError (NotAFile with a reason).
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow:
+            raise NotAFile(errno.ELOOP, "a symbolic link, not followed") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotAFile(errno.EINVAL, f"{file_kind(mode)}, not a regular file")
+        chunks: list[bytes] = []
+        left = limit + 1
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def read_gpus(gpus_dir: str) -> tuple[list[Gpu], str]:
@@ -383,7 +430,7 @@ def _expectation(src: Sources) -> Expectation:
             f"and are not counted: {', '.join(vfio)}"
         )
     try:
-        raw = _read_bounded(src.config_path, MAX_CONFIG_BYTES)
+        raw = _read_bounded(src.config_path, MAX_CONFIG_BYTES, follow=True)
     except FileNotFoundError:
         notes.append(f"no HAMi node configuration at {src.config_path}: nothing filtered")
         return Expectation(len(nodes), len(nodes), tuple(nodes), (), tuple(notes))
