@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -219,11 +221,32 @@ def test_a_process_named_kubelet_counts_only_run_by_root(ns: Netns, short_tmp: s
             os.unlink(p)
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
 READ = (
     "import json, sys; from hami_guard.node.unixdiag import kubelet_connections as k; "
     "c = k(sys.argv[1], names={sys.argv[2]}); "
     "print(json.dumps(c if isinstance(c, str) else [c.source, c.held(sys.argv[3]), c.owned is not None]))"
 )
+
+
+def reader(folder: str) -> tuple[list[str], dict[str, str]]:
+    """READ's argv head and environment for any user: the interpreter by its real path and a copy of
+    hami_guard (the standard library only) in `folder`, which must be readable by all. Nobody may not
+    enter the checkout (a clone in a mode-700 folder) nor the virtual environment inside it."""
+    lib = os.path.join(folder, "lib")
+    shutil.copytree(
+        ROOT / "hami_guard", os.path.join(lib, "hami_guard"), ignore=shutil.ignore_patterns("__pycache__")
+    )
+    for path, _, files in os.walk(lib):
+        os.chmod(path, 0o755)
+        for f in files:
+            os.chmod(os.path.join(path, f), 0o644)
+    return [os.path.realpath(sys.executable), "-c", READ], {
+        **os.environ,
+        "PYTHONPATH": lib,
+        "PYTHONNOUSERSITE": "1",
+    }
 
 
 def test_sock_diag_counts_the_kubelets_own_connections_where_its_descriptors_can_be_read(
@@ -245,8 +268,8 @@ def test_sock_diag_counts_the_kubelets_own_connections_where_its_descriptors_can
             Holder([connect(plugin)], ns.command([])),
         ):
             accepted = [server.accept()[0] for _ in range(2)]  # as the plugin's gRPC server does
-            argv = [sys.executable, "-c", READ, kubelet, name, plugin]
-            env = {**os.environ, "PYTHONPATH": os.getcwd()}
+            head, env = reader(short_tmp)
+            argv = [*head, kubelet, name, plugin]
             for enter, count, owned in (([], 1, True), (ROOT_NO_CAPS, 2, False), (NOBODY, 2, False)):
                 done = ns.run([*enter, *argv], capture_output=True, text=True, timeout=60, env=env)
                 assert done.returncode == 0, done.stderr
@@ -279,8 +302,8 @@ def test_from_a_pod_the_kubelets_namespace_through_proc_whoever_reads_it(short_t
     kubelet, plugin = os.path.join(folder, "kubelet.sock"), os.path.join(folder, "nvidia-gpu.sock")
     name = f"kubelet-{os.path.basename(short_tmp)[-6:]}"
     lies = forged_names(kubelet, plugin, "/var/lib/kubelet/device-plugins")
-    argv = [sys.executable, "-c", READ, kubelet, name, plugin]
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    head, env = reader(short_tmp)
+    argv = [*head, kubelet, name, plugin]
     kubelet_ops = [comm(name), listen(kubelet), connect(plugin), *names(*lies)]
     with (
         Netns() as pod,
