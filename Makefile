@@ -65,16 +65,22 @@ pytest: $(STAMP) $(TOOLS) $(if $(shell command -v $(GO) 2>/dev/null),kubelet-fix
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # The kubelet's real device manager, PodResources server and plugins (tests/realkubelet,
-# docs/real-kubelet.md), built at two releases: the newest served, and the newest without
-# kubernetes PR 135437. go build is incremental: a second run only relinks what changed.
-.PHONY: kubelet-fixtures kubelet-fixture-new kubelet-fixture-old kubelet-fixtures-check
-kubelet-fixtures: kubelet-fixture-new kubelet-fixture-old
-
-kubelet-fixture-new:
-	cd $(REALKUBELET) && $(GO) build -buildvcs=false -o bin/realkubelet-$(KUBELET_NEW) .
-
-kubelet-fixture-old:
-	cd $(REALKUBELET) && $(GO) build -buildvcs=false -modfile=go.old.mod -tags oldkubelet -o bin/realkubelet-$(KUBELET_OLD) .
+# docs/real-kubelet.md), at the newest served patch of each minor release (docs/kubelet-releases.md):
+# go.mod pins the newest, releases/go.1.MINOR.mod each other; a release older than 1.NN builds with
+# -tags kube_lt1NN (compat_*.go). make test builds the newest, the newest without kubernetes
+# PR 135437 and the oldest; kubelet-fixtures-all every one. go build only relinks what changed.
+KUBELET_RELEASES := v1.30.14 v1.31.12 v1.32.9 v1.33.13 v1.34.4 v1.35.4 v1.36.5 v1.37.2
+kubelet_minor = $(word 2,$(subst ., ,$(1)))
+kubelet_flags = -modfile=$(if $(filter $(KUBELET_NEW),$(1)),go.mod,releases/go.1.$(call kubelet_minor,$(1)).mod) -tags=$(subst \
+  $(eval) ,$(comma),$(strip $(foreach t,34 35 37,$(if $(filter $(t),$(firstword $(sort $(t) $(call kubelet_minor,$(1))))),,kube_lt1$(t)))))
+comma := ,
+.PHONY: kubelet-fixtures kubelet-fixtures-all kubelet-fixture-new kubelet-fixture-old kubelet-fixtures-check FORCE
+kubelet-fixtures: kubelet-fixture-new kubelet-fixture-old $(REALKUBELET)/bin/realkubelet-$(firstword $(KUBELET_RELEASES))
+kubelet-fixtures-all: $(KUBELET_RELEASES:%=$(REALKUBELET)/bin/realkubelet-%)
+kubelet-fixture-new: $(REALKUBELET)/bin/realkubelet-$(KUBELET_NEW)
+kubelet-fixture-old: $(REALKUBELET)/bin/realkubelet-$(KUBELET_OLD)
+$(REALKUBELET)/bin/realkubelet-%: FORCE
+	cd $(REALKUBELET) && $(GO) build -buildvcs=false $(call kubelet_flags,$*) -o bin/realkubelet-$* .
 
 # The DRA fixture (tests/realdra, docs/real-kubelet.md#dra), at the same two releases.
 .PHONY: dra-fixtures dra-fixture-new dra-fixture-old dra-fixtures-check
@@ -90,10 +96,10 @@ dra-fixtures-check:
 	cd $(REALDRA) && files="$$(gofmt -l .)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
 	cd $(REALDRA) && $(GO) vet ./... && $(GO) vet -modfile=go.old.mod -tags oldkubelet ./...
 
-# gofmt and go vet over the fixture's module, with each go.mod.
+# gofmt and go vet over the fixture's module, with each release's modfile and tags.
 kubelet-fixtures-check:
 	cd $(REALKUBELET) && files="$$(gofmt -l .)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
-	cd $(REALKUBELET) && $(GO) vet ./... && $(GO) vet -modfile=go.old.mod -tags oldkubelet ./...
+	cd $(REALKUBELET) && $(foreach v,$(KUBELET_RELEASES),$(GO) vet $(call kubelet_flags,$(v)) ./... &&) true
 	cd tests/fixturekit && files="$$(gofmt -l .)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
 	cd tests/fixturekit && $(GO) vet ./...
 	cd tests/node && files="$$(gofmt -l pause)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }

@@ -27,7 +27,6 @@ import (
 	"k8s.io/klog/v2"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 	podresourcesv1alpha1 "k8s.io/kubelet/pkg/apis/podresources/v1alpha1"
-	apisgrpc "k8s.io/kubernetes/pkg/kubelet/apis/grpc"
 	"k8s.io/kubernetes/pkg/kubelet/apis/podresources"
 	"k8s.io/kubernetes/pkg/kubelet/cm/containermap"
 	"k8s.io/kubernetes/pkg/kubelet/cm/devicemanager"
@@ -137,7 +136,7 @@ func (k *kubelet) start() error {
 		return err
 	}
 	// The manager's own Start: reads the checkpoint, cleans the folder, listens on kubelet.sock.
-	if err := m.Start(k.logger, k.activePods, fixturekit.SourcesReady{}, containermap.NewContainerMap(), sets.New[string]()); err != nil {
+	if err := startManager(m, k.logger, k.activePods, fixturekit.SourcesReady{}, containermap.NewContainerMap(), sets.New[string]()); err != nil {
 		return fmt.Errorf("device manager Start: %w", err)
 	}
 	if k.opts.podResources != "" {
@@ -149,7 +148,7 @@ func (k *kubelet) start() error {
 }
 
 func (k *kubelet) stop() {
-	if err := k.manager.Stop(k.logger); err != nil {
+	if err := stopManager(k.manager, k.logger); err != nil {
 		k.logger.Error(err, "device manager Stop")
 	}
 	if k.prServer != nil {
@@ -162,9 +161,9 @@ func (k *kubelet) stop() {
 func (k *kubelet) servePodResources() error {
 	ctx := klog.NewContext(context.Background(), k.logger)
 	providers := podResourcesProviders(k.manager, podsProvider{k})
-	server := grpc.NewServer(apisgrpc.WithRateLimiter(ctx, "podresources", podresources.DefaultQPS, podresources.DefaultBurstTokens))
+	server := grpc.NewServer(rateLimiter(ctx, "podresources", podresources.DefaultQPS, podresources.DefaultBurstTokens))
 	podresourcesv1alpha1.RegisterPodResourcesListerServer(server, podresources.NewV1alpha1PodResourcesServer(providers))
-	podresourcesv1.RegisterPodResourcesListerServer(server, podresources.NewV1PodResourcesServer(ctx, providers))
+	podresourcesv1.RegisterPodResourcesListerServer(server, newV1PodResourcesServer(ctx, providers))
 	if err := os.MkdirAll(filepath.Dir(k.opts.podResources), 0o750); err != nil {
 		return err
 	}

@@ -10,7 +10,6 @@ import (
 
 	"k8s.io/klog/v2"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
-	plugin "k8s.io/kubernetes/pkg/kubelet/cm/devicemanager/plugin/v1beta1"
 )
 
 // stubPlugin drives the kubelet's own test plugin, Stub. What Stub cannot do, this says: it does
@@ -18,7 +17,7 @@ import (
 // cannot serve again after Stop.
 type stubPlugin struct {
 	o       pluginOptions
-	stub    *plugin.Stub
+	stub    *stubServer
 	ctx     context.Context
 	devices []*pluginapi.Device
 	stopped bool
@@ -27,8 +26,8 @@ type stubPlugin struct {
 
 func newStubPlugin(o pluginOptions, devs []*pluginapi.Device) *stubPlugin {
 	ctx := klog.NewContext(context.Background(), klog.Background())
-	s := plugin.NewDevicePluginStub(klog.Background(), devs, filepath.Join(o.dir, o.socket), o.resource, false, false)
-	s.SetAllocFunc(func(r *pluginapi.AllocateRequest, _ map[string]*pluginapi.Device) (*pluginapi.AllocateResponse, error) {
+	s := newStubServer(klog.Background(), devs, filepath.Join(o.dir, o.socket), o.resource)
+	s.SetAllocFunc(func(r *pluginapi.AllocateRequest, _ stubDevices) (*pluginapi.AllocateResponse, error) {
 		return allocateResponse(o.socket, r), nil
 	})
 	return &stubPlugin{o: o, stub: s, ctx: ctx, devices: devs}

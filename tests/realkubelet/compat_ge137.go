@@ -1,8 +1,8 @@
-//go:build !oldkubelet
+//go:build !kube_lt137
 
 package main
 
-// The device manager's API as of k8s.io/kubernetes v1.37 (go.mod).
+// The device manager's API from k8s.io/kubernetes v1.37 on (go.mod).
 
 import (
 	"context"
@@ -15,8 +15,6 @@ import (
 	"k8s.io/kubernetes/pkg/kubelet/cm/topologymanager"
 	"k8s.io/kubernetes/pkg/kubelet/lifecycle"
 )
-
-const kubernetesRelease = "v1.37.2"
 
 // newManager builds the manager as the kubelet's container manager does, with the topology
 // manager's default policy ("none", container scope) as its affinity store.

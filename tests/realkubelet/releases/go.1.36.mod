@@ -3,10 +3,10 @@ module hami-guard/tests/realkubelet
 go 1.26.0
 
 require (
-	hami-guard/tests/fixturekit v0.0.0
 	github.com/fsnotify/fsnotify v1.9.0
 	golang.org/x/sys v0.46.0
 	google.golang.org/grpc v1.79.3
+	hami-guard/tests/fixturekit v0.0.0
 	k8s.io/api v0.36.5
 	k8s.io/apimachinery v0.36.5
 	k8s.io/klog/v2 v2.140.0

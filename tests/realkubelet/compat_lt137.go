@@ -1,8 +1,9 @@
-//go:build oldkubelet
+//go:build kube_lt137
 
 package main
 
-// The device manager's API as of k8s.io/kubernetes v1.36 (go.old.mod, -tags oldkubelet).
+// The device manager's API before k8s.io/kubernetes v1.37 (-tags kube_lt137): NewManagerImpl,
+// GetCapacity, Allocate and the PodResources providers take no logger, context or operation.
 
 import (
 	"context"
@@ -14,8 +15,6 @@ import (
 	"k8s.io/kubernetes/pkg/kubelet/cm/devicemanager"
 	"k8s.io/kubernetes/pkg/kubelet/cm/topologymanager"
 )
-
-const kubernetesRelease = "v1.36.5"
 
 // newManager builds the manager as the kubelet's container manager does, with the topology
 // manager's default policy ("none", container scope) as its affinity store.
