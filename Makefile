@@ -72,7 +72,7 @@ pytest: $(STAMP) $(TOOLS) $(if $(shell command -v $(GO) 2>/dev/null),kubelet-fix
 KUBELET_RELEASES := v1.30.14 v1.31.12 v1.32.9 v1.33.13 v1.34.4 v1.35.4 v1.36.5 v1.37.2
 kubelet_minor = $(word 2,$(subst ., ,$(1)))
 kubelet_flags = -modfile=$(if $(filter $(KUBELET_NEW),$(1)),go.mod,releases/go.1.$(call kubelet_minor,$(1)).mod) -tags=$(subst \
-  $(eval) ,$(comma),$(strip $(foreach t,34 35 37,$(if $(filter $(t),$(firstword $(sort $(t) $(call kubelet_minor,$(1))))),,kube_lt1$(t)))))
+  $(eval) ,$(comma),$(strip $(foreach t,31 34 35 37,$(if $(filter $(t),$(firstword $(sort $(t) $(call kubelet_minor,$(1))))),,kube_lt1$(t)))))
 comma := ,
 .PHONY: kubelet-fixtures kubelet-fixtures-all kubelet-fixture-new kubelet-fixture-old kubelet-fixtures-check FORCE
 kubelet-fixtures: kubelet-fixture-new kubelet-fixture-old $(REALKUBELET)/bin/realkubelet-$(firstword $(KUBELET_RELEASES))

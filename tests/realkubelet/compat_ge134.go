@@ -25,3 +25,6 @@ func newV1PodResourcesServer(ctx context.Context, p podresources.PodResourcesPro
 
 // stubDevices is the device map Stub hands its Allocate function (devicemanager.DeviceInstances).
 type stubDevices = map[string]*pluginapi.Device
+
+// containerRequestIDs: the device plugin API's Go types are protoc-gen-go's from 1.34 on.
+func containerRequestIDs(r *pluginapi.ContainerAllocateRequest) []string { return r.GetDevicesIds() }

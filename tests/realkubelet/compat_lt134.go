@@ -3,7 +3,8 @@
 package main
 
 // Before k8s.io/kubernetes v1.34 (-tags kube_lt134), the PodResources v1 server and the kubelet's
-// gRPC rate limiter take no context, and the manager's device maps hold values.
+// gRPC rate limiter take no context, the manager's device maps hold values, and the device plugin
+// API's Go types are gogo/protobuf's.
 
 import (
 	"context"
@@ -25,3 +26,6 @@ func newV1PodResourcesServer(_ context.Context, p podresources.PodResourcesProvi
 
 // stubDevices is the device map Stub hands its Allocate function (devicemanager.DeviceInstances).
 type stubDevices = map[string]pluginapi.Device
+
+// containerRequestIDs: the device plugin API's Go types are gogo/protobuf's before 1.34.
+func containerRequestIDs(r *pluginapi.ContainerAllocateRequest) []string { return r.GetDevicesIDs() }

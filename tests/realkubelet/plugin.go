@@ -246,7 +246,7 @@ func setupKlogStderr() {
 // NVIDIA's plugins do (their dial blocks): inotify reports kubelet.sock at bind(), before the
 // kubelet's listen(), and a plain dial at that moment is refused.
 func kubeletRegister(ctx context.Context, kubeletSocket string, req *pluginapi.RegisterRequest) error {
-	conn, err := grpc.NewClient("unix://"+kubeletSocket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := newGRPCClient("unix://"+kubeletSocket, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		return err
 	}
@@ -546,7 +546,7 @@ func (p *ownPlugin) PreStartContainer(context.Context, *pluginapi.PreStartContai
 func allocateResponse(socket string, r *pluginapi.AllocateRequest) *pluginapi.AllocateResponse {
 	resp := &pluginapi.AllocateResponse{}
 	for _, cr := range r.ContainerRequests {
-		ids := append([]string{}, cr.DevicesIds...)
+		ids := append([]string{}, containerRequestIDs(cr)...)
 		sort.Strings(ids)
 		resp.ContainerResponses = append(resp.ContainerResponses, &pluginapi.ContainerAllocateResponse{
 			Envs: map[string]string{"FIXTURE_DEVICES": strings.Join(ids, ","), "FIXTURE_SOCKET": socket},
