@@ -1,18 +1,24 @@
 """The kubelet's real plugin manager and DRA manager, and DRA drivers on the kubelet plugin helper.
 
 Each runs a process of the Go fixture in `tests/realdra` (docs/real-kubelet.md#dra) at one of the
-two releases of `tests/realkubelet`; build them with `make dra-fixtures`. The processes speak the
-same JSON lines as the device-manager fixture (`testing.realkubelet.FixtureProcess`).
+two releases "new" and "old" of `tests/realkubelet`; build them with `make dra-fixtures`. The
+processes speak the same JSON lines as the device-manager fixture
+(`testing.realkubelet.FixtureProcess`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from testing.realkubelet import RELEASES, Event, FixtureError, FixtureProcess, Release
+from testing import realkubelet
+from testing.realkubelet import Event, FixtureError, FixtureProcess
+
+Release = Literal["new", "old"]
+RELEASES: Mapping[str, str] = {name: realkubelet.RELEASES[name] for name in ("new", "old")}
 
 BIN_ENV = "HAMI_GUARD_REALDRA_BIN"
 _REPO = Path(__file__).resolve().parents[1]

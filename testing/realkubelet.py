@@ -2,9 +2,11 @@
 
 `RealKubelet` and `RealPlugin` mirror `FakeKubelet` and `FakeDevicePlugin`, but each runs
 a process of the Go fixture in `tests/realkubelet` (docs/real-kubelet.md): the device
-manager, PodResources server and test plugin of `k8s.io/kubernetes` itself, at two
-releases ("new" carries kubernetes PR 135437, "old" does not). Build them with
-`make kubelet-fixtures`; `fixture_binary()` answers None while they are missing.
+manager, PodResources server and test plugin of `k8s.io/kubernetes` itself, at the newest served
+patch of each minor release from 1.30 (docs/kubelet-releases.md); "new" names the newest (it
+carries kubernetes PR 135437), "old" the newest without it. `make kubelet-fixtures` builds those two
+and the oldest, `make kubelet-fixtures-all` every one; `fixture_binary()` answers None while one is
+missing.
 
 Each process reads one command a line on stdin and answers each with one JSON line; its
 events (`ready`, `checkpoint`, `stream-open`, `log`, ...) are kept in order and can be
@@ -26,13 +28,20 @@ import signal
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
 
-Release = Literal["new", "old"]
-# The two releases the fixture is built at: the newest served, and the newest without PR 135437.
-RELEASES: Mapping[str, str] = {"new": "v1.37.2", "old": "v1.36.5"}
+# Every release the fixture is built at (the Makefile's KUBELET_RELEASES), oldest first.
+VERSIONS = ("v1.30.14", "v1.31.12", "v1.32.9", "v1.33.13", "v1.34.4", "v1.35.4", "v1.36.5", "v1.37.2")
+# A release by name ("new": the newest, with PR 135437; "old": the newest without it) or by version.
+Release = Literal[
+    "new", "old", "v1.30.14", "v1.31.12", "v1.32.9", "v1.33.13", "v1.34.4", "v1.35.4", "v1.36.5", "v1.37.2"
+]
+RELEASES: Mapping[str, str] = {"new": "v1.37.2", "old": "v1.36.5", **{v: v for v in VERSIONS}}
+# Built by `make kubelet-fixtures` (and so by `make test`); the others by `make kubelet-fixtures-all`.
+QUICK_VERSIONS = ("v1.37.2", "v1.36.5", "v1.30.14")
+RELEASES_ENV = "REALKUBELET_RELEASES"
 KUBELET_SOCKET = "kubelet.sock"
 PROCESSED = "Processed device updates for resource"  # the manager's line for each ListAndWatch answer
 BIN_ENV = "HAMI_GUARD_REALKUBELET_BIN"
@@ -61,10 +70,42 @@ def fixture_binary(release: str) -> Path | None:
 
 def build_hint(release: str) -> str:
     version = RELEASES.get(release, release)
+    target = "kubelet-fixtures" if version in QUICK_VERSIONS else "kubelet-fixtures-all"
     return (
-        f"the real-kubelet fixture for kubernetes {version} is not built: run `make kubelet-fixtures` "
+        f"the real-kubelet fixture for kubernetes {version} is not built: run `make {target}` "
         f"(needs Go >= 1.26; it writes {bin_dir() / f'realkubelet-{version}'})"
     )
+
+
+def minor(release: str) -> int:
+    """The minor version of a release: 37 for "new" and "v1.37.2"."""
+    return int(RELEASES.get(release, release).split(".")[1])
+
+
+def has_pr_135437(release: str) -> bool:
+    """Whether the release tells endpoints apart by socket path (kubernetes PR 135437, from v1.37.0)."""
+    return minor(release) >= 37
+
+
+def disconnected_log(release: str) -> str:
+    """The kubelet's last line for a client whose stream has ended (runClient -> Disconnect): client.go
+    Disconnect's own "Device plugin disconnected" from v1.33; before, only manager.go
+    PluginDisconnected's "Endpoint became unhealthy", logged just before."""
+    return "Device plugin disconnected" if minor(release) >= 33 else "Endpoint became unhealthy"
+
+
+def selected_releases(default: Iterable[Release] = ("new", "old")) -> list[Release]:
+    """The releases a test parametrized over releases runs at: $REALKUBELET_RELEASES (comma-separated
+    names or versions, or "all" for every version) or `default`. A release whose binary is missing is
+    still listed: the test skips it with the reason (fails under CI=true)."""
+    raw = os.environ.get(RELEASES_ENV, "").strip()
+    if not raw:
+        return list(default)
+    names = list(VERSIONS) if raw == "all" else [r.strip() for r in raw.split(",") if r.strip()]
+    unknown = [n for n in names if n not in RELEASES]
+    if unknown:
+        raise ValueError(f"{RELEASES_ENV}: unknown releases {unknown}; known: {sorted(RELEASES)}")
+    return cast("list[Release]", names)
 
 
 def missing_reason(release: str) -> str | None:

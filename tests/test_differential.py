@@ -32,7 +32,14 @@ from sidecar.proto import podresources_v1_pb2 as pr
 from sidecar.rpc import POD_RESOURCES, insecure_channel, unary
 from sidecar.watcher import FolderWatcher, FsEvent
 from testing import FakeDevicePlugin, FakeKubelet, is_simulator_checkpoint
-from testing.realkubelet import RealKubelet, Release
+from testing.realkubelet import (
+    RELEASES,
+    RealKubelet,
+    Release,
+    disconnected_log,
+    has_pr_135437,
+    selected_releases,
+)
 from tests.conftest import wait_for
 from tests.test_realkubelet import require_fixture
 
@@ -88,9 +95,8 @@ class Side:
     def disconnected(self, resource: str, mark: int) -> bool:
         """The kubelet has processed the end of the resource's stream."""
         if isinstance(self.kubelet, RealKubelet):
-            return bool(
-                self.kubelet.process.find("log", lambda e: e.get("msg") == "Device plugin disconnected", mark)
-            )
+            msg = disconnected_log(self.kubelet.release)
+            return bool(self.kubelet.process.find("log", lambda e: e.get("msg") == msg, mark))
         return self.kubelet.stopped(resource) and not self.kubelet.connected(resource)
 
     def deleted_sockets(self, since: int) -> list[str]:
@@ -226,9 +232,13 @@ async def node_pair(root: str, release: Release, race: bool) -> AsyncIterator[tu
                 await side.close()
 
 
-@pytest.fixture(params=[("new", False), ("old", True)], ids=["v1.37.2", "v1.36.5"])
+_SIDES = [(r, not has_pr_135437(r)) for r in selected_releases()]
+
+
+@pytest.fixture(params=_SIDES, ids=[RELEASES[r] for r, _ in _SIDES])
 async def sides(request: pytest.FixtureRequest, short_tmp: str) -> AsyncIterator[tuple[Side, Side]]:
-    """The simulator's default against v1.37.2; its reregister_race mode against v1.36.5."""
+    """The simulator's default against v1.37.2; its reregister_race mode against v1.36.5 (and against
+    every other release before PR 135437 that $REALKUBELET_RELEASES names)."""
     async with node_pair(short_tmp, *request.param) as pair:
         yield pair
 
@@ -491,7 +501,7 @@ async def test_an_old_instances_late_end_on_both(sides: tuple[Side, Side]) -> No
         mark = side.log_mark()
         await side.plugins["gpu-a.sock"].crash()
         if isinstance(side.kubelet, RealKubelet):
-            await side.kubelet.wait_log("Device plugin disconnected", after=mark, timeout=TIMEOUT)
+            await side.kubelet.wait_log(disconnected_log(side.kubelet.release), after=mark, timeout=TIMEOUT)
         else:
             kubelet = side.kubelet
             left = 0 if kubelet.reregister_race else 1  # the old kubelet also ends B's stream
@@ -607,7 +617,8 @@ async def test_a_second_register_then_the_first_streams_end_on_both(sides: tuple
         if isinstance(side.kubelet, RealKubelet):
             await wait_for(lambda: stream_ends(side, mark) >= 1, TIMEOUT, "the stream's end")
             if accepted["real"]:
-                await side.kubelet.wait_log("Device plugin disconnected", after=mark, timeout=TIMEOUT)
+                msg = disconnected_log(side.kubelet.release)
+                await side.kubelet.wait_log(msg, after=mark, timeout=TIMEOUT)
             await side.kubelet.capacity()  # a round trip: runClient has finished with the end by now
         else:
             kubelet = side.kubelet

@@ -1,7 +1,8 @@
 """The kubelet's real device manager (tests/realkubelet, docs/real-kubelet.md), at two releases.
 
 "new" is k8s.io/kubernetes v1.37.2 (with PR 135437: endpoints told apart by socket path),
-"old" is v1.36.5 (without it). Each test waits for events with timeouts, never blindly.
+"old" is v1.36.5 (without it); REALKUBELET_RELEASES=v1.30.14,... (or "all") runs other releases
+instead (docs/kubelet-releases.md). Each test waits for events with timeouts, never blindly.
 Without the fixture (`make kubelet-fixtures`) the tests skip; under CI=true they fail.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 from collections.abc import AsyncIterator
 
 import pytest
@@ -22,12 +24,16 @@ from testing.realkubelet import (
     RealKubelet,
     RealPlugin,
     Release,
+    disconnected_log,
     fast_takeover,
+    has_pr_135437,
+    minor,
     missing_reason,
+    selected_releases,
 )
 
 RESOURCE = "nvidia.com/gpu"
-RELEASES: list[Release] = ["new", "old"]
+RELEASES: list[Release] = selected_releases()  # "new" and "old", or $REALKUBELET_RELEASES
 
 
 def require_fixture(release: Release) -> None:
@@ -36,7 +42,7 @@ def require_fixture(release: Release) -> None:
     if reason is None:
         return
     if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason} (CI builds it: .ci/run runs `make kubelet-fixtures`)")
+        pytest.fail(f"{reason} (CI builds it: .ci/run runs that make target)")
     pytest.skip(reason)
 
 
@@ -227,7 +233,7 @@ async def test_plugin_stop_closes_stream_without_rewriting_checkpoint(
     kmark, pmark = k.mark(), p.mark()
     await p.stop_serving()
     await p.wait_event("stream-closed", after=pmark)
-    await k.wait_log("Device plugin disconnected", after=kmark)
+    await k.wait_log(disconnected_log(release), after=kmark)
     cap = await k.capacity()
     assert cap["capacity"] == {RESOURCE: 2}  # the devices count as unhealthy for the stop grace
     assert cap["allocatable"] == {RESOURCE: 0}
@@ -294,7 +300,7 @@ async def test_second_instance_and_late_end_of_the_first(
     plugins.append(b)
     bmark, kmark = b.mark(), k.mark()
     await b.start()  # B binds its socket (same name: A's file is replaced), then registers
-    if release == "new" and same_socket:
+    if has_pr_135437(release) and same_socket:
         # PR 135437: one endpoint per (resource, socket path); A's still holds the path.
         assert "device plugin already connected" in (b.last_register_error or "")
         assert await b.streams_open() == 0
@@ -304,7 +310,7 @@ async def test_second_instance_and_late_end_of_the_first(
         await a.crash(remove_socket=True)
         await k.wait_log("ListAndWatch ended unexpectedly for device plugin", after=kmark)
         assert (await k.capacity())["allocatable"] == {RESOURCE: 2}
-        assert not k.process.find("log", lambda e: e["msg"] == "Device plugin disconnected", after=kmark)
+        assert not k.process.find("log", lambda e: e["msg"] == disconnected_log(release), after=kmark)
         assert not await b.register()
         assert "device plugin already connected" in (b.last_register_error or "")
         assert await b.streams_open() == 0
@@ -315,8 +321,8 @@ async def test_second_instance_and_late_end_of_the_first(
     assert await a.streams_open() == 1  # the kubelet never stopped A's client
     kmark, bmark = k.mark(), b.mark()
     await a.crash(remove_socket=True)  # A's stream ends (its socket file is removed only if still A's)
-    await k.wait_log("Device plugin disconnected", after=kmark)
-    if release == "old":
+    await k.wait_log(disconnected_log(release), after=kmark)
+    if not has_pr_135437(release):
         # The old kubelet disconnects the client it holds now, B's: B keeps serving, unregistered.
         await b.wait_event("stream-closed", after=bmark)
         assert await b.streams_open() == 0
@@ -344,7 +350,7 @@ async def test_fast_takeover_on_one_socket_path(
     assert await first.streams_open() == 0
     assert await second.streams_open() == 1  # the kubelet's stream runs on the new owner's server
     assert (await k.capacity())["allocatable"] == {RESOURCE: 3}
-    if release == "old":
+    if not has_pr_135437(release):
         # Before PR 135437 the owner's own Register replaces the endpoint: accepted.
         assert await second.register()
         return
@@ -385,8 +391,51 @@ async def test_a_dropped_resource_is_listed_empty_at_the_next_write(
     assert registered(k) == {RESOURCE: {"GPU-0", "GPU-1"}, "example.com/fpga": {"F-0"}}
     kmark = k.mark()
     await gpu.stop_serving()
-    await k.wait_log("Device plugin disconnected", after=kmark)
+    await k.wait_log(disconnected_log(release), after=kmark)
     assert registered(k)[RESOURCE] == {"GPU-0", "GPU-1"}
     await fpga.set_devices(["F-0", "F-1"])
     await k.wait_checkpoint(after=kmark)
     assert registered(k) == {RESOURCE: set(), "example.com/fpga": {"F-0", "F-1"}}
+
+
+async def test_start_removes_sockets_or_every_file(
+    dp_dir: str, pod_resources_socket: str, release: Release
+) -> None:
+    """CleanupPluginDirectory (manager.go), before the listen: up to 1.32 (os.Lstat) every entry but
+    folders and the checkpoint goes, regular files and links too; from 1.33 (os.Stat) sockets only,
+    and a dangling link, which cannot be stat'ed, stays (docs/kubelet-releases.md)."""
+    os.mkdir(os.path.join(dp_dir, "sub"))
+    with open(os.path.join(dp_dir, "notes.txt"), "w"):
+        pass
+    os.symlink("nowhere", os.path.join(dp_dir, "dangling"))
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(os.path.join(dp_dir, "stale.sock"))
+    stale.close()
+    async with RealKubelet(dp_dir, pod_resources_socket, release=release):
+        left = sorted(os.listdir(dp_dir))
+    if minor(release) < 33:
+        assert left == ["kubelet.sock", "sub"]
+    else:
+        assert left == ["dangling", "kubelet.sock", "notes.txt", "sub"]
+
+
+async def test_start_over_a_regular_file_named_kubelet_sock(
+    dp_dir: str, pod_resources_socket: str, release: Release
+) -> None:
+    """A kubelet.sock that is a regular file: up to 1.32 the start's cleanup removes it and the listen
+    succeeds; from 1.33 the cleanup keeps it (not a socket) and the listen fails: no device manager."""
+    path = os.path.join(dp_dir, "kubelet.sock")
+    with open(path, "w"):
+        pass
+    k = RealKubelet(dp_dir, pod_resources_socket, release=release)
+    try:
+        if minor(release) < 33:
+            await k.start()
+            assert stat.S_ISSOCK(os.lstat(path).st_mode)
+        else:
+            with pytest.raises(FixtureError):
+                await k.start(timeout=10)
+            assert stat.S_ISREG(os.lstat(path).st_mode)
+            assert "listen" in str(k.process.find("start-failed")[-1].get("error"))
+    finally:
+        await k.close()

@@ -16,7 +16,7 @@ import pytest
 from sidecar.app import Sidecar
 from sidecar.config import PluginSpec, Settings
 from testing import FakeDevicePlugin, FakeKubelet, free_port
-from testing.realkubelet import Release
+from testing.realkubelet import Release, selected_releases
 from tests.conftest import wait_for
 from tests.e2e.realnode import real_node
 from tests.e2e.running import sidecar_running
@@ -99,7 +99,7 @@ class Watch:
         return [code for _, code, _ in self.seen]
 
 
-@pytest.fixture(params=["new", "old"])
+@pytest.fixture(params=selected_releases())
 def release(request: pytest.FixtureRequest) -> Release:
     """A release of the real-kubelet fixture: skipped where it is not built, failing under CI=true."""
     rel: Release = request.param

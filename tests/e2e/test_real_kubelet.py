@@ -19,7 +19,7 @@ import pytest
 from hami_guard.flags import DeviceExpectation
 from sidecar.server.status import status_document
 from testing import netns
-from testing.realkubelet import RealPlugin, fast_takeover
+from testing.realkubelet import RealPlugin, fast_takeover, has_pr_135437
 from tests.conftest import wait_for
 from tests.e2e.conftest import Watch
 from tests.e2e.realnode import GPU, UUIDS, RealNode, restarts_seen
@@ -189,7 +189,7 @@ async def test_issue_121994_on_the_old_release_is_a_drop_the_sidecar_names(node_
         b = await node.plugin(devices=("GPU-0", "GPU-1", "GPU-2"), watch_kubelet=False, register=False)
         registered = await b.register()  # B binds the same path (A's file is replaced), then registers
         await node.rounds()
-        if node.release == "old":
+        if not has_pr_135437(node.release):
             assert registered
             await node.until("/readyz", 200)
             fault = time.monotonic()
@@ -213,7 +213,7 @@ async def test_issue_121994_on_the_old_release_is_a_drop_the_sidecar_names(node_
             await node.until("/healthz?verbose", 503, contains="recorded no device list")
             assert await b.streams_open() == 0
         # A plugin restart is the remedy on the old release; the budget bounds it on the new one.
-        if node.release == "old":
+        if not has_pr_135437(node.release):
             mark = b.mark()
             assert await b.restart()
             await b.wait_event("stream-open", after=mark)
@@ -308,7 +308,7 @@ async def test_a_second_register_on_its_own_socket_then_the_first_stream_ends(no
         mark = plugin.mark()
         registered = time.monotonic()
         accepted = await plugin.register()
-        if node.release == "old":
+        if not has_pr_135437(node.release):
             assert accepted
             await plugin.wait_event("stream-open", after=mark)
             assert await plugin.streams_open() == 2
@@ -324,7 +324,7 @@ async def test_a_second_register_on_its_own_socket_then_the_first_stream_ends(no
             assert (await node.get("/healthz"))[0] == 200
         fault = time.monotonic()
         await plugin.end_stream("oldest")
-        if node.release == "old":
+        if not has_pr_135437(node.release):
             await node.until("/healthz?verbose", 503, contains="carried its registration")
             took = time.monotonic() - fault
             print(f"second Register, first stream ended, on {node.kubelet.version}: 503 after {took:.3f} s")
