@@ -19,7 +19,7 @@ import pytest
 from hami_guard.flags import DeviceExpectation
 from sidecar.server.status import status_document
 from testing import netns
-from testing.realkubelet import RealPlugin, fast_takeover, has_pr_135437
+from testing.realkubelet import RealPlugin, disconnected_log, fast_takeover, has_pr_135437
 from tests.conftest import wait_for
 from tests.e2e.conftest import Watch
 from tests.e2e.realnode import GPU, UUIDS, RealNode, restarts_seen
@@ -193,9 +193,12 @@ async def test_issue_121994_on_the_old_release_is_a_drop_the_sidecar_names(node_
             assert registered
             await node.until("/readyz", 200)
             fault = time.monotonic()
+            kmark = node.kubelet.mark()
             await a.crash(remove_socket=True)  # only removes the file while it is still A's: it is B's
             await b.wait_event("stream-closed")
             assert await b.streams_open() == 0
+            # Disconnect (client.go) closes B's connection, then PluginDisconnected marks its devices.
+            await node.kubelet.wait_log(disconnected_log(node.release), after=kmark)
             assert (await node.kubelet.capacity())["allocatable"] == {GPU: 0}
             await node.until("/healthz?verbose", 503, contains="no longer connected")
             took = time.monotonic() - fault
