@@ -1,6 +1,6 @@
 // Package fixturekit is what the Go fixtures (tests/realkubelet, tests/realdra) share: their
 // stdin/stdout protocol, their subcommand dispatch and klog's output turned into events. It
-// depends on klog only, so each fixture's go.mod and go.old.mod pick their own kubernetes release.
+// depends on klog only, so each fixture's modfiles pick their own kubernetes release.
 package fixturekit
 
 import (
