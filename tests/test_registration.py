@@ -1141,3 +1141,31 @@ def test_a_refused_path_whose_endpoint_the_kubelet_keeps_is_no_drop_when_its_dia
     assert status(reg, f"registered:{GPU}") == ("failed", False)
     assert "no stream behind them" in reason(reg, f"registered:{GPU}")
     assert seen.restart_requests == 0
+
+
+def test_a_refused_path_whose_devices_the_plugin_reported_unhealthy_stays_refused_when_its_dials_close() -> (
+    None
+):
+    """Refused (1.37) while the plugin had already reported every device unhealthy: pod-resources lists
+    none, and so does the checkpoint (the plugin's own report rewrote it). Nothing says the kubelet
+    dropped the plugin: the refusal stays, readiness only, no restart it would refuse."""
+    reg, clock, seen = make(drop_confirm=0.2)
+    node = Node(pod_resources={GPU: frozenset({"GPU-0", "GPU-1"})})
+    node.connect(101)
+    reg.round(node.round())
+    node.pod_resources, node.checkpoint = {}, Checkpoint({GPU: ()}, 4_000)  # all unhealthy, reported
+    clock.now += 1
+    reg.round(node.round())
+    node.connect(101, 102)
+    clock.now += 1
+    reg.round(node.round())
+    clock.now += 0.2
+    reg.round(node.round())
+    assert "refused that Register" in reason(reg, f"registered:{GPU}")
+    node.connect()
+    for _ in range(3):
+        clock.now += 0.2
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert "refused its later Register" in reason(reg, f"registered:{GPU}")
+    assert seen.restart_requests == 0

@@ -886,10 +886,18 @@ class DevicePluginJudge:
         return _Held(False, f"the kubelet holds no connection to {sock}: {self._not_held(r, seen, obs)}")
 
     def _endpoint_alive(self, r: str, seen: RoundEvidence) -> bool | None:
-        """Does the kubelet keep the resource's endpoint: pod-resources lists healthy devices of it (a
-        kubelet that drops a plugin marks its devices unhealthy first)? None where it cannot be read."""
+        """Does the kubelet keep the resource's endpoint? Yes where pod-resources lists healthy devices
+        of it; no where it lists none that the checkpoint records healthy (a kubelet that drops a plugin
+        marks its devices unhealthy itself and does not rewrite the checkpoint, rule 1.3); None where
+        it cannot be told: pod-resources unread, or no device recorded healthy (the plugin may have
+        reported them all unhealthy itself)."""
         live = seen.pod_resources.value
-        return None if live is None else bool(physical_devices(live.get(r, ())))
+        if live is None:
+            return None
+        if physical_devices(live.get(r, ())):
+            return True
+        cp = seen.checkpoint.value
+        return False if cp is not None and cp.devices(r) else None
 
     def _dropped(self, sock: str, p: _PluginState, pair: _Pair, endpoint: bool | None) -> _Held:
         """Rule 1, no connection left to a pair of sockets seen held: a drop, once confirmed.
