@@ -799,7 +799,7 @@ class DevicePluginJudge:
         pair = _Pair(obs.identity_after, self._kubelet_id)
         if conns is not None:
             accepted = self._accepted(plugin.resource, seen, obs)
-            verdict = self._held_by_connections(plugin, p, obs, seen, conns)
+            verdict = self._held_by_connections(plugin, p, obs, seen, conns, recorded=accepted)
             self._remember(p, pair, verdict, seen_held=p.connected_pair == pair, accepted=accepted)
             return verdict
         # No view of the kubelet's connections: pod-resources is live, the checkpoint is history.
@@ -849,15 +849,23 @@ class DevicePluginJudge:
         )
 
     def _held_by_connections(
-        self, plugin: PluginSpec, p: _PluginState, obs: PluginEvidence, seen: RoundEvidence, conns: int
+        self,
+        plugin: PluginSpec,
+        p: _PluginState,
+        obs: PluginEvidence,
+        seen: RoundEvidence,
+        conns: int,
+        *,
+        recorded: int | None,
     ) -> _Held:
-        """Rule 1: the kubelet's connections to the listener that owns the plugin's socket file now."""
+        """Rule 1: the kubelet's connections to the listener that owns the plugin's socket file now.
+        `recorded`: the healthy devices a checkpoint fresh for this pair of sockets lists (`_accepted`)."""
         r, sock = plugin.resource, plugin.socket
         pair = _Pair(obs.identity_after, self._kubelet_id)
         held_before = p.connected_pair == pair
         # Once held, this pair of sockets stays accepted while connected: freshness compares file
         # times, which a clock step or a `touch` can reorder.
-        accepted = 0 if held_before else self._accepted(r, seen, obs)
+        accepted = 0 if held_before else recorded
         if unrecorded_connection(conns, seen.checkpoint.value, accepted):
             # A connection with no device list recorded since this socket was made is no
             # registration: a Register under way, or a dial the kubelet kept after refusing the
