@@ -1,29 +1,66 @@
 """The kubelet's real plugin manager and DRA manager, and DRA drivers on the kubelet plugin helper.
 
-Each runs a process of the Go fixture in `tests/realdra` (docs/real-kubelet.md#dra) at one of the
-two releases "new" and "old" of `tests/realkubelet`; build them with `make dra-fixtures`. The
-processes speak the same JSON lines as the device-manager fixture
-(`testing.realkubelet.FixtureProcess`).
+Each runs a process of the Go fixture in `tests/realdra` (docs/real-kubelet.md#dra) at a release
+whose DRA kubelet plugin API (dra/v1) is GA, 1.34 on: "new" (v1.37.2) and "old" (v1.36.5) as in
+`tests/realkubelet`, built by `make dra-fixtures`, or v1.34.4 and v1.35.4, built by
+`make dra-fixtures-all` (REALDRA_RELEASES selects them). The processes speak the same JSON lines as
+the device-manager fixture (`testing.realkubelet.FixtureProcess`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from testing import realkubelet
 from testing.realkubelet import Event, FixtureError, FixtureProcess
 
-Release = Literal["new", "old"]
-RELEASES: Mapping[str, str] = {name: realkubelet.RELEASES[name] for name in ("new", "old")}
+# Every release the DRA fixture is built at (the Makefile's DRA_RELEASES), oldest first.
+VERSIONS = ("v1.34.4", "v1.35.4", "v1.36.5", "v1.37.2")
+Release = Literal["new", "old", "v1.34.4", "v1.35.4", "v1.36.5", "v1.37.2"]
+RELEASES: Mapping[str, str] = {
+    **{name: realkubelet.RELEASES[name] for name in ("new", "old")},
+    **{v: v for v in VERSIONS},
+}
+# Built by `make dra-fixtures` (and so by `make test`); the others by `make dra-fixtures-all`.
+QUICK_VERSIONS = ("v1.37.2", "v1.36.5")
+RELEASES_ENV = "REALDRA_RELEASES"
 
 BIN_ENV = "HAMI_GUARD_REALDRA_BIN"
 _REPO = Path(__file__).resolve().parents[1]
 
-__all__ = ["RELEASES", "FixtureError", "RealDraDriver", "RealDraKubelet", "Release", "missing_reason"]
+__all__ = [
+    "RELEASES",
+    "FixtureError",
+    "RealDraDriver",
+    "RealDraKubelet",
+    "Release",
+    "minor",
+    "missing_reason",
+    "selected_releases",
+]
+
+
+def minor(release: str) -> int:
+    """The minor version of a release: 36 for "old" and "v1.36.5"."""
+    return int(RELEASES.get(release, release).split(".")[1])
+
+
+def selected_releases(default: Iterable[Release] = ("new", "old")) -> list[Release]:
+    """The releases a DRA test parametrized over releases runs at: $REALDRA_RELEASES (comma-separated
+    names or versions, or "all") or `default`. A release whose binary is missing is still listed: the
+    test skips it with the reason (fails under CI=true)."""
+    raw = os.environ.get(RELEASES_ENV, "").strip()
+    if not raw:
+        return list(default)
+    names = list(VERSIONS) if raw == "all" else [r.strip() for r in raw.split(",") if r.strip()]
+    unknown = [n for n in names if n not in RELEASES]
+    if unknown:
+        raise ValueError(f"{RELEASES_ENV}: unknown releases {unknown}; known: {sorted(RELEASES)}")
+    return cast("list[Release]", names)
 
 
 def bin_dir() -> Path:
@@ -41,9 +78,8 @@ def missing_reason(release: str) -> str | None:
     if fixture_binary(release) is not None:
         return None
     version = RELEASES.get(release, release)
-    hint = (
-        f"the DRA fixture for kubernetes {version} is not built: run `make dra-fixtures` (needs Go >= 1.26)"
-    )
+    target = "dra-fixtures" if version in QUICK_VERSIONS else "dra-fixtures-all"
+    hint = f"the DRA fixture for kubernetes {version} is not built: run `make {target}` (needs Go >= 1.26)"
     return hint if shutil.which("go") else f"Go is not installed; {hint}"
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from testing import FakeDevicePlugin, FakeKubelet
 from testing.realdra import missing_reason
+from testing.realdra import selected_releases as dra_releases
 
 
 @pytest.fixture
@@ -141,9 +142,9 @@ def require_dra_fixture(release: str) -> None:
         pytest.skip(reason)
 
 
-@pytest.fixture(params=["new", "old"])
+@pytest.fixture(params=dra_releases())
 def dra_release(request: pytest.FixtureRequest) -> str:
-    """A release of the DRA fixture, at each of the two releases."""
+    """A release of the DRA fixture: "new" and "old", or those $REALDRA_RELEASES names."""
     rel: str = request.param
     require_dra_fixture(rel)
     return rel

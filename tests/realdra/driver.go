@@ -338,7 +338,7 @@ func (d *driver) handle(c fixturekit.Command) bool {
 		if on {
 			err = status.Error(codes.FailedPrecondition, "refused by the test")
 		}
-		d.helper.SetNotifyRegistrationStatusError(err)
+		setRegistrationStatusError(d.helper, err)
 		d.refusing.Store(on)
 		c.Reply(nil, nil)
 	case "getinfo-error":

@@ -130,7 +130,7 @@ func (k *kubelet) start() error {
 	getNode := func(ctx context.Context) (*v1.Node, error) {
 		return k.client.CoreV1().Nodes().Get(ctx, k.opts.node, metav1.GetOptions{})
 	}
-	if err := m.Start(ctx, func() []*v1.Pod { return nil }, getNode, fixturekit.SourcesReady{}); err != nil {
+	if err := startManager(ctx, m, getNode); err != nil {
 		return fmt.Errorf("dra manager Start: %w", err)
 	}
 	k.plugins = pluginmanager.NewPluginManager(k.opts.registry, &record.FakeRecorder{})

@@ -1,8 +1,8 @@
-//go:build oldkubelet
+//go:build kube_lt137
 
 package main
 
-// The DRA manager's and the plugin helper's API as of k8s.io/kubernetes v1.36 (go.old.mod, -tags oldkubelet).
+// The DRA manager's and the plugin helper's API as of k8s.io/kubernetes v1.36 (releases/go.1.36.mod, -tags kube_lt137).
 
 import (
 	"fmt"
@@ -12,8 +12,6 @@ import (
 	"k8s.io/kubernetes/pkg/kubelet/cm/dra"
 	draplugin "k8s.io/kubernetes/pkg/kubelet/cm/dra/plugin"
 )
-
-const kubernetesRelease = "v1.36.5"
 
 type draPlugin = draplugin.DRAPlugin
 

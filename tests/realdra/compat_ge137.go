@@ -1,4 +1,4 @@
-//go:build !oldkubelet
+//go:build !kube_lt137
 
 package main
 
@@ -11,8 +11,6 @@ import (
 	"k8s.io/kubernetes/pkg/kubelet/cm/dra"
 	draplugin "k8s.io/kubernetes/pkg/kubelet/cm/dra/plugin"
 )
-
-const kubernetesRelease = "v1.37.2"
 
 type draPlugin = draplugin.DRAPlugin
 
