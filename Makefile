@@ -6,11 +6,13 @@ STAMP  := $(VENV)/.installed
 
 TOOLS  := .venv-tools/.installed
 
-# The real-kubelet fixture (tests/realkubelet): Go >= 1.26 and the two kubernetes releases it builds.
-GO          ?= go
-REALKUBELET := tests/realkubelet
-KUBELET_NEW := v1.37.2
-KUBELET_OLD := v1.36.5
+# The real-kubelet fixture (tests/realkubelet): Go >= 1.26 and the kubernetes releases it builds.
+GO             ?= go
+REALKUBELET    := tests/realkubelet
+KUBELET_NEW    := v1.37.2
+KUBELET_OLDEST := v1.30.14
+# "old" in the tests: the newest release without kubernetes PR 135437 (the stop grace's second kubelet).
+KUBELET_OLD    := v1.36.5
 # The kubelet's real plugin manager and DRA manager with DRA drivers on the plugin helper (tests/realdra).
 REALDRA     := tests/realdra
 
@@ -67,49 +69,74 @@ pytest: $(STAMP) $(TOOLS) $(if $(shell command -v $(GO) 2>/dev/null),kubelet-fix
 # The kubelet's real device manager, PodResources server and plugins (tests/realkubelet,
 # docs/real-kubelet.md), at the newest served patch of each minor release (docs/kubelet-releases.md):
 # go.mod pins the newest, releases/go.1.MINOR.mod each other; a release older than 1.NN builds with
-# -tags kube_lt1NN (compat_*.go). make test (and .ci/run) builds and tests the newest and the newest
-# without kubernetes PR 135437; kubelet-fixtures-all builds every release, which the tests then run with
-# REALKUBELET_RELEASES=all (docs/real-kubelet.md). go build only relinks what changed.
+# -tags kube_lt1NN (compat_*.go). make test builds and tests the newest and the oldest
+# (KUBELET_QUICK: between them every code path of the device manager that differs between releases,
+# and every compat file); make real-slow (so .ci/run) every release (KUBELET_RELEASES), and
+# REALKUBELET_RELEASES=all runs the tests at all of them (docs/real-kubelet.md). go build only relinks
+# what changed.
 KUBELET_RELEASES := v1.30.14 v1.31.12 v1.32.9 v1.33.13 v1.34.4 v1.35.4 v1.36.5 v1.37.2
+KUBELET_QUICK    := $(KUBELET_NEW) $(KUBELET_OLDEST)
+# The others, newest first: the order real-slow builds them in (each shares most of its dependencies'
+# versions with the one before it, so most of a build is found in the Go cache).
+KUBELET_REST     := v1.36.5 v1.35.4 v1.34.4 v1.33.13 v1.32.9 v1.31.12
 kubelet_minor = $(word 2,$(subst ., ,$(1)))
-kubelet_flags = -modfile=$(if $(filter $(KUBELET_NEW),$(1)),go.mod,releases/go.1.$(call kubelet_minor,$(1)).mod) -tags=$(subst \
-  $(eval) ,$(comma),$(strip $(foreach t,31 34 35 37,$(if $(filter $(t),$(firstword $(sort $(t) $(call kubelet_minor,$(1))))),,kube_lt1$(t)))))
+# The flags of release $(1) for a fixture whose API changes are at the minor releases $(2): its modfile,
+# and kube_lt1NN for each change NN it predates.
+release_flags = -modfile=$(if $(filter $(KUBELET_NEW),$(1)),go.mod,releases/go.1.$(call kubelet_minor,$(1)).mod) -tags=$(subst \
+  $(space),$(comma),$(strip $(foreach t,$(2),$(if $(filter $(t),$(firstword $(sort $(t) $(call kubelet_minor,$(1))))),,kube_lt1$(t)))))
+kubelet_flags = $(call release_flags,$(1),31 34 35 37)
 comma := ,
-.PHONY: kubelet-fixtures kubelet-fixtures-all kubelet-fixture-new kubelet-fixture-old kubelet-fixtures-check \
-	kubelet-fixtures-check-all FORCE
-kubelet-fixtures: kubelet-fixture-new kubelet-fixture-old
+space := $(eval) $(eval)
+.PHONY: kubelet-fixtures kubelet-fixtures-all kubelet-fixture-new kubelet-fixture-old kubelet-fixture-oldest \
+	kubelet-fixtures-check kubelet-fixtures-check-all FORCE
+kubelet-fixtures: $(KUBELET_QUICK:%=$(REALKUBELET)/bin/realkubelet-%)
 kubelet-fixtures-all: $(KUBELET_RELEASES:%=$(REALKUBELET)/bin/realkubelet-%)
 kubelet-fixture-new: $(REALKUBELET)/bin/realkubelet-$(KUBELET_NEW)
 kubelet-fixture-old: $(REALKUBELET)/bin/realkubelet-$(KUBELET_OLD)
+kubelet-fixture-oldest: $(REALKUBELET)/bin/realkubelet-$(KUBELET_OLDEST)
 $(REALKUBELET)/bin/realkubelet-%: FORCE
 	cd $(REALKUBELET) && $(GO) build -buildvcs=false $(call kubelet_flags,$*) -o bin/realkubelet-$* .
 
-# The DRA fixture (tests/realdra, docs/real-kubelet.md#dra), at the same two releases.
-.PHONY: dra-fixtures dra-fixture-new dra-fixture-old dra-fixtures-check
-dra-fixtures: dra-fixture-new dra-fixture-old
+# The DRA fixture (tests/realdra, docs/real-kubelet.md#dra) at the releases whose DRA kubelet plugin
+# API (dra/v1) is GA, 1.34 on: go.mod pins the newest, releases/go.1.MINOR.mod the others, with
+# -tags kube_lt136 / kube_lt137 (compat_*.go). make test builds v1.37.2 and v1.36.5 ("new" and "old" in
+# its tests); make real-slow every one, and REALDRA_RELEASES=all runs the tests at all of them.
+DRA_RELEASES := v1.34.4 v1.35.4 v1.36.5 v1.37.2
+DRA_QUICK    := $(KUBELET_NEW) $(KUBELET_OLD)
+DRA_REST     := v1.35.4 v1.34.4
+dra_flags     = $(call release_flags,$(1),36 37)
+.PHONY: dra-fixtures dra-fixtures-all dra-fixture-new dra-fixture-old dra-fixtures-check
+dra-fixtures: $(DRA_QUICK:%=$(REALDRA)/bin/realdra-%)
+dra-fixtures-all: $(DRA_RELEASES:%=$(REALDRA)/bin/realdra-%)
+dra-fixture-new: $(REALDRA)/bin/realdra-$(KUBELET_NEW)
+dra-fixture-old: $(REALDRA)/bin/realdra-$(KUBELET_OLD)
+$(REALDRA)/bin/realdra-%: FORCE
+	cd $(REALDRA) && $(GO) build -buildvcs=false $(call dra_flags,$*) -o bin/realdra-$* .
 
-dra-fixture-new:
-	cd $(REALDRA) && $(GO) build -buildvcs=false -o bin/realdra-$(KUBELET_NEW) .
-
-dra-fixture-old:
-	cd $(REALDRA) && $(GO) build -buildvcs=false -modfile=go.old.mod -tags oldkubelet -o bin/realdra-$(KUBELET_OLD) .
-
-dra-fixtures-check:
+# gofmt, and go vet at the releases built (DRA_VETTED): v1.37.2 and v1.36.5 in make test, the others
+# where real-slow builds them (a vet right after its release's build compiles nothing more).
+DRA_VETTED ?= $(DRA_QUICK)
+.PHONY: dra-vet
+dra-fixtures-check: dra-vet
 	cd $(REALDRA) && files="$$(gofmt -l .)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
-	cd $(REALDRA) && $(GO) vet ./... && $(GO) vet -modfile=go.old.mod -tags oldkubelet ./...
+dra-vet:
+	cd $(REALDRA) && $(foreach v,$(DRA_VETTED),$(GO) vet $(call dra_flags,$(v)) ./... &&) true
 
-# gofmt and go vet over the fixture's module, with the tested releases' modfiles and tags (-all: every
-# release's; each vet compiles its release, about 5 minutes of CPU from empty caches).
-KUBELET_VETTED ?= $(KUBELET_NEW) $(KUBELET_OLD)
+# gofmt and go vet over the fixture's module, with the modfiles and tags of the releases make test builds:
+# the newest and the oldest take every compat_*.go file between them (-all: every release's; a vet
+# compiles its release when it was not built, about 5 minutes of CPU from empty caches).
+KUBELET_VETTED ?= $(KUBELET_QUICK)
 kubelet-fixtures-check-all: KUBELET_VETTED = $(KUBELET_RELEASES)
 kubelet-fixtures-check-all: kubelet-fixtures-check
-kubelet-fixtures-check:
+.PHONY: kubelet-vet
+kubelet-fixtures-check: kubelet-vet
 	cd $(REALKUBELET) && files="$$(gofmt -l .)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
-	cd $(REALKUBELET) && $(foreach v,$(KUBELET_VETTED),$(GO) vet $(call kubelet_flags,$(v)) ./... &&) true
 	cd tests/fixturekit && files="$$(gofmt -l .)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
 	cd tests/fixturekit && $(GO) vet ./...
 	cd tests/node && files="$$(gofmt -l pause)" && test -z "$$files" || { echo "gofmt needed: $$files"; exit 1; }
 	cd tests/node && $(GO) vet ./pause
+kubelet-vet:
+	cd $(REALKUBELET) && $(foreach v,$(KUBELET_VETTED),$(GO) vet $(call kubelet_flags,$(v)) ./... &&) true
 
 demo: $(STAMP) ## the sidecar against the embedded kubelet simulator (testing/)
 	$(PY) -m testing.demo
@@ -172,36 +199,74 @@ FUZZ_SECONDS ?= 60
 fuzz: $(STAMP) ## coverage-guided fuzzing of every parser that reads the node
 	$(PY) -m fuzz.run --seconds $(FUZZ_SECONDS)
 
-# Slow real-kubelet checks: the kubelet's 5-minute stop grace against both releases and the simulator,
-# the oracles' 200 random events with three seeds on each release (device plugins and DRA drivers), all
-# four side by side (the DRA oracles' 18 minutes bound it); then the DRA fixture's scenarios and the
-# demos' tours against the real device manager and DRA manager.
-.PHONY: real-slow
-real-slow: $(STAMP) kubelet-fixtures dra-fixtures ## the slow real-kubelet checks: stop grace, oracles, DRA scenarios
-	$(MAKE) -j4 stop-grace device-oracle dra-oracle-new dra-oracle-old
-	$(PY) -m pytest -q -m slow tests/test_realdra.py
+# Slow real-kubelet checks, at every release (docs/testing.md#the-release-matrix): the kubelet's 5-minute
+# stop grace (v1.37.2, v1.36.5 and the simulator); per device-manager release the differential test and
+# the oracle (MATRIX_EVENTS events x MATRIX_SEEDS); per DRA release (1.34 on) the DRA scenarios and the
+# DRA oracle; then the demos' tours against the real device manager and DRA manager. One make -j graph
+# (REAL_SLOW_JOBS): the releases make test did not build are built one after another, niced
+# (BUILD_NICE), beside the jobs that wait on the kubelets' clocks, and each release's tests start as
+# soon as its fixture is built.
+MATRIX_EVENTS  ?= 200
+MATRIX_SEEDS   ?= 1,2
+REAL_SLOW_JOBS ?= 12
+BUILD_NICE     ?= nice -n 10
+# The build chain, in this order: the stop grace's v1.36.5 first, each DRA release before its
+# device-manager twin's (the DRA oracles are the longest jobs), then the older device managers.
+MATRIX_CHAIN   := kubelet-v1.36.5 dra-v1.35.4 kubelet-v1.35.4 dra-v1.34.4 kubelet-v1.34.4 \
+	kubelet-v1.33.13 kubelet-v1.32.9 kubelet-v1.31.12
+.PHONY: real-slow stop-grace
+real-slow: $(STAMP) kubelet-fixtures dra-fixtures ## the slow checks at every release: stop grace, differential, oracles, DRA
+	$(MAKE) -j$(REAL_SLOW_JOBS) -Oline --no-print-directory stop-grace $(KUBELET_RELEASES:%=kubelet-matrix-%) \
+		$(DRA_RELEASES:%=dra-matrix-%)
 	DEMO_KUBELET=real DEMO_TOUR_ONLY=1 $(PY) -m testing.demo > /dev/null
 	DEMO_KUBELET=dra DEMO_TOUR_ONLY=1 $(PY) -m testing.demo > /dev/null
 
-# Side by side in real-slow (they mostly wait on the kubelets): the 5-minute stop grace, and the
-# device-plugin oracle's 200 events x 3 seeds on both releases.
-.PHONY: stop-grace device-oracle
-stop-grace: $(STAMP) kubelet-fixtures
-	$(PY) -m pytest -q -m slow tests/e2e/test_stop_grace.py
+stop-grace: $(STAMP) matrix-built-kubelet-$(KUBELET_OLD)
+	$(PY) -m pytest -q -p no:cacheprovider -m slow tests/e2e/test_stop_grace.py
 
-device-oracle: $(STAMP) kubelet-fixtures
-	ORACLE_EVENTS=200 ORACLE_SEEDS=1,2,3 $(PY) -m pytest -q -s tests/e2e/test_oracle.py
+# matrix-built-<fixture>-<release>: built by make test's targets (KUBELET_QUICK, DRA_QUICK: nothing to do)
+# or in MATRIX_CHAIN's order, each after the one before it, under BUILD_NICE. make test's vet of the
+# quick releases covers every compat_*.go of the device-manager fixture; the DRA fixture's kube_lt136
+# files are vetted here, at v1.34.4 (MATRIX_VETTED: a vet after its build still computes the analyzers'
+# facts of every dependency, about a minute of CPU a release).
+MATRIX_VETTED ?= dra-v1.34.4
+.PHONY: $(KUBELET_RELEASES:%=matrix-built-kubelet-%) $(DRA_RELEASES:%=matrix-built-dra-%)
+$(KUBELET_QUICK:%=matrix-built-kubelet-%) $(DRA_QUICK:%=matrix-built-dra-%):
+	@true
+matrix_target = $(if $(filter kubelet-%,$(1)),$(REALKUBELET)/bin/realkubelet-$(1:kubelet-%=%),$(REALDRA)/bin/realdra-$(1:dra-%=%)) \
+	$(if $(filter $(1),$(MATRIX_VETTED)),$(if $(filter kubelet-%,$(1)),kubelet-vet KUBELET_VETTED=$(1:kubelet-%=%),dra-vet \
+	DRA_VETTED=$(1:dra-%=%)))
+define matrix_step
+matrix-built-$(1): $(if $(2),| matrix-built-$(2))
+	$$(BUILD_NICE) $$(MAKE) --no-print-directory $(call matrix_target,$(1))
+endef
+$(foreach i,$(shell seq $(words $(MATRIX_CHAIN))),$(eval $(call matrix_step,$(word $(i),$(MATRIX_CHAIN)),$(if \
+	$(filter 1,$(i)),,$(word $(shell expr $(i) - 1),$(MATRIX_CHAIN))))))
+
+# Every fixture build .ci/run makes, in its order, one a line (bench/fixture_builds.py measures them).
+.PHONY: print-fixture-steps
+print-fixture-steps:
+	@printf '%s\n' $(KUBELET_QUICK:%=$(REALKUBELET)/bin/realkubelet-%) kubelet-vet $(DRA_QUICK:%=$(REALDRA)/bin/realdra-%) \
+		dra-vet $(foreach c,$(MATRIX_CHAIN),'$(strip $(call matrix_target,$(c)))')
+
+# One device-manager release: the differential test (the simulator against it) and the oracle.
+.PHONY: $(KUBELET_RELEASES:%=kubelet-matrix-%)
+$(KUBELET_RELEASES:%=kubelet-matrix-%): kubelet-matrix-%: $(STAMP) matrix-built-kubelet-%
+	REALKUBELET_RELEASES=$* ORACLE_EVENTS=$(MATRIX_EVENTS) ORACLE_SEEDS=$(MATRIX_SEEDS) \
+		$(PY) -m pytest -q -s -p no:cacheprovider tests/test_differential.py tests/e2e/test_oracle.py
+
+# One DRA release: the DRA fixture's scenarios and the DRA oracle (MATRIX_EVENTS x MATRIX_SEEDS, about
+# 6 minutes a seed).
+.PHONY: $(DRA_RELEASES:%=dra-matrix-%)
+$(DRA_RELEASES:%=dra-matrix-%): dra-matrix-%: $(STAMP) matrix-built-dra-%
+	REALDRA_RELEASES=$* ORACLE_EVENTS=$(MATRIX_EVENTS) ORACLE_SEEDS=$(MATRIX_SEEDS) \
+		$(PY) -m pytest -q -s -p no:cacheprovider -m slow tests/test_realdra.py tests/e2e/test_dra_oracle.py
 
 # The node's ResourceSlices as DRA evidence against a real API server (tests/e2e/test_dra_slices.py):
 # kube-apiserver from make node-bins and Debian's etcd-server; .ci/run runs it after node-bins.
 .PHONY: dra-slices
 dra-slices: $(STAMP) dra-fixture-new $(NODE_DIR)/bin/kube-apiserver
 	$(PY) -m pytest -q -m slow tests/e2e/test_dra_slices.py
-
-# The DRA oracle (tests/e2e/test_dra_oracle.py), one release per job: 200 events x 3 seeds, about 18 minutes.
-.PHONY: dra-oracle-new dra-oracle-old
-dra-oracle-new dra-oracle-old: dra-oracle-%: $(STAMP) dra-fixtures
-	ORACLE_EVENTS=200 ORACLE_SEEDS=1,2,3 $(PY) -m pytest -q -s -m slow tests/e2e/test_dra_oracle.py -k '$*'
 
 # The serving-limits floods on loopback (about 75 s): /healthz p99 during each, peak RSS, fds, exit on
 # SIGTERM (BENCHMARKS.md#stress). STRESS_CPU_LIMIT=0.2 adds the manifests' CPU limit where cgroups allow.

@@ -4,9 +4,9 @@
 a process of the Go fixture in `tests/realkubelet` (docs/real-kubelet.md): the device
 manager, PodResources server and test plugin of `k8s.io/kubernetes` itself, at the newest served
 patch of each minor release from 1.30 (docs/kubelet-releases.md); "new" names the newest (it
-carries kubernetes PR 135437), "old" the newest without it. `make kubelet-fixtures` builds those two
-and the oldest, `make kubelet-fixtures-all` every one; `fixture_binary()` answers None while one is
-missing.
+carries kubernetes PR 135437), "old" the newest without it. `make kubelet-fixtures` builds the newest
+and the oldest (the releases `make test` runs), `make kubelet-fixtures-all` every one;
+`fixture_binary()` answers None while one is missing.
 
 Each process reads one command a line on stdin and answers each with one JSON line; its
 events (`ready`, `checkpoint`, `stream-open`, `log`, ...) are kept in order and can be
@@ -40,7 +40,10 @@ Release = Literal[
 ]
 RELEASES: Mapping[str, str] = {"new": "v1.37.2", "old": "v1.36.5", **{v: v for v in VERSIONS}}
 # Built by `make kubelet-fixtures` (and so by `make test`); the others by `make kubelet-fixtures-all`.
-QUICK_VERSIONS = ("v1.37.2", "v1.36.5", "v1.30.14")
+QUICK_VERSIONS = ("v1.37.2", "v1.30.14")
+# What a test parametrized over releases runs at without $REALKUBELET_RELEASES: the newest (PR 135437)
+# and the oldest supported (the code of issue 121994, the folder cleaning of 1.30 to 1.32, V1 reads).
+DEFAULT_RELEASES: tuple[Release, ...] = ("new", "v1.30.14")
 RELEASES_ENV = "REALKUBELET_RELEASES"
 KUBELET_SOCKET = "kubelet.sock"
 PROCESSED = "Processed device updates for resource"  # the manager's line for each ListAndWatch answer
@@ -94,7 +97,7 @@ def disconnected_log(release: str) -> str:
     return "Device plugin disconnected" if minor(release) >= 33 else "Endpoint became unhealthy"
 
 
-def selected_releases(default: Iterable[Release] = ("new", "old")) -> list[Release]:
+def selected_releases(default: Iterable[Release] = DEFAULT_RELEASES) -> list[Release]:
     """The releases a test parametrized over releases runs at: $REALKUBELET_RELEASES (comma-separated
     names or versions, or "all" for every version) or `default`. A release whose binary is missing is
     still listed: the test skips it with the reason (fails under CI=true)."""
