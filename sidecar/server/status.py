@@ -57,6 +57,7 @@ def status_document(sidecar: Sidecar) -> dict[str, Any]:
         "kubelet_connections_from": sidecar.device_plugins.connections_source,
         **({"dra": _dra_document(sidecar.dra, sidecar.clock())} if sidecar.dra is not None else {}),
         "kubelet_restarts": judge.kubelet_restarts,
+        "kubelet_release": judge.kubelet_rules.as_dict(),
         "probe_rounds": sidecar.rounds,
         "runtime": _runtime(),
         "registration": judge.registration(),
