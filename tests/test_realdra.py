@@ -170,7 +170,40 @@ async def test_registration_getinfo_only(node: Node) -> None:
     assert (await node.kubelet.call(DRIVER))["ok"], "the kubelet's own call on its connection"
 
 
+# Before 1.36 the plugin manager keeps a driver whose NotifyRegistrationStatus fails: the handler has
+# registered it already, and pluginmanager/operationexecutor/operation_generator.go's
+# GenerateRegisterPluginFunc returns the error without RemovePlugin or DeRegisterPlugin (both from 1.36).
+NOTIFY_REFUSAL_DEREGISTERS = 36
+
+
+def requires_deregistering_refusal(node: Node) -> None:
+    if minor(node.release) < NOTIFY_REFUSAL_DEREGISTERS:
+        pytest.skip(
+            f"{node.kubelet.version} keeps a driver that refuses NotifyRegistrationStatus registered: "
+            "the refusal cannot make it unregistered (test_a_refused_notify_is_kept_before_1_36)"
+        )
+
+
+async def test_a_refused_notify_is_kept_before_1_36(node: Node) -> None:
+    """1.34 and 1.35: a driver that refuses NotifyRegistrationStatus stays registered (one call, no
+    retry), its DRA service usable by the kubelet: the sidecar says registered."""
+    if minor(node.release) >= NOTIFY_REFUSAL_DEREGISTERS:
+        pytest.skip("from 1.36 the kubelet deregisters a refusing driver and retries")
+    driver = node.driver()
+    await driver.start()
+    await driver.set("refuse", True)
+    await node.kubelet.start()
+    await until(lambda: _true(driver.calls("NotifyRegistrationStatus") >= 1), 15, "a refused attempt")
+    watch = node.watch(driver.registration)
+    j = await settle(node, watch, usable=True)
+    assert j.registered.status is Status.OK, j
+    assert len(await node.kubelet.endpoints(DRIVER)) == 1
+    await asyncio.sleep(3)
+    assert driver.calls("NotifyRegistrationStatus") == 1  # no retry: the kubelet holds it
+
+
 async def test_refused_registration_fails_after_grace_then_retry_registers(node: Node) -> None:
+    requires_deregistering_refusal(node)
     driver = node.driver()
     await driver.start()
     await driver.set("refuse", True)
@@ -213,6 +246,7 @@ async def test_a_driver_restarted_between_two_rounds_is_a_new_instance(node: Nod
     round: the socket files come back on the same paths. The new instance has its grace (no 503
     before it) and the restart counts against the budget. (ext4 may hand the old inode number back;
     whether it does here depends on the files made in between: tests/test_dra.py pins that case.)"""
+    requires_deregistering_refusal(node)
     await node.kubelet.start()
     first = node.driver(refuse=True)
     await first.start()
@@ -405,6 +439,7 @@ async def test_the_sidecars_own_service_call_is_never_the_kubelets_connection(no
     """The sidecar's empty NodePrepareResources, held open by a hung service, is a connection to the
     service socket in this namespace; where the kubelet's descriptors cannot be read (the fixture's
     kubelet is no process named kubelet), only the sidecar's own descriptors tell it apart."""
+    requires_deregistering_refusal(node)
     await node.kubelet.start()
     driver = node.driver()
     await driver.start()
