@@ -6,9 +6,10 @@ k8s.io/kubernetes itself (testing.realkubelet, docs/real-kubelet.md). After ever
 test compares what the project reads on a node: the checkpoint's content (RegisteredDevices as
 sets, PodDeviceEntries; not the checksum), the sockets in the folder, GetCapacity, the
 pod-resources answers (as sets of (resource, device, NUMA node)) and the calls each plugin served.
-"new" (v1.37.2) runs against the simulator's default, "old" (v1.36.5, before kubernetes PR 135437)
-against `reregister_race=True`. Differences the simulator keeps on purpose are in
-docs/simulator-gaps.md, each with a test that fails when the gap changes.
+v1.37.2 runs against the simulator's default, every release before kubernetes PR 135437 (v1.30.14 in
+`make test`, 1.30 to 1.36 in `make real-slow`) against `reregister_race=True`. Differences the
+simulator keeps on purpose are in docs/simulator-gaps.md, each with a test that fails when the gap
+changes.
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ _SIDES = [(r, not has_pr_135437(r)) for r in selected_releases()]
 
 @pytest.fixture(params=_SIDES, ids=[RELEASES[r] for r, _ in _SIDES])
 async def sides(request: pytest.FixtureRequest, short_tmp: str) -> AsyncIterator[tuple[Side, Side]]:
-    """The simulator's default against v1.37.2; its reregister_race mode against v1.36.5 (and against
+    """The simulator's default against v1.37.2; its reregister_race mode against v1.30.14 (and against
     every other release before PR 135437 that $REALKUBELET_RELEASES names)."""
     async with node_pair(short_tmp, *request.param) as pair:
         yield pair

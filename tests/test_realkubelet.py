@@ -1,8 +1,9 @@
-"""The kubelet's real device manager (tests/realkubelet, docs/real-kubelet.md), at two releases.
+"""The kubelet's real device manager (tests/realkubelet, docs/real-kubelet.md), release by release.
 
-"new" is k8s.io/kubernetes v1.37.2 (with PR 135437: endpoints told apart by socket path),
-"old" is v1.36.5 (without it); REALKUBELET_RELEASES=v1.30.14,... (or "all") runs other releases
-instead (docs/kubelet-releases.md). Each test waits for events with timeouts, never blindly.
+By default "new", k8s.io/kubernetes v1.37.2 (with PR 135437: endpoints told apart by socket path),
+and v1.30.14, the oldest supported (without it); REALKUBELET_RELEASES=v1.33.13,old,... (or "all")
+runs other releases instead (docs/kubelet-releases.md; make real-slow runs every one). Each test
+waits for events with timeouts, never blindly.
 Without the fixture (`make kubelet-fixtures`) the tests skip; under CI=true they fail.
 """
 
@@ -33,7 +34,7 @@ from testing.realkubelet import (
 )
 
 RESOURCE = "nvidia.com/gpu"
-RELEASES: list[Release] = selected_releases()  # "new" and "old", or $REALKUBELET_RELEASES
+RELEASES: list[Release] = selected_releases()  # "new" and v1.30.14, or $REALKUBELET_RELEASES
 
 
 def require_fixture(release: Release) -> None:
