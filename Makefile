@@ -104,7 +104,7 @@ $(REALKUBELET)/bin/realkubelet-%: FORCE
 DRA_RELEASES := v1.34.4 v1.35.4 v1.36.5 v1.37.2
 DRA_QUICK    := $(KUBELET_NEW) $(KUBELET_OLD)
 DRA_REST     := v1.35.4 v1.34.4
-dra_flags     = $(call release_flags,$(1),36 37)
+dra_flags     = $(call release_flags,$(1),35 36 37)
 .PHONY: dra-fixtures dra-fixtures-all dra-fixture-new dra-fixture-old dra-fixtures-check
 dra-fixtures: $(DRA_QUICK:%=$(REALDRA)/bin/realdra-%)
 dra-fixtures-all: $(DRA_RELEASES:%=$(REALDRA)/bin/realdra-%)

@@ -158,7 +158,7 @@ func (k *kubelet) start() error {
 	k.wg.Add(1)
 	go func() {
 		defer k.wg.Done()
-		k.plugins.Run(ctx, fixturekit.SourcesReady{}, k.stopCh)
+		runPluginManager(ctx, k.plugins, k.stopCh)
 	}()
 	return nil
 }

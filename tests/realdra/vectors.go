@@ -1,3 +1,5 @@
+//go:build !kube_lt135
+
 package main
 
 import (
