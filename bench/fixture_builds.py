@@ -9,6 +9,7 @@ the step ran), then the totals and what the cache holds.
     python bench/fixture_builds.py                        # the order .ci/run builds in (FIXTURE_STEPS)
     python bench/fixture_builds.py 'tests/realkubelet/bin/realkubelet-v1.34.4' ...
     NICE=15 python bench/fixture_builds.py                # under nice, on a shared machine
+    KEEP_CACHE=1 ...; CACHE=/tmp/hg-gocache-... python bench/fixture_builds.py STEP...   # go on from it
 
 Each step also writes its fixture's binary, as `make` would: run it in a working tree of its own.
 """
@@ -53,10 +54,12 @@ def main() -> None:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     steps = sys.argv[1:] or default_steps()
     nice = int(os.environ.get("NICE", "0"))
-    cache = Path(tempfile.mkdtemp(prefix="hg-gocache-"))
+    # CACHE: go on from a cache an earlier run kept (KEEP_CACHE=1), to add steps in the same order.
+    cache = Path(os.environ.get("CACHE") or tempfile.mkdtemp(prefix="hg-gocache-"))
     env = dict(os.environ, GOCACHE=str(cache), GOFLAGS=os.environ.get("GOFLAGS", ""))
     rows: list[tuple[str, float, float, int]] = []
-    print(f"GOCACHE {cache} (empty); GOMODCACHE warm; {os.cpu_count()} cores; nice {nice}")
+    state = "kept from an earlier run" if os.environ.get("CACHE") else "empty"
+    print(f"GOCACHE {cache} ({state}); GOMODCACHE warm; {os.cpu_count()} cores; nice {nice}")
     try:
         for step in steps:
             argv = ["make", "-s", "--no-print-directory", *shlex.split(step)]
