@@ -205,7 +205,7 @@ fuzz: $(STAMP) ## coverage-guided fuzzing of every parser that reads the node
 # DRA oracle; then the demos' tours against the real device manager and DRA manager. One make -j graph
 # (REAL_SLOW_JOBS): the releases make test did not build are built one after another, niced
 # (BUILD_NICE), beside the jobs that wait on the kubelets' clocks, and each release's tests start as
-# soon as its fixture is built.
+# soon as its fixture is built; -k: a release that fails does not stop the others' tests.
 MATRIX_EVENTS  ?= 200
 MATRIX_SEEDS   ?= 1,2
 REAL_SLOW_JOBS ?= 12
@@ -216,7 +216,7 @@ MATRIX_CHAIN   := kubelet-v1.36.5 dra-v1.35.4 kubelet-v1.35.4 dra-v1.34.4 kubele
 	kubelet-v1.33.13 kubelet-v1.32.9 kubelet-v1.31.12
 .PHONY: real-slow stop-grace
 real-slow: $(STAMP) kubelet-fixtures dra-fixtures ## the slow checks at every release: stop grace, differential, oracles, DRA
-	$(MAKE) -j$(REAL_SLOW_JOBS) -Oline --no-print-directory stop-grace $(KUBELET_RELEASES:%=kubelet-matrix-%) \
+	$(MAKE) -k -j$(REAL_SLOW_JOBS) -Oline --no-print-directory stop-grace $(KUBELET_RELEASES:%=kubelet-matrix-%) \
 		$(DRA_RELEASES:%=dra-matrix-%)
 	DEMO_KUBELET=real DEMO_TOUR_ONLY=1 $(PY) -m testing.demo > /dev/null
 	DEMO_KUBELET=dra DEMO_TOUR_ONLY=1 $(PY) -m testing.demo > /dev/null
