@@ -225,7 +225,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 READ = (
     "import json, sys; from hami_guard.node.unixdiag import kubelet_connections as k; "
-    "c = k(sys.argv[1], names={sys.argv[2]}); "
+    "c = k(sys.argv[1], names={sys.argv[2]}, served=sys.argv[3:]); "
     "print(json.dumps(c if isinstance(c, str) else [c.source, c.held(sys.argv[3]), c.owned is not None]))"
 )
 
@@ -293,7 +293,10 @@ def test_from_a_pod_the_kubelets_namespace_through_proc_whoever_reads_it(short_t
     """HAMi's layout: the plugin's listener in the pod's namespace, the kubelet (a root process named as
     one) and a hostile neighbour's names in the kubelet's. Read from the pod through /proc as root, as root
     with no capability (the manifests' sidecar: the kubelet's descriptors are listed, their links not
-    readable) and as nobody: the kubelet's connection counts once; the names' lines never."""
+    readable) and as nobody. As root the kubelet's connection counts once (among the descriptors of the
+    plugin's process), the names' lines never; without CAP_SYS_PTRACE the plugin's descriptors cannot be
+    read, and a connection seen by path is no count; nobody cannot connect to kubelet.sock (mode 755),
+    so which process listens on it, the kubelet, cannot be told."""
     netns.require()
     os.chmod(short_tmp, 0o755)
     folder = os.path.join(short_tmp, "device-plugins")
@@ -311,11 +314,18 @@ def test_from_a_pod_the_kubelets_namespace_through_proc_whoever_reads_it(short_t
         Holder([serve(plugin)], pod.command([])),
         Holder(kubelet_ops, node.command([])) as k,  # it connects once the plugin serves
     ):
-        for enter in ([], ROOT_NO_CAPS, NOBODY):
-            done = pod.run([*enter, *argv], capture_output=True, text=True, timeout=60, env=env)
-            assert done.returncode == 0, done.stderr
-            source, held, _ = json.loads(done.stdout)
-            assert (source, held) == (f"the kubelet's network namespace (/proc/{k.pid}/net/unix)", 1)
+        ours = f"the kubelet's network namespace (/proc/{k.pid}/net/unix)"
+        done = pod.run(argv, capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)[:2] == [ours, 1]
+        done = pod.run([*ROOT_NO_CAPS, *argv], capture_output=True, text=True, timeout=60, env=env)
+        source, held, _ = json.loads(done.stdout)
+        assert source == ours
+        assert held.startswith("the kubelet's net/unix shows 1 connection(s) to nvidia-gpu.sock by path only")
+        assert held.endswith("cannot be read (that needs CAP_SYS_PTRACE)"), held
+        done = pod.run([*NOBODY, *argv], capture_output=True, text=True, timeout=60, env=env)
+        why = json.loads(done.stdout)
+        assert isinstance(why, str) and f"pid {k.pid} ({name}): which process listens on kubelet.sock" in why
 
 
 def test_where_the_kubelet_listens_is_not_told_by_a_name(ns: Netns, short_tmp: str) -> None:

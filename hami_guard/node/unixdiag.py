@@ -16,8 +16,8 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from hami_guard.node.netunix import (
@@ -198,6 +198,11 @@ class Connections:
     exact: bool  # by the bound file's inode (sock_diag), else by path
     doubtful: tuple[UnixSocket, ...] = ()  # /proc lines that may be a part of another socket's name
     owned: frozenset[int] | None = None  # the kubelet's own sockets (its descriptors), where readable
+    # /proc: by socket file (normalised path, as this process sees it), the sockets held by the process
+    # that listens on it (its descriptors), or why they cannot be read: an accepted end counts only there.
+    vouched: Mapping[str, frozenset[int] | str] = field(default_factory=dict, compare=False)
+    # Processes that bear a kubelet's name and are not the kubelet: "pid N (name): why".
+    ignored: tuple[str, ...] = ()
 
     def to(self, path: str, bound_as: tuple[str, ...] = ()) -> int:
         """Open connections accepted on the listener that owns the socket file at `path` now (0 where
@@ -219,10 +224,13 @@ class Connections:
         sock_diag: an accepted end bound to that very file (device and inode: no name can forge it),
         not shut down, whose peer is in this namespace and names it back; where the kubelet's
         descriptors can be read, that peer must be one of them. /proc: lines the kernel printed as
-        lines whose path is `path` (or `bound_as`); none, while a line that may be a part of another
-        socket's name claims one, or while a listener is bound at that path in the kubelet's own
-        namespace (not this pod's plugin: whose connection is whose cannot be told by path), is no
-        count at all.
+        lines whose path is `path` (or `bound_as`), each among the descriptors of the process that
+        listens on the file at `path` (it accepted them: a neighbour's look-alike pair, bound at that
+        path in a mount namespace of its own, is its own); where those cannot be read, none is a
+        count of 0 and some are no count at all (a neighbour can add a line, never hide the
+        kubelet's). None, while a line that may be a part of another socket's name claims one, or
+        while a listener is bound at that path in the kubelet's own namespace (not this pod's plugin:
+        whose connection is whose cannot be told by path), is no count either.
         """
         if self.exact:
             try:
@@ -255,7 +263,15 @@ class Connections:
                 f"a line of the kubelet's net/unix that may be a part of another socket's name shows a "
                 f"connection to {name}: it is not counted, and none other is seen"
             )
-        return found
+        if not found:
+            return found
+        held = self.vouched.get(normalise(path), f"the process that listens on {name} was not asked")
+        if isinstance(held, str):
+            return (
+                f"the kubelet's net/unix shows {len(found)} connection(s) to {name} by path only, and "
+                f"whose they are cannot be told: {held}"
+            )
+        return found & held
 
 
 def kubelet_connections(
@@ -264,15 +280,20 @@ def kubelet_connections(
     names: Collection[str] = KUBELET_PROCESS_NAMES,
     mine: Sequence[UnixSocket] | str | None = None,
     paths: Collection[str] | None = None,
+    *,
+    served: Collection[str] = (),
+    kubelets: KubeletProcesses | None = None,
 ) -> Connections | str:
     """The Unix sockets of the kubelet's network namespace, or why they cannot be seen.
 
     This process's namespace when the kubelet's listener on `kubelet_path` is in it (a pod
-    with the host network, or a test); else the namespace of a visible kubelet process
-    (`hostPID`; its process named one of `names`, run by root and not in a pod's cgroup), read
-    from its `/proc/<pid>/net/unix`; else none can be seen. `mine` is this namespace's
-    `diag_dump()` (or why it failed) when the caller has one; `paths`, the plugin sockets' paths
-    as bound, keeps only their entries of a kubelet's `/proc/<pid>/net/unix`.
+    with the host network, or a test); else the namespace of the visible kubelet process
+    (`hostPID`; see `kubelet_processes`), read from its `/proc/<pid>/net/unix`; else none can be
+    seen. `mine` is this namespace's `diag_dump()` (or why it failed) when the caller has one;
+    `paths`, the plugin sockets' paths as bound, keeps only their entries of a kubelet's
+    `/proc/<pid>/net/unix`; `served`, the plugin sockets' paths as this process sees them, whose
+    listening processes' descriptors are read (/proc) to tell their accepted ends from a neighbour's;
+    `kubelets`, the caller's `kubelet_processes()`.
     """
     try:
         st = os.stat(kubelet_path)
@@ -283,31 +304,33 @@ def kubelet_connections(
             mine = diag_dump()
         except DiagUnavailable as e:
             mine = str(e)
+    if kubelets is None:
+        kubelets = kubelet_processes(kubelet_path, proc, names)
     why, own = (mine, ()) if isinstance(mine, str) else ("", mine)
     vfs = (st.st_dev, st.st_ino)
     listener = next((s.ino for s in own if s.state == LISTEN and s.vfs == vfs), None)
     if listener is not None:
         owned = next(
-            (
-                fds
-                for pid in _kubelet_pids(proc, names)
-                if (fds := socket_inodes(proc, pid)) and listener in fds
-            ),
+            (fds for pid in kubelets.trusted if (fds := socket_inodes(proc, pid)) and listener in fds),
             None,
         )
-        return Connections("this network namespace (sock_diag)", tuple(own), exact=True, owned=owned)
-    # Every namespace where a kubelet process listens on the kubelet's path counts: on a node that is
-    # one, but the path is the same in every mount namespace, so a path cannot pick one out (several
-    # kubelets run side by side in tests), and connections to this plugin's socket are only in the
-    # namespace of the kubelet that holds it. A namespace is taken once, by its listener; where the
-    # process's descriptors can be read, only when that listener is one of them.
+        return Connections(
+            "this network namespace (sock_diag)",
+            tuple(own),
+            exact=True,
+            owned=owned,
+            ignored=kubelets.ignored,
+        )
+    # The namespace of the process that listens on this very kubelet.sock (several kubelets run side by
+    # side in tests, each on its own file), taken by its listener; where the process's descriptors can
+    # be read, only when that listener is one of them. With no such process visible, pid 1's (the
+    # host's, under hostPID), by path.
     bound = {KUBELET_BOUND_PATH, normalise(kubelet_path)}
     listeners: set[int] = set()
     found: list[UnixSocket] = []
     doubtful: list[UnixSocket] = []
     pids: list[str] = []
-    kubelets = _kubelet_pids(proc, names)
-    for pid in kubelets or ["1"]:
+    for pid in kubelets.trusted or ("1",):
         try:
             table = read_proc_net_unix(os.path.join(proc, pid), None if paths is None else {*paths, *bound})
         except OSError:
@@ -315,7 +338,7 @@ def kubelet_connections(
         theirs = next((s.ino for s in table.sockets if s.state == LISTEN and s.path in bound), None)
         if theirs is None or theirs in listeners:
             continue
-        fds = socket_inodes(proc, pid) if kubelets else None
+        fds = socket_inodes(proc, pid) if kubelets.trusted else None
         if fds is not None and theirs not in fds:
             continue
         listeners.add(theirs)
@@ -324,13 +347,98 @@ def kubelet_connections(
         pids.append(pid)
     if pids:
         where = ", ".join(f"{proc}/{pid}/net/unix" for pid in pids)
+        # Read after the table: an accepted end it shows is counted only if still held then.
+        vouched = {normalise(p): _listener_sockets(p, proc) for p in served}
         return Connections(
-            f"the kubelet's network namespace ({where})", tuple(found), exact=False, doubtful=tuple(doubtful)
+            f"the kubelet's network namespace ({where})",
+            tuple(found),
+            exact=False,
+            doubtful=tuple(doubtful),
+            vouched=vouched,
+            ignored=kubelets.ignored,
         )
-    return why or (
-        "the kubelet's network namespace is not visible from this pod (neither hostNetwork nor a "
-        "kubelet process under hostPID)"
+    ignored = f" (ignored: {'; '.join(kubelets.ignored)})" if kubelets.ignored else ""
+    return (
+        why
+        or (
+            "the kubelet's network namespace is not visible from this pod (neither hostNetwork nor a "
+            "kubelet process under hostPID)"
+        )
+    ) + ignored
+
+
+def _listener_sockets(path: str, proc: str) -> frozenset[int] | str:
+    """The sockets held by the process that listens on the socket file at `path`, or why they cannot be
+    read."""
+    pid = listener_pid(path)
+    if isinstance(pid, str):
+        return pid
+    if pid == 0:
+        return f"the process that listens on {os.path.basename(path)} is not visible from this pod"
+    fds = socket_inodes(proc, str(pid))
+    if fds is None:
+        return (
+            f"the descriptors of pid {pid}, which listens on {os.path.basename(path)}, cannot be read "
+            "(that needs CAP_SYS_PTRACE)"
+        )
+    return fds
+
+
+_PEERCRED = struct.Struct("=iII")  # struct ucred: pid, uid, gid
+
+
+def listener_pid(path: str, timeout: float = 0.2) -> int | str:
+    """The process that listens on the socket file at `path` (its pid in this reader's pid namespace,
+    0 where it is not visible there), or why it cannot be told.
+
+    The kernel's word, for any user: a connection's SO_PEERCRED on the connecting side is the
+    process that called listen() (man 7 unix). The connection is closed at once, unused.
+    """
+    name = os.path.basename(path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(path)
+            raw = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        except (TimeoutError, BlockingIOError):
+            return f"{name} accepts no connection now (its backlog is full): who listens cannot be told"
+        except OSError as e:
+            return f"{name} refuses a connection ({e.strerror or e}): nothing listens on it"
+    pid: int = _PEERCRED.unpack(raw)[0]
+    return pid
+
+
+@dataclass(frozen=True)
+class KubeletProcesses:
+    """The visible processes that bear a kubelet's name and run as root outside any pod: the one that
+    listens on the kubelet.sock this process sees, and the others, ignored, with why."""
+
+    trusted: tuple[str, ...] = ()
+    ignored: tuple[str, ...] = ()  # "pid N (name): why"
+
+
+def kubelet_processes(
+    kubelet_path: str, proc: str = "/proc", names: Collection[str] = KUBELET_PROCESS_NAMES
+) -> KubeletProcesses:
+    """The kubelet's process: of the processes `_kubelet_pids` finds, the one that listens on the
+    socket file at `kubelet_path` (`listener_pid`). A name, root and a cgroup outside the pods' are no
+    proof: a root process named kubelet in a container another runtime runs listens on a kubelet.sock
+    of its own mount namespace, not the host's."""
+    candidates = _kubelet_pids(proc, names)
+    if not candidates:
+        return KubeletProcesses()
+    listening = listener_pid(kubelet_path)
+    trusted = tuple(
+        pid for pid in candidates if isinstance(listening, int) and listening and int(pid) == listening
     )
+    if isinstance(listening, str):
+        why = f"which process listens on kubelet.sock cannot be told: {listening}"
+    elif listening == 0:
+        why = "the process that listens on kubelet.sock is not visible from this pod"
+    else:
+        why = f"it does not listen on kubelet.sock as this pod sees it (pid {listening} does)"
+    ignored = tuple(f"pid {pid} ({_comm(proc, pid)}): {why}" for pid in candidates if pid not in trusted)
+    return KubeletProcesses(trusted, ignored)
 
 
 _PID_CACHE: dict[tuple[str, frozenset[str]], list[str]] = {}

@@ -55,6 +55,8 @@ def status_document(sidecar: Sidecar) -> dict[str, Any]:
             "pod-resources": _socket_info(s.pod_resources_socket),
         },
         "kubelet_connections_from": sidecar.device_plugins.connections_source,
+        # Processes named as the kubelet that do not listen on the kubelet.sock this pod sees: not read.
+        "kubelet_processes_ignored": list(sidecar.device_plugins.kubelets_ignored),
         **({"dra": _dra_document(sidecar.dra, sidecar.clock())} if sidecar.dra is not None else {}),
         "kubelet_restarts": judge.kubelet_restarts,
         "probe_rounds": sidecar.rounds,
