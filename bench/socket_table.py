@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -37,14 +38,15 @@ SOCKETS = min(int(os.environ.get("SOCKETS", "100000")), 400_000)
 SECONDS = float(os.environ.get("SECONDS", "30"))
 RATE = float(os.environ.get("RATE", "100"))
 ROUTES = os.environ.get("ROUTES", "sock_diag,proc").split(",")
-PER_FILLER = 25_000  # socket pairs a filler holds (50,000 descriptors)
+# Socket pairs a filler holds: two descriptors each, within the hard limit of open files.
+PER_FILLER = min(25_000, (resource.getrlimit(resource.RLIMIT_NOFILE)[1] - 64) // 2)
 KUBELET_NAME = "kubelet-bench"
 ROOT_NO_CAPS = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"]
 
 FILLER = r"""
 import resource, socket, sys
 pairs = int(sys.argv[1])
-resource.setrlimit(resource.RLIMIT_NOFILE, (2 * pairs + 64, 2 * pairs + 64))
+resource.setrlimit(resource.RLIMIT_NOFILE, (2 * pairs + 64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 held = [socket.socketpair() for _ in range(pairs)]
 print("ready", flush=True)
 sys.stdin.read()
@@ -62,7 +64,9 @@ async def main():
 asyncio.run(main())
 """
 
-# Asks /healthz at a steady rate over one kept-alive connection; prints the latencies (s) as JSON.
+# Asks /healthz at a steady rate over one kept-alive connection; prints the latencies (s) as JSON, each
+# from the moment the request was due: a request held behind a stalled one counts its wait too (a
+# client that sends when the last answer came would record one slow answer a stall, whatever its length).
 CLIENT = r"""
 import http.client, json, sys, time
 port, seconds, rate = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
@@ -72,10 +76,9 @@ start = time.perf_counter()
 for i in range(int(seconds * rate)):
     due = start + i / rate
     time.sleep(max(0.0, due - time.perf_counter()))
-    t0 = time.perf_counter()
     conn.request("GET", "/healthz")
     r = conn.getresponse(); r.read()
-    out.append(time.perf_counter() - t0)
+    out.append(time.perf_counter() - due)
     codes[r.status] = codes.get(r.status, 0) + 1
 print(json.dumps({"latencies": out, "codes": codes}))
 """
