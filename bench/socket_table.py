@@ -42,6 +42,10 @@ ROUTES = os.environ.get("ROUTES", "sock_diag,proc").split(",")
 PER_FILLER = min(25_000, (resource.getrlimit(resource.RLIMIT_NOFILE)[1] - 64) // 2)
 KUBELET_NAME = "kubelet-bench"
 ROOT_NO_CAPS = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"]
+# The sidecar and the client run at this niceness: on a machine shared with other work, a process of
+# ordinary weight waits its turn for tens of ms (p99 45 ms here for 100 sockets at a load of 10), which
+# no change of the sidecar's can show through. NICE=0 measures without.
+PRIORITY = ["nice", "-n", os.environ.get("NICE", "-15")]
 
 FILLER = r"""
 import resource, socket, sys
@@ -162,7 +166,9 @@ def run(route: str, root: str) -> dict[str, object]:
     pod_resources = os.path.join(root, route, "pod-resources", "kubelet.sock")
     port = free_port()
     src = os.environ.get("SIDECAR_SRC", "")
+    # `python -m` puts its working folder first on sys.path: another checkout's runs from that checkout.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.getcwd()) if p)}
+    cwd = src or None
     with contextlib.ExitStack() as stack:
         node = stack.enter_context(Netns())
         pod = node if route == "sock_diag" else stack.enter_context(Netns())
@@ -177,7 +183,9 @@ def run(route: str, root: str) -> dict[str, object]:
         argv += ["--probe-interval", "2", "--probe-timeout", "1.5", "--kubelet-process-name", KUBELET_NAME]
         log = open(os.path.join(root, f"{route}.log"), "wb")  # noqa: SIM115
         stack.callback(log.close)
-        sidecar = subprocess.Popen(in_ns(pod, [*ROOT_NO_CAPS, *argv]), stderr=log, env=env)
+        sidecar = subprocess.Popen(
+            in_ns(pod, [*PRIORITY, *ROOT_NO_CAPS, *argv]), stderr=log, env=env, cwd=cwd
+        )
 
         def end() -> None:
             sidecar.terminate()
@@ -201,11 +209,13 @@ def run(route: str, root: str) -> dict[str, object]:
                 )
             time.sleep(0.5)
         in_table = sockets_in(node)
-        ask = [sys.executable, "-c", CLIENT, str(port), str(SECONDS), str(RATE)]
+        ask = [*PRIORITY, sys.executable, "-c", CLIENT, str(port), str(SECONDS), str(RATE)]
         done = subprocess.run(in_ns(pod, ask), capture_output=True, text=True, timeout=SECONDS * 3 + 60)
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)
         rss, peak = memory(sidecar.pid)
+        with open(f"/proc/{sidecar.pid}/stat") as f:
+            cpu = sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13]) / os.sysconf("SC_CLK_TCK")
         time.sleep(1)  # /status is rate limited: not right after the load
         ask = [sys.executable, "-c", STATUS, str(port)]
         status = subprocess.run(in_ns(pod, ask), capture_output=True, text=True, timeout=60)
@@ -221,10 +231,13 @@ def run(route: str, root: str) -> dict[str, object]:
         "sockets": in_table,
         "from": doc.get("kubelet_connections_from", doc.get("error", "?")),
         "rounds": doc.get("probe_rounds", "?"),
+        "read_s": doc.get("socket_table_read_seconds", "?"),
         "codes": result["codes"],
         "p50_ms": round(statistics.median(lat) * 1000, 2),
         "p99_ms": round(percentile(lat, 99) * 1000, 2),
         "max_ms": round(max(lat) * 1000, 2),
+        "over_20ms": sum(1 for x in lat if x > 0.020),
+        "cpu_s": round(cpu, 2),
         "rss_mib": round(rss, 1),
         "peak_rss_mib": round(peak, 1),
     }
@@ -240,8 +253,10 @@ def main() -> None:
             r = run(route, root)
             print(
                 f"{r['route']:9} sockets in the kubelet's namespace {r['sockets']:>7,}  "
-                f"/healthz {r['codes']} p50 {r['p50_ms']} ms p99 {r['p99_ms']} ms max {r['max_ms']} ms  "
-                f"RSS {r['rss_mib']} MiB (peak {r['peak_rss_mib']} MiB)  rounds {r['rounds']}  "
+                f"/healthz {r['codes']} p50 {r['p50_ms']} ms p99 {r['p99_ms']} ms max {r['max_ms']} ms "
+                f"({r['over_20ms']} over 20 ms)  CPU {r['cpu_s']} s  "
+                f"RSS {r['rss_mib']} MiB (peak {r['peak_rss_mib']} MiB)  rounds {r['rounds']} "
+                f"(last table read {r['read_s']} s)  "
                 f"from {r['from']}",
                 flush=True,
             )

@@ -16,6 +16,7 @@ import glob
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -62,6 +63,7 @@ from sidecar.deviceplugin.verdicts import (
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+SWITCH = 0.0002  # seconds: the GIL's switch interval while the socket table is read
 
 # Where the kubelet binds its plugins' sockets: a plugin whose folder is mounted elsewhere bound there.
 BOUND_DIR = os.path.dirname(KUBELET_BOUND_PATH)
@@ -104,6 +106,7 @@ class TableThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._running: Future[object] | None = None
         self._since = 0.0
+        self.last_read = 0.0  # seconds the last read that ended took
 
     def start(self) -> None:
         self._thread.start()
@@ -139,10 +142,19 @@ class TableThread:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             read, done = job
+            # While it reads, the loop thread waits for the GIL at most SWITCH seconds at a time, not
+            # the default 5 ms: an HTTP answer takes the GIL a few times, and a table read holds it
+            # for hundreds of ms in all.
+            switch = sys.getswitchinterval()
+            sys.setswitchinterval(min(switch, SWITCH))
+            started = time.monotonic()
             try:
                 done.set_result(read())
             except BaseException as e:  # handed to the round, which logs it
                 done.set_exception(e)
+            finally:
+                sys.setswitchinterval(switch)
+                self.last_read = time.monotonic() - started
 
 
 class DevicePluginWatch:
@@ -169,6 +181,7 @@ class DevicePluginWatch:
         self.names = {*KUBELET_PROCESS_NAMES, s.kubelet_process_name}
         self.connections_source = ""  # where the last round read the kubelet's connections
         self.kubelets_ignored: tuple[str, ...] = ()  # processes named as the kubelet that are not it
+        self.table_read_seconds = 0.0  # how long the last read of the socket table took
         self._table = TableThread()
         self.expectation: hamiconfig.Expectation | None = None  # auto's, as last read
         self._others: tuple[tuple[str, SocketId], ...] = ()
@@ -253,6 +266,7 @@ class DevicePluginWatch:
         got = await self._table.read(self._read_socket_table, self.settings.probe_timeout)
         table = _SocketTable(got, set(), got) if isinstance(got, str) else got
         self.kubelets_ignored = table.ignored
+        self.table_read_seconds = self._table.last_read
         return table
 
     def _read_socket_table(self) -> _SocketTable:
