@@ -487,18 +487,30 @@ def test_a_root_process_named_kubelet_in_another_runtimes_container_is_ignored(
         assert lay.read(where) == before
 
 
-def test_a_process_named_kubelet_alone_is_no_kubelet(layout: Layout) -> None:
-    """With the only process of the kubelet's name a look-alike (the real kubelet runs under another
-    name), the readers read no namespace, not the look-alike's nor pid 1's (where a kubelet of the
-    machine's may listen at the default path), and say why."""
+def test_the_kubelet_under_another_name_is_the_process_that_listens(layout: Layout) -> None:
+    """The only process of the kubelet's name a look-alike, the real kubelet running under another name
+    (as root, outside any pod): the readers read the namespace of the process that listens on
+    kubelet.sock, never the look-alike's, and name the look-alike. Run by nobody, the process that
+    listens is no kubelet: no namespace is read, not even pid 1's (where a kubelet of the machine may
+    listen at the default path), and the readers say why."""
     lay = layout
     fake_ops = [comm(lay.name), listen(lay.kubelet), *names(lay.held.encode())]
-    with (
-        Netns() as other,
-        Holder([listen(lay.kubelet)], lay.node.command([])) as real,  # named as python, not as a kubelet
-        Holder(fake_ops, other.command(in_a_mount_namespace(lay.folder, user=False))) as fake,
-    ):
-        seen = lay.read(lay.pod)
-        why = f"it does not listen on kubelet.sock as this pod sees it (pid {real.pid} does)"
-        why = f"pid {fake.pid} ({lay.name}): {why}"
-        assert seen == f"no kubelet process is known: {why}", seen
+    with Netns() as other:
+        with (
+            Holder([serve(lay.held), serve(lay.dropped)], lay.pod.command([])),
+            Holder([listen(lay.kubelet), connect(lay.held)], lay.node.command([])) as real,  # named python
+            Holder(fake_ops, other.command(in_a_mount_namespace(lay.folder, user=False))) as fake,
+        ):
+            why = f"it does not listen on kubelet.sock as this pod sees it (pid {real.pid} does)"
+            assert lay.read(lay.pod) == {
+                "source": f"the kubelet's network namespace (/proc/{real.pid}/net/unix)",
+                "held": [1, 0],
+                "ignored": [f"pid {fake.pid} ({lay.name}): {why}"],
+            }
+        os.unlink(lay.kubelet)
+        with (
+            Holder([listen(lay.kubelet)], lay.node.command(NOBODY)) as real,
+            Holder(fake_ops, other.command(in_a_mount_namespace(lay.folder, user=False))) as fake,
+        ):
+            why = f"it does not listen on kubelet.sock as this pod sees it (pid {real.pid} does)"
+            assert lay.read(lay.pod) == f"no kubelet process is known: pid {fake.pid} ({lay.name}): {why}"

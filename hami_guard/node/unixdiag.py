@@ -372,17 +372,25 @@ def kubelet_connections(
         )
     # The namespace of the process that listens on this very kubelet.sock (several kubelets run side by
     # side in tests, each on its own file), taken by its listener; where the process's descriptors can
-    # be read, only when that listener is one of them. With no process of a kubelet's name visible,
-    # pid 1's (the host's, under hostPID), by path; with only processes of that name that are not the
-    # kubelet, none: they are no kubelet, and pid 1's namespace is no more the kubelet's for them.
-    if kubelets.ignored and not kubelets.trusted:
+    # be read, only when that listener is one of them. With no process of a kubelet's name that is
+    # the kubelet, the namespace of the process that listens on kubelet.sock if it runs as root outside
+    # any pod (the kubelet under another name); else, with no process of a kubelet's name at all, pid
+    # 1's (the host's, under hostPID), by path; else none.
+    listening = kubelets.listener
+    if kubelets.trusted:
+        pids = kubelets.trusted
+    elif isinstance(listening, int) and listening and _trusted(proc, str(listening)):
+        pids = (str(listening),)
+    elif kubelets.ignored:
         return f"no kubelet process is known: {'; '.join(kubelets.ignored)}"
+    else:
+        pids = ("1",)
     bound = {KUBELET_BOUND_PATH, normalise(kubelet_path)}
     listeners: set[int] = set()
     found: list[UnixSocket] = []
     doubtful: list[UnixSocket] = []
-    pids: list[str] = []
-    for pid in kubelets.trusted or ("1",):
+    read: list[str] = []
+    for pid in pids:
         try:
             table = read_proc_net_unix(os.path.join(proc, pid), None if paths is None else {*paths, *bound})
         except OSError:
@@ -390,15 +398,15 @@ def kubelet_connections(
         theirs = next((s.ino for s in table.sockets if s.state == LISTEN and s.path in bound), None)
         if theirs is None or theirs in listeners:
             continue
-        fds = socket_inodes(proc, pid) if kubelets.trusted else None
+        fds = socket_inodes(proc, pid) if pid != "1" else None
         if fds is not None and theirs not in fds:
             continue
         listeners.add(theirs)
         found += table.sockets
         doubtful += table.doubtful
-        pids.append(pid)
-    if pids:
-        where = ", ".join(f"{proc}/{pid}/net/unix" for pid in pids)
+        read.append(pid)
+    if read:
+        where = ", ".join(f"{proc}/{pid}/net/unix" for pid in read)
         # Read after the table: an accepted end it shows is counted only if still held then.
         vouched = {normalise(p): _listener_sockets(p, proc) for p in served}
         return Connections(
@@ -463,6 +471,7 @@ class KubeletProcesses:
 
     trusted: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()  # "pid N (name): why"
+    listener: int | str = 0  # the pid that listens on kubelet.sock (0: not visible), or why not known
 
 
 def kubelet_processes(
@@ -473,9 +482,9 @@ def kubelet_processes(
     proof: a root process named kubelet in a container another runtime runs listens on a kubelet.sock
     of its own mount namespace, not the host's."""
     candidates = _kubelet_pids(proc, names)
-    if not candidates:
-        return KubeletProcesses()
     listening = listener_pid(kubelet_path)
+    if not candidates:
+        return KubeletProcesses(listener=listening)
     trusted = tuple(
         pid for pid in candidates if isinstance(listening, int) and listening and int(pid) == listening
     )
@@ -486,7 +495,7 @@ def kubelet_processes(
     else:
         why = f"it does not listen on kubelet.sock as this pod sees it (pid {listening} does)"
     ignored = tuple(f"pid {pid} ({_comm(proc, pid)}): {why}" for pid in candidates if pid not in trusted)
-    return KubeletProcesses(trusted, ignored)
+    return KubeletProcesses(trusted, ignored, listening)
 
 
 _PID_CACHE: dict[tuple[str, frozenset[str]], list[str]] = {}

@@ -349,7 +349,12 @@ async def test_a_process_named_as_the_kubelet_that_is_not_it_is_named_in_status(
     async with make_node(kubelet_process_name=name) as node:
         await node.until("/healthz", 200)
         await node.wait_rounds()
-        assert status_document(node.sidecar)["kubelet_processes_ignored"] == []
+
+        # Another process of a kubelet's name elsewhere on the machine may be named: only ours counts.
+        def ignored() -> list[str]:
+            return [i for i in status_document(node.sidecar)["kubelet_processes_ignored"] if f"({name})" in i]
+
+        assert ignored() == []
         before = (await node.get("/readyz?verbose"))[0]
         kubelet_sock = os.path.join(node.dir, "kubelet.sock")
         enter = Netns().start()
@@ -361,12 +366,11 @@ async def test_a_process_named_as_the_kubelet_that_is_not_it_is_named_in_status(
             ]
             with Holder(ops, enter.command(in_a_mount_namespace(node.dir, user=False))) as fake:
                 await node.wait_rounds()
-                ignored = status_document(node.sidecar)["kubelet_processes_ignored"]
                 why = f"it does not listen on kubelet.sock as this pod sees it (pid {os.getpid()} does)"
-                assert ignored == [f"pid {fake.pid} ({name}): {why}"]
+                assert ignored() == [f"pid {fake.pid} ({name}): {why}"]
                 assert (await node.get("/readyz?verbose"))[0] == before
                 assert (await node.get("/healthz"))[0] == 200
         finally:
             enter.close()
         await node.wait_rounds()
-        assert status_document(node.sidecar)["kubelet_processes_ignored"] == []
+        assert ignored() == []
