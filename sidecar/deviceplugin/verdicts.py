@@ -143,7 +143,7 @@ NEWEST_RULES = (1, 37)
 @dataclass(frozen=True)
 class KubeletRules:
     """The kubelet behaviour that differs between releases where the evidence cannot tell which
-    (docs/kubelet.md#releases): the release read, or why none was, and the rules that follow."""
+    (docs/kubelet.md#second-register): the release read, or why none was, and the rules that follow."""
 
     version: str  # "v1.37.2" as read or set; "" when unknown
     source: str  # where it was read, or why it was not
