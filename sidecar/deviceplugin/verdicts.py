@@ -989,7 +989,14 @@ class DevicePluginJudge:
         if p.shadowed is None or p.shadowed[0] != pair:
             p.shadowed = (pair, now)
         if now - p.shadowed[1] < self.rules.refusal_confirm:
-            return None
+            # Under way or refused: not yet told, and a restart would be refused if it was. No liveness.
+            return _Held(
+                False,
+                f"the kubelet is connected to {plugin.socket} but has recorded no device list from it since "
+                f"the socket was created, while pod-resources lists {len(healthy)} healthy device(s) of "
+                f"{plugin.resource} (a Register under way, or refused for an earlier plugin's endpoint)",
+                mends=False,
+            )
         p.trap = (
             f"the kubelet refused the Register of {plugin.socket}: it keeps the endpoint of an earlier "
             "plugin on that path and has forgotten its client (Kubernetes 1.37: device plugin already "

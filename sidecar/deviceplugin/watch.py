@@ -204,8 +204,10 @@ class DevicePluginWatch:
             return kubelet_rules(release.Release(s.kubelet_version, minor, "the setting --kubelet-version"))
         now = self._clock()
         last_generation, last_read = self._rules_read
-        if self._rules is not None and last_generation == generation and (
-            self._rules.version or now - last_read < RELEASE_RETRY
+        if (
+            self._rules is not None
+            and last_generation == generation
+            and (self._rules.version or now - last_read < RELEASE_RETRY)
         ):
             return self._rules
         read = partial(release.from_process, self.names)
