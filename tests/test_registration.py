@@ -633,6 +633,39 @@ def test_a_vanished_plugin_socket_in_either_removal_order(
     assert reg.kubelet_restarts == (verdict == "restart")
 
 
+@pytest.mark.parametrize(
+    ("listening", "expected"),
+    [
+        (True, ("pending", False)),  # its listener is there, unlinked: someone else removed the file
+        (False, ("failed", True)),  # the listener closed with the file: the plugin stopped
+        (None, ("failed", True)),  # sock_diag cannot tell: the kubelet.sock rule alone
+    ],
+)
+def test_a_socket_removed_under_a_plugin_that_still_listens_is_no_crash_however_late_the_kubelet(
+    listening: bool | None, expected: tuple[str, bool]
+) -> None:
+    """On a loaded node a kubelet restart's cleanup can remove the plugin's socket while kubelet.sock
+    still looks like the old one: the listener the kernel still holds for the unlinked file says the
+    plugin did not stop. Pending for the grace (a plugin restart serves the file again if no kubelet
+    restart follows), never a crash verdict on a timing window."""
+    reg, clock, _ = make(grace=5.0)
+    node = Node()
+    reg.round(node.round())
+    reg.plugin_socket_deleted(GPU)
+    seen = AfterDeletion(plugin=None, kubelet=K1, kubelet_refuses=False, listening=listening)
+    if reg.judge_vanished(GPU, seen, restart_window_over=False):
+        reg.judge_vanished(GPU, seen, restart_window_over=True)
+    node.plugin = ProbeResult("absent", "no such file", 0.001, None)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == expected
+    if listening:
+        assert "still listens" in reason(reg, f"plugin:{GPU}")
+        clock.now += 5  # no kubelet restart came within the grace: the plugin's restart serves it again
+        reg.round(node.round())
+        assert status(reg, f"plugin:{GPU}") == ("failed", True)
+
+
 def test_a_plugin_that_serves_a_new_socket_within_its_window_is_no_crash() -> None:
     """HAMi removes its socket and serves a new one on every kubelet.sock creation."""
     reg, _, seen = make()

@@ -231,6 +231,9 @@ class AfterDeletion:
     plugin: SocketId | None  # the plugin socket now (back already?)
     kubelet: SocketId | None  # kubelet.sock now
     kubelet_refuses: bool  # kubelet.sock is a dead file
+    # A listener bound to the deleted file still exists in the plugin's network namespace (sock_diag):
+    # the plugin still serves and someone else removed its file. None: cannot be told.
+    listening: bool | None = None
 
 
 class Listener(Protocol):
@@ -523,6 +526,22 @@ class DevicePluginJudge:
             return False
         plugin = self.plugin_for(resource)
         restart = self._restart_removed(p, seen)
+        if not restart and seen.listening:
+            # The plugin did not stop: its listener is there, unlinked. Something else removed the file:
+            # a kubelet restart's cleanup (kubelet.sock may still be the old one on a loaded node), or
+            # a person. A plugin restart mends the latter only: pending for the grace, waiting for the
+            # kubelet's word, never a crash.
+            p.judging = False
+            name = CheckKey(Kind.PLUGIN, resource).name
+            verdict = (
+                f"{plugin.socket} was removed while the plugin still listens on it (a kubelet restart "
+                "removes every plugin socket before the new kubelet listens): waiting for kubelet.sock "
+                "to tell; a plugin restart serves it again if no kubelet restart follows"
+            )
+            p.vanished = _Vanished(verdict, gone=False)
+            self.state.reset([name])
+            self.state.report(name, False, verdict, definitive=False, restarts=not self._kubelet_down)
+            return False
         if not restart and not restart_window_over:
             return True
         p.judging = False
