@@ -1316,3 +1316,62 @@ def test_a_refused_path_is_no_drop_when_its_dials_close_unless_the_kubelet_marke
     assert status(reg, f"registered:{GPU}") == ("failed", False)
     assert shown in reason(reg, f"registered:{GPU}")
     assert seen.restart_requests == 0
+
+
+# -- after a kubelet restart: HAMi's answer, or none --------------------------------------------------
+
+
+def restarted(grace: float = 45.0, **rules: object) -> tuple[DevicePluginJudge, Clock, Published, Node]:
+    """A held plugin, then a kubelet restart whose cleanup removed its socket; the new kubelet answers."""
+    reg, clock, seen = make(grace=grace, **rules)
+    node = Node()
+    reg.round(node.round())
+    reg.plugin_socket_deleted(GPU)
+    reg.judge_vanished(GPU, AfterDeletion(None, None, False), restart_window_over=False)
+    node.kubelet, node.plugin, node.connections = alive(K2), ProbeResult("absent", "gone", 0.001, None), 0
+    clock.now += 0.5
+    reg.round(node.round())
+    return reg, clock, seen, node
+
+
+def test_a_plugin_that_served_no_new_socket_after_the_kubelet_restart_missed_it_and_fails_at_once() -> None:
+    reg, clock, _, node = restarted()
+    assert status(reg, f"plugin:{GPU}") == ("pending", False)
+    assert reg.wake_at() == clock.now + 5.0
+    clock.now += 4.9
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("pending", False)
+    clock.now += 0.1
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)  # not 45 s later: it missed the restart
+    assert "missed the kubelet's restart" in reason(reg, f"plugin:{GPU}")
+
+
+def test_a_hami_start_that_failed_after_the_kubelet_restart_waits_for_its_own_retry() -> None:
+    """HAMi served a new socket for the new kubelet, its Register failed, it stopped the plugin (the socket
+    went) and retries 30 s later: no restart from us before that retry is due."""
+    reg, clock, _, node = restarted()
+    reg.plugin_socket_created(GPU, P2)
+    clock.now += 0.2
+    reg.plugin_socket_deleted(GPU)
+    reg.judge_vanished(GPU, AfterDeletion(None, K2, False, listening=False), restart_window_over=True)
+    for _ in range(40):  # 40 s: its 30 s retry is due within the grace
+        clock.now += 1
+        reg.round(node.round())
+        assert status(reg, f"plugin:{GPU}")[1] is False
+    assert "a failed start" in reason(reg, f"plugin:{GPU}")
+    node.plugin = alive(P3)  # the retry
+    reg.plugin_socket_created(GPU, P3)
+    node.connect(301)
+    node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 9_000)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("ok", False)
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_a_plugin_not_following_hamis_behaviour_keeps_the_constant_grace() -> None:
+    reg, clock, _, node = restarted(grace=45.0, missed_restart_after=0.0)
+    clock.now += 30
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("pending", False)

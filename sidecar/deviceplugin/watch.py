@@ -106,6 +106,7 @@ class DevicePluginWatch:
             device_glob=s.device_glob,
             drop_confirm=s.drop_confirm,
             refusal_confirm=s.refusal_confirm,
+            missed_restart_after=s.missed_restart_after,
         )
         self.publish = publish
         self.judge = DevicePluginJudge(rules, publish, clock, wall)
