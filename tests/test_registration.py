@@ -1375,3 +1375,23 @@ def test_a_plugin_not_following_hamis_behaviour_keeps_the_constant_grace() -> No
     clock.now += 30
     reg.round(node.round())
     assert status(reg, f"plugin:{GPU}") == ("pending", False)
+
+
+def test_a_plugin_timeout_in_a_round_whose_kubelet_probe_timed_out_too_is_no_hang() -> None:
+    """Every probe of a starved node (or a starved sidecar) times out: the plugin is judged hung only in a
+    round where kubelet.sock answered in time."""
+    reg, clock, seen = make()
+    node = Node()
+    reg.round(node.round())
+    hung = ProbeResult("timeout", "timeout: no answer", 2.0, P1)
+    node.kubelet, node.plugin = ProbeResult("timeout", "timeout: no answer", 2.0, K1), hung
+    for _ in range(5):
+        clock.now += 1
+        reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("ok", False)
+    assert seen.restart_requests == 0
+    node.kubelet = alive(K1)  # the kubelet answers: the plugin alone is slow
+    for _ in range(2):
+        clock.now += 0.2
+        reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)

@@ -416,6 +416,7 @@ class DevicePluginJudge:
         self.generation = 0  # kubelet restarts seen: a round begun before one is stale
         self._kubelet_down = False  # a kubelet restart is under way
         self._kubelet_back_at: float | None = None  # monotonic: a new kubelet answered after a restart
+        self._starved = False  # this round's kubelet probe timed out too: the node (or we) are starved
         self._kubelet_id: SocketId | None = None  # kubelet.sock as last seen answering
         self._kubelet_recreated = False
         # The checkpoint's mtime_ns as the last round read it before its connections: a connection first
@@ -679,6 +680,7 @@ class DevicePluginJudge:
         if seen.generation not in (None, self.generation):
             return []
         self.kubelet_rules = seen.kubelet_rules
+        self._starved = seen.kubelet.state == "timeout"
         self._judge_kubelet(seen.kubelet)
         self._judge_checkpoint(seen.checkpoint)
         vanished = []
@@ -793,6 +795,10 @@ class DevicePluginJudge:
         otherwise hold /healthz at 503 for a whole interval."""
         if result.ok or result.definitive:
             p.failed_at = None
+        elif result.state == "timeout" and self._starved:
+            # kubelet.sock timed out in the same round: a starved node, or a starved sidecar, times out
+            # every probe; a hung plugin alone does not make the kubelet slow. No verdict this round.
+            return False
         elif self.state.checks[name].status is Status.OK:
             now = self.clock()
             if p.failed_at is None:
