@@ -502,7 +502,8 @@ class DevicePluginJudge:
             return
         p.identity, p.kubelet_then, p.known = identity, self._kubelet_id, True
         p.judging, p.vanished, p.lost_at, p.connected_pair = False, None, None, None
-        p.since_restart = self.kubelet_restarts > 0
+        # HAMi's own answer to a kubelet restart, not a restart liveness asked for.
+        p.since_restart = self.kubelet_restarts > 0 and not p.episode and not p.restarts_in_vain
         # Its own socket came: whatever serves elsewhere in the folder is no restart of this plugin, even
         # where it stopped before a round probed it, or before its event was handled (identity None: the
         # cycle above is opened on the event alone too).
