@@ -26,6 +26,8 @@ from functools import partial
 from typing import Protocol, TypeVar
 
 from hami_guard.flags import Expect
+from hami_guard.node import release
+from hami_guard.node.netunix import LISTEN
 from hami_guard.node.unixdiag import (
     KUBELET_BOUND_PATH,
     KUBELET_PROCESS_NAMES,
@@ -55,10 +57,12 @@ from sidecar.deviceplugin.probes import (
 from sidecar.deviceplugin.verdicts import (
     AfterDeletion,
     DevicePluginJudge,
+    KubeletRules,
     Listener,
     PluginEvidence,
     RoundEvidence,
     Rules,
+    kubelet_rules,
 )
 
 T = TypeVar("T")
@@ -68,6 +72,7 @@ SWITCH = 0.0002  # seconds: the GIL's switch interval while the socket table is 
 # Where the kubelet binds its plugins' sockets: a plugin whose folder is mounted elsewhere bound there.
 BOUND_DIR = os.path.dirname(KUBELET_BOUND_PATH)
 MAX_FOLDER_SOCKETS = 32  # other sockets tried in the folder per round
+RELEASE_RETRY = 60.0  # seconds between reads of an unknown kubelet release
 
 
 class Publisher(Listener, Protocol):
@@ -175,6 +180,8 @@ class DevicePluginWatch:
             expect_devices=s.expect_devices,
             device_glob=s.device_glob,
             drop_confirm=s.drop_confirm,
+            refusal_confirm=s.refusal_confirm,
+            missed_restart_after=s.missed_restart_after,
         )
         self.publish = publish
         self.judge = DevicePluginJudge(rules, publish, clock, wall)
@@ -186,6 +193,11 @@ class DevicePluginWatch:
         self.expectation: hamiconfig.Expectation | None = None  # auto's, as last read
         self._others: tuple[tuple[str, SocketId], ...] = ()
         self._reader: ThreadPoolExecutor | None = None
+        self._rules: KubeletRules | None = None  # the kubelet's release rules, as last read
+        self._rules_read: tuple[int, float] = (-1, 0.0)  # (judge generation, monotonic) of that read
+        self._clock = clock
+        # Each plugin socket's file (st_dev, st_ino) as the last round saw it: its listener outlives it.
+        self._bound: dict[str, tuple[int, int] | None] = {}
         for p in s.plugins:
             publish.series(p.resource)
 
@@ -206,6 +218,10 @@ class DevicePluginWatch:
         the caller to follow up with `observe_vanished`."""
         s = self.settings
         generation = self.judge.generation
+        rules = await self._kubelet_rules(generation)
+        # The checkpoint's time before the connections: any record of a connection the next round sees
+        # first is newer than it (docs/design.md#registration, rule 1.1).
+        checkpoint_before = _mtime_ns(os.path.join(s.device_plugin_dir, CHECKPOINT_NAME))
         # The kubelet's connections before the probes: a probe's own connection lingers a few ms.
         table = await self._socket_table()
         kubelet, *plugins = await asyncio.gather(
@@ -225,6 +241,7 @@ class DevicePluginWatch:
         for plugin, result in zip(s.plugins, plugins, strict=True):
             self.publish.probed(plugin.socket, result.latency)
             observed[plugin.resource] = self._evidence(plugin, result, table)
+            self._bound[plugin.resource] = _file_id(s.plugin_path(plugin))
         connections = table.connections
         self.connections_source = connections if isinstance(connections, str) else connections.source
         seen = RoundEvidence(
@@ -236,6 +253,8 @@ class DevicePluginWatch:
             generation,
             expectation=self.expectation,
             others=others,
+            checkpoint_before=checkpoint_before,
+            kubelet_rules=rules,
         )
         return [self.judge.plugin_for(resource) for resource in self.judge.round(seen)]
 
@@ -248,11 +267,13 @@ class DevicePluginWatch:
         s = self.settings
         try:
             await asyncio.sleep(s.vanish_settle)
+            listening = _still_listening(self._bound.get(plugin.resource))
             for window_over in (False, True):
                 seen = AfterDeletion(
                     plugin=socket_identity(s.plugin_path(plugin)),
                     kubelet=socket_identity(s.kubelet_path),
                     kubelet_refuses=socket_refuses(s.kubelet_path),
+                    listening=listening,
                 )
                 if not self.judge.judge_vanished(plugin.resource, seen, window_over):
                     break
@@ -260,6 +281,28 @@ class DevicePluginWatch:
         finally:
             # Never left waiting for a verdict that will not come: the next round judges the socket.
             self.judge.end_judgement(plugin.resource)
+
+    async def _kubelet_rules(self, generation: int) -> KubeletRules:
+        """The rules of the kubelet's release: the setting, else its binary, read again after each kubelet
+        restart (and every `RELEASE_RETRY` while unknown), off the loop."""
+        s = self.settings
+        if s.kubelet_version:
+            minor = release.parse(s.kubelet_version)
+            assert minor is not None  # the flag's type checked it
+            return kubelet_rules(release.Release(s.kubelet_version, minor, "the setting --kubelet-version"))
+        now = self._clock()
+        last_generation, last_read = self._rules_read
+        if (
+            self._rules is not None
+            and last_generation == generation
+            and (self._rules.version or now - last_read < RELEASE_RETRY)
+        ):
+            return self._rules
+        read = partial(release.from_process, self.names)
+        late = "the kubelet's binary could not be read in time"
+        self._rules = kubelet_rules(await self._off_loop(read, late))
+        self._rules_read = (generation, now)
+        return self._rules
 
     async def _socket_table(self) -> _SocketTable:
         """The kubelet's connections, read on the table's thread within the probe timeout."""
@@ -363,6 +406,26 @@ def _served_elsewhere(folder: str, mine: set[str]) -> tuple[tuple[str, SocketId]
         if identity is not None and not socket_refuses(path):
             out.append((name, identity))
     return tuple(out)
+
+
+def _still_listening(bound: tuple[int, int] | None) -> bool | None:
+    """Does a listener bound to the file `bound` (st_dev, st_ino) still exist in this network namespace
+    (the pod's, which the plugin shares)? The kernel keeps a socket's bound file identity after the file
+    is unlinked (UNIX_DIAG_VFS), and no one binds another socket to an unlinked file. None: unknown."""
+    if bound is None:
+        return None
+    try:
+        found = diag_dump({bound})
+    except DiagUnavailable:
+        return None
+    return any(u.state == LISTEN and u.vfs == bound for u in found)
+
+
+def _mtime_ns(path: str) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
 
 
 def _file_id(path: str) -> tuple[int, int] | None:

@@ -60,6 +60,7 @@ def status_document(sidecar: Sidecar) -> dict[str, Any]:
         "socket_table_read_seconds": round(sidecar.device_plugins.table_read_seconds, 4),
         **({"dra": _dra_document(sidecar.dra, sidecar.clock())} if sidecar.dra is not None else {}),
         "kubelet_restarts": judge.kubelet_restarts,
+        "kubelet_release": judge.kubelet_rules.as_dict(),
         "probe_rounds": sidecar.rounds,
         "runtime": _runtime(),
         "registration": judge.registration(),
