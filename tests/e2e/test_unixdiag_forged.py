@@ -311,10 +311,12 @@ async def test_a_look_alike_connection_to_a_dropped_plugin_changes_no_verdict(
     there, connects, accepts and closes the listener: an accepted end at the plugin's path. The sidecar
     (as root: it reads the descriptors of the plugin's process) counts it neither through /proc (the
     kubelet in a network namespace of its own: the plugin's process does not hold that end) nor with
-    sock_diag (the kubelet in the sidecar's: the end is bound to another file). The dropped plugin stays
-    dropped, failing liveness, while the neighbour stays and after."""
+    sock_diag (the kubelet in the sidecar's: the end is bound to another file). pod-resources is gone
+    (its socket removed), so the connections alone decide: counted, the look-alike would read as a
+    refused second Register, which restarts nothing. The dropped plugin stays dropped, failing liveness,
+    before, while the neighbour stays (past the refusal's bound) and after: nothing it did outlives it."""
     netns.require()
-    async with node_factory(kubelet_netns=route == "proc") as node:
+    async with node_factory(kubelet_netns=route == "proc", refusal_confirm=1.0) as node:
         plugin = await node.plugin(watch_kubelet=False)
         await node.until("/readyz", 200)
         await plugin.end_stream("oldest")
@@ -323,13 +325,15 @@ async def test_a_look_alike_connection_to_a_dropped_plugin_changes_no_verdict(
         os.chmod(short_tmp, 0o755)  # the neighbour, unprivileged, reaches the folder
         *user, python = unprivileged()
         enter = [*nsenter(kpid), *user, *in_a_mount_namespace(node.dir, user=True, python=python)]
+        os.unlink(os.path.join(short_tmp, "pod-resources", "kubelet.sock"))  # the connections alone decide
         with Holder([pair(plugin.socket_path)], enter) as neighbour:
             with open(f"/proc/{neighbour.pid}/net/unix", "rb") as f:  # its end, by path, in the table
                 lines = f.read().decode(errors="replace").splitlines()
             assert any(" 03 " in line and line.endswith(plugin.socket_path) for line in lines)
             watch = Watch(node)
             await watch.started()
-            # As long as a look-alike counted took to read as a refused Register (5 s at most), and rounds.
+            # Past the refusal's bound (1 s), as long as a counted look-alike took to read as a refused
+            # Register (5 s at most), and rounds.
             await asyncio.gather(node.rounds(3), asyncio.sleep(5))
             answers = watch.seen[:]
             await watch.stop()
