@@ -199,6 +199,12 @@ device-oracle: $(STAMP) kubelet-fixtures
 dra-slices: $(STAMP) dra-fixture-new $(NODE_DIR)/bin/kube-apiserver
 	$(PY) -m pytest -q -m slow tests/e2e/test_dra_slices.py
 
+# HAMi's own registration against a real API server (tests/e2e/test_hami_registration.py): HAMi-shaped
+# writers of the Node's annotations (tests/hamifixture.py), kube-apiserver from make node-bins, Debian's etcd.
+.PHONY: hami-registration
+hami-registration: $(STAMP) $(NODE_DIR)/bin/kube-apiserver ## HAMi's registration against a real API server
+	$(PY) -m pytest -q -m slow tests/e2e/test_hami_registration.py
+
 # The DRA oracle (tests/e2e/test_dra_oracle.py), one release per job: 200 events x 3 seeds, about 18 minutes.
 .PHONY: dra-oracle-new dra-oracle-old
 dra-oracle-new dra-oracle-old: dra-oracle-%: $(STAMP) dra-fixtures
