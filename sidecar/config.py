@@ -107,15 +107,15 @@ class Settings(flags.DeviceFolder):
 
     def hami_keys(self) -> tuple[tuple[str, str], ...]:
         """(resource, register annotation key) of each configured plugin whose HAMi key is known."""
-        given = dict(self.hami_annotations)
-        out = []
-        for p in self.plugins:
-            key = given.get(p.resource) or (
-                HAMI_NVIDIA_REGISTER if p.resource.startswith("nvidia.com/") else ""
-            )
-            if key:
-                out.append((p.resource, key))
-        return tuple(out)
+        return hami_keys(self.plugins, self.hami_annotations)
+
+
+def hami_keys(plugins: Sequence[PluginSpec], given: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    """(resource, register annotation key) of each plugin whose key is given, or HAMi's NVIDIA key for an
+    nvidia.com/* resource; other resources have no check."""
+    keys = dict(given)
+    nvidia = {p.resource: HAMI_NVIDIA_REGISTER for p in plugins if p.resource.startswith("nvidia.com/")}
+    return tuple((p.resource, k) for p in plugins if (k := keys.get(p.resource) or nvidia.get(p.resource)))
 
 
 DEFAULTS = Settings()
@@ -227,8 +227,9 @@ def dra_flags(p: argparse.ArgumentParser, grace: float | None) -> None:
     p.add_argument("--kube-ca-file", default=DEFAULT_CA_FILE, help=f"default {DEFAULT_CA_FILE}")
 
 
-def hami_flags(p: argparse.ArgumentParser) -> None:
-    """HAMi's own registration (sidecar.hami): on by default wherever an API server is known."""
+def hami_flags(p: argparse.ArgumentParser, *, timing: bool = True) -> None:
+    """HAMi's own registration (sidecar.hami): on by default wherever an API server is known. `timing`
+    False: not --hami-repair and --hami-interval (hami-doctor reads once)."""
     d = DEFAULTS
     p.add_argument(
         "--hami-registration",
@@ -249,6 +250,8 @@ def hami_flags(p: argparse.ArgumentParser) -> None:
         default=d.hami_handshake_annotation,
         help=f"HAMi's scheduler handshake annotation (default {d.hami_handshake_annotation})",
     )
+    if not timing:
+        return
     p.add_argument(
         "--hami-repair",
         type=PERIOD,
@@ -283,6 +286,7 @@ def hami_settings(
     plugins: Sequence[PluginSpec],
 ) -> HamiSettings:
     """The hami_* settings of the parsed flags (a usage error on a bad one)."""
+    d = DEFAULTS
     pairs = []
     for value in args.hami_annotation or ():
         resource, _, key = value.strip().partition("=")
@@ -307,8 +311,8 @@ def hami_settings(
         api,
         tuple(pairs),
         args.hami_handshake_annotation,
-        args.hami_repair,
-        args.hami_interval,
+        getattr(args, "hami_repair", d.hami_repair),
+        getattr(args, "hami_interval", d.hami_interval),
     )
 
 

@@ -14,6 +14,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from doctor import settings as doctor_settings
+from doctor.hami import gather_hami, hami_causes
+from doctor.logscan import scan
+from doctor.patterns import PLUGIN_PATTERNS
+from doctor.types import Cause
 from sidecar.deviceplugin.probes import Reading
 from sidecar.hami.verdicts import HANDSHAKE_EXPIRY, SCHEDULER_TICK
 from sidecar.hami.watch import HamiKeys, HamiWatch, boot_id
@@ -264,3 +269,67 @@ class _Nothing:
 
     def restart_requested(self, resource: str) -> None:
         pass
+
+
+async def test_the_doctor_names_the_stuck_cache_and_removes_a_deleted_handshake(
+    api: apiserver.ApiServer, short_tmp: str
+) -> None:
+    # hami-doctor --kubeconfig: the sidecar's user, as a kubeconfig (its CA and token inline or by path).
+    settings = doctor_settings.parse_settings(
+        ["--kubeconfig", api.kubeconfig("hami-sidecar")], {"NODE_NAME": NODE}
+    )
+    assert settings.hami_api is not None and settings.hami_api.source.startswith("kubeconfig ")
+    assert settings.hami_keys == ((GPU, REGISTER),)
+    writer = HamiRegistrar(api, NODE, [Gpu(G1), Gpu(G2)])
+    await api.unbind("hami-plugin-patch")
+    assert not await writer.register_once()
+    await api.bind("hami-plugin", "hami-plugin-patch")
+    assert await writer.register_once()  # "unchanged": skipped
+    # The plugin's log as klog prints it (a registration, then the loop's lines).
+    lines = [
+        "I1205 07:00:00.000000       1 server.go:404] "
+        "Registered device plugin for 'nvidia.com/gpu' with Kubelet"
+    ]
+    lines += [f"E1205 07:00:01.000000       1 register.go:303] {line}" for line in writer.log]
+    log = scan(("\n".join(lines) + "\n").encode(), PLUGIN_PATTERNS, "device-plugin.log", None, 0.0)
+    kubelet = Reading({GPU: frozenset(hami_device_ids([G1, G2]))})
+
+    async def rows() -> dict[str, Cause]:
+        assert settings.hami_api is not None
+        found = await gather_hami(
+            settings.hami_api,
+            settings.node_name,
+            settings.hami_keys,
+            settings.hami_handshake,
+            kubelet=kubelet,
+            serving={GPU: True},
+            timeout=2.0,
+        )
+        return {c.id: c for c in hami_causes(found, [log])}
+
+    r = await rows()
+    reg = r["hami-registration"]
+    assert reg.verdict == "problem" and f"{REGISTER} is absent" in reg.evidence[0]
+    assert any("patch node error" in e for e in reg.evidence) and any("skipping" in e for e in reg.evidence)
+    assert "cached" in reg.fix[0] and "delete pod" in reg.fix[1]
+    assert (
+        r["hami-handshake"].verdict == "ok"
+        and "has not looked at this node" in r["hami-handshake"].evidence[0]
+    )
+    # The plugin restarted: the annotation is back; an old scheduler left a Deleted_ handshake.
+    writer.cache = ""  # a plugin restart: a new process, an empty cache; its first round patches
+    assert await writer.register_once() and writer.patches == 1
+    await api.request(
+        "PATCH",
+        f"/api/v1/nodes/{NODE}",
+        {"metadata": {"annotations": {HANDSHAKE: "Deleted_2024.01.02 00:00:00"}}},
+        content_type="application/merge-patch+json",
+    )
+    r = await rows()
+    assert r["hami-registration"].verdict == "ok"
+    hs = r["hami-handshake"]
+    assert hs.verdict == "problem" and hs.fix[-1] == f"$ kubectl annotate node {NODE} {HANDSHAKE}-"
+    # Without access: unknown, never a problem.
+    settings = doctor_settings.parse_settings(["--kubeconfig", api.kubeconfig("nobody")], {"NODE_NAME": NODE})
+    r = await rows()
+    assert r["hami-registration"].verdict == "unknown" and "403" in r["hami-registration"].evidence[0]
