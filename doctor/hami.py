@@ -42,7 +42,10 @@ async def gather_hami(
     watch = HamiWatch(hkeys, {}, api, node, pod_resources_socket="", timeout=timeout, every=0.0, repair=0.0)
     listed = kubelet.value or {}
     checks = {k.resource: (serving.get(k.resource, False), bool(listed.get(k.resource))) for k in hkeys}
-    found = await watch.round(checks, kubelet)
+    try:
+        found = await watch.round(checks, kubelet)
+    finally:
+        await watch.close()
     where = api.source or api.server
     out = []
     for k in hkeys:

@@ -104,6 +104,8 @@ class Sidecar:
         if self._watcher is not None:
             self._watcher.stop()
         await self._tasks.cancel()
+        if self.hami is not None:
+            await self.hami.close()
         if self.dra is not None:
             self.dra.close()
         self.device_plugins.close()

@@ -256,7 +256,7 @@ def check_patched(ds: Obj, plugin: str, registry: str = REGISTRY) -> None:
     assert plugin_container["livenessProbe"]["exec"]["command"][:2] == ["bash", "-c"]
     resource = plugin.split("=", 1)[0]
     assert plugin_container["readinessProbe"]["httpGet"]["path"] == (
-        f"/readyz?exclude=kubelet&exclude=checkpoint&exclude=devices:{resource}"
+        f"/readyz?exclude=kubelet&exclude=checkpoint&exclude=devices:{resource}&exclude=hami:{resource}"
     )
     # Every mount of hami-guard's containers names a volume of the pod (the validator does not check).
     volumes = by_name(pod["volumes"])

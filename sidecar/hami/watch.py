@@ -29,7 +29,7 @@ from sidecar.hami.verdicts import (
 )
 from sidecar.health import CheckKey, HealthState, Kind, Status
 from sidecar.kube.access import ApiAccess
-from sidecar.kube.client import get
+from sidecar.kube.client import Reader, get
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
@@ -55,13 +55,17 @@ class NodeReading:
     not_found: bool = False
 
 
-async def read_node(access: ApiAccess | None, node: str, keys: list[str], timeout: float) -> NodeReading:
-    """GET this node's Node; a reading, or why there is none (never an exception)."""
+async def read_node(
+    access: ApiAccess | None, node: str, keys: list[str], timeout: float, reader: Reader | None = None
+) -> NodeReading:
+    """GET this node's Node (with `reader`'s open session, else one of its own); a reading, or why there
+    is none (never an exception)."""
     if access is None:
         return NodeReading(None, "no API server (KUBERNETES_SERVICE_HOST/PORT unset, no --kube-api-server)")
     if not node:
         return NodeReading(None, "no node name (NODE_NAME, --node-name)", not_found=True)
-    answer = await get(access, f"/api/v1/nodes/{quote(node, safe='')}", timeout, MAX_NODE)
+    path = f"/api/v1/nodes/{quote(node, safe='')}"
+    answer = await (reader.get(path, timeout, MAX_NODE) if reader else get(access, path, timeout, MAX_NODE))
     if answer.status == 404:
         return NodeReading(None, f"the API server has no Node {node!r}", not_found=True)
     if answer.denied:
@@ -112,6 +116,7 @@ class HamiWatch:
         self.clock = clock
         self.boot_id = boot_id() if boot is None else boot
         self.judge = HamiJudge(keys, node, repair, clock)
+        self.reader = Reader(access) if access is not None else None
         self.read_at: float | None = None
         self.reading: NodeReading | None = None
         self.last: dict[str, tuple[HamiEvidence, HamiVerdict]] = {}
@@ -141,7 +146,7 @@ class HamiWatch:
             return self.last
         self.read_at = self.clock()
         keys = sorted({k for hk in self.keys for k in (hk.register, hk.handshake)})
-        self.reading = reading = await read_node(self.access, self.node, keys, self.timeout)
+        self.reading = reading = await read_node(self.access, self.node, keys, self.timeout, self.reader)
         if kubelet is None and reading.node is not None:
             kubelet = await pod_resources_devices(self.pod_resources_socket, self.timeout)
         out = {}
@@ -164,6 +169,11 @@ class HamiWatch:
         self.last = out
         self._publish(out)
         return out
+
+    async def close(self) -> None:
+        """Close the API server's session."""
+        if self.reader is not None:
+            await self.reader.close()
 
     def _publish(self, verdicts: Mapping[str, tuple[HamiEvidence, HamiVerdict]]) -> None:
         if self._into is None:

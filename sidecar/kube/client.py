@@ -75,36 +75,82 @@ def ssl_context(access: ApiAccess) -> ssl.SSLContext:
     return ctx
 
 
+def _stat(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+class Reader:
+    """GETs from one API server over a session kept open (keep-alive: one TLS handshake, not one per GET:
+    a quarter of the CPU, BENCHMARKS.md#api-client), the token re-read on every GET, the trust rebuilt
+    only when its files change. `close()` when done."""
+
+    def __init__(self, access: ApiAccess) -> None:
+        self.access = access
+        self._session: aiohttp.ClientSession | None = None
+        self._ctx: tuple[object, ssl.SSLContext] | None = None
+
+    def _context(self) -> ssl.SSLContext:
+        a = self.access
+        key = tuple(_stat(f) if f else None for f in (a.ca_file, a.cert_file, a.key_file))
+        if self._ctx is None or self._ctx[0] != key:
+            self._ctx = (key, ssl_context(a))
+        return self._ctx[1]
+
+    async def get(self, path: str, timeout: float, max_body: int) -> Answer:
+        """GET `path` (with its query), its body read up to `max_body` bytes."""
+        access = self.access
+        token, why = _token(access)
+        if why:
+            return Answer(None, why=why)
+        try:
+            ctx = self._context()
+        except (OSError, ssl.SSLError, ValueError) as e:
+            where = access.ca_file or access.source or "the kubeconfig"
+            return Answer(
+                None, why=f"the API server's CA or the client certificate cannot be read ({where}: {e})"
+            )
+        headers = {"Accept": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        url = f"{access.server.rstrip('/')}{path}"
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        try:
+            async with self._session.get(
+                url,
+                headers=headers,
+                ssl=ctx,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as r:
+                if r.status != 200:
+                    return Answer(r.status, why=f"the API server answered {r.status}")
+                body = await r.content.read(max_body + 1)
+        except TimeoutError:
+            return Answer(None, why=f"the API server did not answer within {timeout:g}s")
+        except (aiohttp.ClientError, OSError, ValueError, ssl.SSLError) as e:
+            return Answer(None, why=f"the API server cannot be asked: {type(e).__name__}: {e}")
+        except asyncio.CancelledError:
+            raise
+        if len(body) > max_body:
+            return Answer(200, why=f"the answer exceeds {max_body} bytes (not read)")
+        return Answer(200, body)
+
+    async def close(self) -> None:
+        """Close the session and its connections."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 async def get(access: ApiAccess, path: str, timeout: float, max_body: int) -> Answer:
-    """GET `path` (with its query) from the API server, its body read up to `max_body` bytes."""
-    token, why = _token(access)
-    if why:
-        return Answer(None, why=why)
+    """One GET with a session of its own (a reader that asks rarely: the ResourceSlices, hami-doctor)."""
+    reader = Reader(access)
     try:
-        ctx = ssl_context(access)
-    except (OSError, ssl.SSLError, ValueError) as e:
-        where = access.ca_file or access.source or "the kubeconfig"
-        return Answer(
-            None, why=f"the API server's CA or the client certificate cannot be read ({where}: {e})"
-        )
-    headers = {"Accept": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    url = f"{access.server.rstrip('/')}{path}"
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
-            session.get(url, headers=headers, ssl=ctx, allow_redirects=False) as r,
-        ):
-            if r.status != 200:
-                return Answer(r.status, why=f"the API server answered {r.status}")
-            body = await r.content.read(max_body + 1)
-    except TimeoutError:
-        return Answer(None, why=f"the API server did not answer within {timeout:g}s")
-    except (aiohttp.ClientError, OSError, ValueError, ssl.SSLError) as e:
-        return Answer(None, why=f"the API server cannot be asked: {type(e).__name__}: {e}")
-    except asyncio.CancelledError:
-        raise
-    if len(body) > max_body:
-        return Answer(200, why=f"the answer exceeds {max_body} bytes (not read)")
-    return Answer(200, body)
+        return await reader.get(path, timeout, max_body)
+    finally:
+        await reader.close()

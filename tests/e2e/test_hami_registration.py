@@ -216,6 +216,7 @@ async def test_a_deleted_handshake_that_stays_is_readiness_only(api: apiserver.A
     await scheduler.tick()
     assert scheduler.sees
     assert (await verdict())[1] == "ok" and state.all_ok()
+    await watch.close()
 
 
 async def test_no_api_access_is_no_evidence_and_a_wrong_node_is_readiness_only(
@@ -232,9 +233,12 @@ async def test_no_api_access_is_no_evidence_and_a_wrong_node_is_readiness_only(
         )
         state = HealthState(60.0, clock)
         watch.attach(state, _Nothing())
-        for _ in range(2):
-            _, v = (await watch.round({GPU: (True, True)}, kubelet))[GPU]
-            clock.now += 10 * REPAIR
+        try:
+            for _ in range(2):
+                _, v = (await watch.round({GPU: (True, True)}, kubelet))[GPU]
+                clock.now += 10 * REPAIR
+        finally:
+            await watch.close()
         return v.code, v.reason, state.healthy()
 
     nobody = ApiAccess(api.url, api.token_file("nobody"), api.ca_file)
