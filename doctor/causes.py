@@ -296,6 +296,23 @@ def _by_connections(p: PluginEvidence, e: NodeEvidence, conns: int, accepted: in
     """The kubelet's connections to the plugin's socket are seen: held, dropped, or refused."""
     r, sock = p.spec.resource, p.spec.socket
     cp, live = e.checkpoint.value, e.pod_resources.value
+    if unrecorded_connection(conns, cp, accepted) and (refused := _refused_at(sock, e)):
+        # 1.37's stale endpoint: the kubelet keeps an earlier plugin's endpoint at the path (its end went
+        # unnoticed after a refusal forgot its client) and refuses this one's Register.
+        healthy = len(physical_devices(live.get(r, ()))) if live is not None else 0
+        phantom = (
+            f"; pod-resources lists {healthy} healthy device(s) of {r} with no stream of this socket behind "
+            "them (phantom capacity: Pods admitted to them fail in Allocate)"
+            if healthy
+            else ""
+        )
+        return Registration(
+            False,
+            f"the kubelet is connected to {sock} but recorded no device list from it, and its log says it "
+            f"refused the Register there ({refused}): it keeps the endpoint of an earlier plugin at that "
+            f"path and refuses the path until it restarts (Kubernetes 1.37){phantom}",
+            REFUSED_FIX,
+        )
     if unrecorded_connection(conns, cp, accepted):
         return Registration(
             False,

@@ -14,6 +14,7 @@ import argparse
 import enum
 import math
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, NoReturn
@@ -253,6 +254,16 @@ def identity_flags() -> argparse.ArgumentParser:
     p.add_argument("--expect-group", type=numeric_id, help="fail unless the socket's group is this gid")
     p.add_argument("--expect-mode", type=octal, help="fail unless the socket's mode is this (octal)")
     return p
+
+
+def kubelet_version(text: str) -> str:
+    """A kubelet release, `v1.34.4`, `1.34` or `v1.30.2+k3s1`, as given; "" for none."""
+    if text == "":
+        return text
+    m = re.fullmatch(r"v?1\.(\d{1,3})(?:\.\d{1,5})?(?:[-+][0-9A-Za-z.+-]{0,64})?", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{one_line(text)!s}: not a Kubernetes release (v1.34.4 or 1.34)")
+    return text
 
 
 def kubelet_process_flag(*, kubelet_process_name: str) -> argparse.ArgumentParser:

@@ -91,6 +91,12 @@ class Settings(flags.DeviceFolder):
     # The kubelet's process, besides kubelet, k3s and kubelite: its network namespace holds its
     # connections to the plugins (read from /proc/<pid>/net/unix under hostPID).
     kubelet_process_name: str = DEFAULT_KUBELET_PROCESS
+    # The kubelet's release (`v1.34.4`, `1.34`), where its binary cannot be read; "": read it there.
+    kubelet_version: str = ""
+    # How long a later connection to a held plugin may go unrecorded (no device list in the checkpoint)
+    # before it is a refused Register: the kubelet records an accepted one within milliseconds, seconds
+    # on a loaded node. Readiness only: waiting costs nothing a restart could have saved.
+    refusal_confirm: float = 10.0
     # DRA drivers (sidecar.dra.verdicts): judged besides, or instead of, the device plugins.
     dra_drivers: tuple[DraSpec, ...] = ()
     dra_grace: float = DEFAULT_DRA_GRACE
@@ -157,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=PERIOD,
         default=d.registration_grace,
         help=f"seconds a check may stay pending (default {d.registration_grace:g})",
+    )
+    p.add_argument(
+        "--kubelet-version",
+        type=flags.kubelet_version,
+        default=d.kubelet_version,
+        help="the kubelet's release (v1.34.4 or 1.34) when its binary cannot be read (/proc/<pid>/exe): "
+        "the rules that differ between releases follow it (default: read it; unknown: the newest rules)",
     )
     dra_flags(p, d.dra_grace)
     hami_flags(p)
@@ -375,6 +388,7 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
         watch_mode=args.watch_mode,
         polling_interval=args.polling_interval,
         kubelet_process_name=args.kubelet_process_name,
+        kubelet_version=args.kubelet_version,
         dra_drivers=dra,
         dra_grace=args.dra_grace,
         dra_api=dra_api(parser, args, environ),

@@ -23,6 +23,7 @@ class Kind(enum.Enum):
     CHECKPOINT = "checkpoint"
     PLUGIN = "plugin"
     REGISTERED = "registered"
+    KUBELET_CLIENT = "kubelet-client"  # the kubelet keeps the plugin's client (1.37 forgets it on a refusal)
     DEVICES = "devices"
     DRA_PLUGIN = "dra-plugin"  # a DRA driver answers GetInfo (sidecar.dra.verdicts)
     DRA_REGISTERED = "dra-registered"  # the kubelet holds the DRA driver's service connection

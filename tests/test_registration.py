@@ -12,9 +12,11 @@ from hami_guard.flags import DeviceExpectation, Expect, PluginSpec
 from sidecar.deviceplugin.checkpoint import Checkpoint
 from sidecar.deviceplugin.probes import ProbeResult, Reading, SocketId
 from sidecar.deviceplugin.verdicts import (
+    NEWEST,
     RESTART_BUDGET,
     AfterDeletion,
     DevicePluginJudge,
+    KubeletRules,
     PluginEvidence,
     RoundEvidence,
     Rules,
@@ -100,6 +102,8 @@ class Node:
     host: int | None = None
     connection_ids: frozenset[int] | None = None  # the kubelet's connections by inode, where told apart
     others: dict[str, SocketId] = field(default_factory=dict)  # other sockets served in the folder
+    checkpoint_before: int | None = None  # the checkpoint's time read before the connections
+    rules: KubeletRules = NEWEST
 
     def connect(self, *ids: int) -> None:
         self.connection_ids, self.connections = frozenset(ids), len(ids)
@@ -121,6 +125,8 @@ class Node:
             pr,
             self.host,
             others=tuple(self.others.items()),
+            checkpoint_before=self.checkpoint_before,
+            kubelet_rules=self.rules,
         )
 
 
@@ -251,19 +257,24 @@ def test_the_end_of_the_first_stream_after_a_second_register_is_a_drop_a_restart
 
 def test_a_second_register_the_kubelet_never_recorded_was_refused_and_fails_readiness_only() -> None:
     """1.37: the second Register is refused ("device plugin already connected"), its dial kept, and the
-    kubelet forgets the first stream's client too: no plugin restart helps until the kubelet restarts."""
-    reg, clock, seen = make(drop_confirm=0.2)
+    kubelet forgets the first stream's client too. The first stream still feeds the devices: registered,
+    and `kubelet-client:` fails readiness; no plugin restart helps until the kubelet restarts."""
+    reg, clock, seen = make(drop_confirm=0.2, refusal_confirm=2.0)
     node = Node()
     node.connect(101)
     reg.round(node.round())
     node.connect(101, 102)
     clock.now += 1
     reg.round(node.round())
-    assert status(reg, f"registered:{GPU}") == ("ok", False)  # a Register under way records within ms
-    clock.now += 0.2
+    assert reg.wake_at() == clock.now + 2.0  # the refusal's bound, from the round that first saw it
+    clock.now += 1.9
     reg.round(node.round())
-    assert status(reg, f"registered:{GPU}") == ("failed", False)
-    assert "refused that Register" in reason(reg, f"registered:{GPU}")
+    assert status(reg, f"kubelet-client:{GPU}") == ("ok", False)  # a loaded kubelet may record late
+    clock.now += 0.1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    assert status(reg, f"kubelet-client:{GPU}") == ("failed", False)
+    assert "refused that Register" in reason(reg, f"kubelet-client:{GPU}")
     assert verdicts(reg) == (True, False)
     assert seen.restart_requests == 0
     # The first stream still runs and pushes a health change: the write is that stream's, not the
@@ -271,7 +282,7 @@ def test_a_second_register_the_kubelet_never_recorded_was_refused_and_fails_read
     node.checkpoint = Checkpoint({GPU: ("GPU-0",)}, 4_000)
     clock.now += 1
     reg.round(node.round())
-    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert status(reg, f"kubelet-client:{GPU}") == ("failed", False)
     # The connections it left open close (grpc-go's idle timeout) while the kubelet keeps the endpoint
     # (pod-resources cannot be read here): the path is still refused, no restart.
     node.connect()
@@ -280,6 +291,7 @@ def test_a_second_register_the_kubelet_never_recorded_was_refused_and_fails_read
         reg.round(node.round())
     assert status(reg, f"registered:{GPU}") == ("failed", False)
     assert "refused its later Register" in reason(reg, f"registered:{GPU}")
+    assert status(reg, f"kubelet-client:{GPU}") == ("failed", False)
     assert seen.restart_requests == 0
     # A kubelet restart is the remedy: a new pair, a new registration.
     node.kubelet, node.checkpoint = alive(K2), Checkpoint({GPU: ("GPU-0", "GPU-1")}, 8_000)
@@ -287,6 +299,119 @@ def test_a_second_register_the_kubelet_never_recorded_was_refused_and_fails_read
     clock.now += 1
     reg.round(node.round())
     assert status(reg, f"registered:{GPU}") == ("ok", False)
+    assert status(reg, f"kubelet-client:{GPU}") == ("ok", False)
+
+
+UP_TO_136 = KubeletRules("v1.36.5", "the setting --kubelet-version", refuses_second_register=False)
+
+
+@pytest.mark.parametrize(
+    ("rules", "record_after", "refused"),
+    [
+        # Up to 1.36 the kubelet accepts a second Register on the path it holds: never a refusal, however
+        # late (or never) its record comes.
+        pytest.param(UP_TO_136, None, False, id="1.36, never recorded"),
+        # 1.37 refuses it unless the old client was gone: a record within the bound is an acceptance,
+        # however late on a loaded node.
+        pytest.param(NEWEST, 1.5, False, id="1.37, recorded late"),
+        pytest.param(NEWEST, None, True, id="1.37, never recorded"),
+    ],
+)
+def test_whether_a_second_register_was_refused_follows_the_kubelets_release_and_its_record(
+    rules: KubeletRules, record_after: float | None, refused: bool
+) -> None:
+    reg, clock, seen = make(drop_confirm=0.2, refusal_confirm=2.0)
+    node = Node(rules=rules)
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 102)
+    for step in range(1, 31):
+        clock.now += 0.1
+        if record_after is not None and abs(step * 0.1 - record_after) < 1e-9:
+            node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 4_000)
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    assert status(reg, f"kubelet-client:{GPU}") == (("failed" if refused else "ok"), False)
+    assert seen.restart_requests == 0
+    assert reg.kubelet_rules == rules
+
+
+def test_a_record_that_landed_before_the_round_that_first_saw_its_connection_counts() -> None:
+    """A Register can land between one round's read of the connections and its read of the checkpoint:
+    the next round sees the connection first, and the record is already in the checkpoint it read. The
+    checkpoint's time read before the connections of the round that did not see it yet decides."""
+    reg, clock, _ = make(drop_confirm=0.2, refusal_confirm=2.0)
+    node = Node(checkpoint_before=3_000)
+    node.connect(101)
+    reg.round(node.round())
+    # Round 2 read the connections (101 only), then the Register's record landed, then its checkpoint.
+    node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 4_000)
+    clock.now += 1
+    reg.round(node.round())
+    node.connect(101, 102)
+    node.checkpoint_before = 4_000
+    for _ in range(5):
+        clock.now += 1
+        reg.round(node.round())
+    assert status(reg, f"kubelet-client:{GPU}") == ("ok", False)
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+@pytest.mark.parametrize(
+    ("rules", "pod_resources", "live"),
+    [
+        # 1.37's stale-endpoint trap: the earlier plugin's stream ended after the kubelet had dropped
+        # its client, so the endpoint stays (pod-resources lists its devices healthy) and the new
+        # plugin's Register is refused: only a kubelet restart mends it.
+        pytest.param(NEWEST, {GPU: frozenset({"GPU-0", "GPU-1"})}, False, id="1.37, endpoint alive"),
+        # Up to 1.36 the same evidence is a Register whose list has not come: after the grace, a plugin
+        # restart is the remedy.
+        pytest.param(UP_TO_136, {GPU: frozenset({"GPU-0", "GPU-1"})}, True, id="1.36"),
+        # Nothing listed healthy: no endpoint keeps the path (a hung ListAndWatch), a restart mends it.
+        pytest.param(NEWEST, {GPU: frozenset()}, True, id="1.37, no endpoint"),
+    ],
+)
+def test_a_new_plugins_register_refused_for_a_stale_endpoint_never_fails_liveness(
+    rules: KubeletRules, pod_resources: dict[str, frozenset[str]], live: bool
+) -> None:
+    reg, clock, seen = make(grace=5.0, drop_confirm=0.2, refusal_confirm=2.0)
+    node = Node(rules=rules, pod_resources={GPU: frozenset({"GPU-0", "GPU-1"})})
+    node.connect(101)
+    reg.round(node.round())
+    # The plugin restarted (a new socket); the kubelet dialled it and recorded nothing since.
+    node.plugin, node.pod_resources = alive(P2), pod_resources
+    reg.plugin_socket_created(GPU, P2)
+    node.connect(301)
+    for _ in range(8):
+        clock.now += 1
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", live)
+    assert seen.restart_requests == (1 if live else 0)
+    assert status(reg, f"kubelet-client:{GPU}") == (("ok" if live else "failed"), False)
+    if not live:
+        assert "phantom capacity" in reason(reg, f"registered:{GPU}")
+        assert "until the kubelet restarts" in reason(reg, f"kubelet-client:{GPU}")
+
+
+def test_after_a_refusal_the_end_of_the_kept_stream_is_phantom_capacity_not_a_drop() -> None:
+    """1.37: once refused, the kubelet has no client for the path, so the end of the stream it kept goes
+    unnoticed: the endpoint stays with nothing behind it. Not registered, readiness only."""
+    reg, clock, seen = make(drop_confirm=0.2, refusal_confirm=2.0)
+    node = Node(pod_resources={GPU: frozenset({"GPU-0", "GPU-1"})})
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 102)
+    for _ in range(3):
+        clock.now += 1
+        reg.round(node.round())
+    assert status(reg, f"kubelet-client:{GPU}") == ("failed", False)
+    node.connect(102)  # the kept stream's connection closed; the refused dial stays
+    for _ in range(3):
+        clock.now += 0.2
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert "no stream behind them" in reason(reg, f"registered:{GPU}")
+    assert seen.restart_requests == 0
 
 
 def test_a_connection_gone_within_its_confirmation_is_no_refusal() -> None:
@@ -308,20 +433,21 @@ def test_a_connection_gone_within_its_confirmation_is_no_refusal() -> None:
 def test_an_unrecorded_connection_that_closes_ends_the_refusal() -> None:
     """The kubelet keeps a refused dial open; one that closes was something else (a probe's connection
     that lingered past the confirmation): the verdict goes with it."""
-    reg, clock, _ = make(drop_confirm=0.2)
+    reg, clock, _ = make(drop_confirm=0.2, refusal_confirm=2.0)
     node = Node()
     node.connect(101)
     reg.round(node.round())
     node.connect(101, 104)
     clock.now += 0.1
     reg.round(node.round())
-    clock.now += 0.2
+    clock.now += 2.0
     reg.round(node.round())
-    assert status(reg, f"registered:{GPU}") == ("failed", False)
+    assert status(reg, f"kubelet-client:{GPU}") == ("failed", False)
     node.connect(101)
     clock.now += 0.1
     reg.round(node.round())
     assert status(reg, f"registered:{GPU}") == ("ok", False)
+    assert status(reg, f"kubelet-client:{GPU}") == ("ok", False)
 
 
 def test_pod_resources_empty_against_a_fresh_checkpoint_outranks_the_connection() -> None:
@@ -1080,12 +1206,12 @@ def test_a_refusal_ends_with_the_connection_that_showed_it_and_a_drop_then_fails
     pod_resources: dict[str, frozenset[str]] | None, restarts: bool
 ) -> None:
     """A look-alike connection (a neighbour's own namespaces, a tmpfs over the folder, the plugin's path
-    bound there) to a dropped plugin reads as a refused second Register while it stays; once it closes,
-    the verdict is judged afresh from the kubelet's own view: devices it marked unhealthy (pod-resources)
-    are a drop, which fails liveness after its confirmation. Where that view cannot be read, the refusal
-    stays readiness only: on 1.37 the kubelet keeps a refused path's endpoint after its dials close, and
-    a restart it refuses would be a wrong 503."""
-    reg, clock, _ = make(drop_confirm=0.2)
+    bound there) to a dropped plugin: where the kubelet's own view shows the drop (pod-resources lists
+    none of the devices it recorded healthy) the drop stands, liveness, before, while and after it stays.
+    Where that view cannot be read it reads as a refused second Register, readiness only, also once it
+    closes: on 1.37 the kubelet keeps a refused path's endpoint after its dials close, and a restart it
+    refuses would be a wrong 503."""
+    reg, clock, _ = make(drop_confirm=0.2, refusal_confirm=2.0)
     node = Node(pod_resources=pod_resources)
     node.connect(101)
     reg.round(node.round())
@@ -1098,14 +1224,13 @@ def test_a_refusal_ends_with_the_connection_that_showed_it_and_a_drop_then_fails
     node.connect(666)  # the neighbour's connection, counted by path
     clock.now += 1
     reg.round(node.round())
-    clock.now += 0.2
+    clock.now += 2.0
     reg.round(node.round())
-    assert status(reg, f"registered:{GPU}") == ("failed", False)
-    assert "refused that Register" in reason(reg, f"registered:{GPU}")
+    assert status(reg, f"registered:{GPU}") == ("failed", restarts)
+    assert status(reg, f"kubelet-client:{GPU}")[0] == ("ok" if restarts else "failed")
     node.connect()  # the neighbour left
     clock.now += 1
     reg.round(node.round())
-    assert status(reg, f"registered:{GPU}") == ("failed", False)  # confirmed once first
     clock.now += 0.2
     reg.round(node.round())
     assert status(reg, f"registered:{GPU}") == ("failed", restarts)
@@ -1137,7 +1262,7 @@ def test_a_refused_path_is_no_drop_when_its_dials_close_unless_the_kubelet_marke
 ) -> None:
     """A refused second Register (1.37) whose connections then close: not a drop where nothing shows the
     kubelet dropped the plugin (a plugin restart is refused too): readiness only, no restart asked."""
-    reg, clock, seen = make(drop_confirm=0.2)
+    reg, clock, seen = make(drop_confirm=0.2, refusal_confirm=2.0)
     node = Node(pod_resources={GPU: frozenset({"GPU-0", "GPU-1"})})
     node.connect(101)
     reg.round(node.round())
@@ -1148,9 +1273,9 @@ def test_a_refused_path_is_no_drop_when_its_dials_close_unless_the_kubelet_marke
     node.connect(101, 102)
     clock.now += 1
     reg.round(node.round())
-    clock.now += 0.2
+    clock.now += 2.0
     reg.round(node.round())
-    assert "refused that Register" in reason(reg, f"registered:{GPU}")
+    assert "refused that Register" in reason(reg, f"kubelet-client:{GPU}")
     node.connect()
     for _ in range(3):
         clock.now += 0.2

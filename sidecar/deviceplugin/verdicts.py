@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from hami_guard.flags import ANY_DEVICES, DeviceExpectation, Expect, PluginSpec
+from hami_guard.node.release import Release
 from hami_guard.node.unixdiag import Owner
 from sidecar.deviceplugin.checkpoint import Checkpoint
 from sidecar.deviceplugin.hamiconfig import Expectation
@@ -135,6 +136,43 @@ def not_held_reason(
     return "not registered now (the kubelet's checkpoint shows an earlier acceptance)"
 
 
+# The newest release whose rules the verdicts know: an unknown kubelet is judged by them.
+NEWEST_RULES = (1, 37)
+
+
+@dataclass(frozen=True)
+class KubeletRules:
+    """The kubelet behaviour that differs between releases where the evidence cannot tell which
+    (docs/kubelet.md#second-register): the release read, or why none was, and the rules that follow."""
+
+    version: str  # "v1.37.2" as read or set; "" when unknown
+    source: str  # where it was read, or why it was not
+    # 1.37 refuses a second Register on a path the kubelet holds (`device plugin already connected`);
+    # up to 1.36 the new client replaces the old.
+    refuses_second_register: bool = True
+
+    @property
+    def name(self) -> str:
+        """The rules in force, as /status says them."""
+        if not self.version:
+            return f"{NEWEST_RULES[0]}.{NEWEST_RULES[1]} (the newest known: the release is unknown)"
+        return f"{NEWEST_RULES[0]}.{NEWEST_RULES[1]}" if self.refuses_second_register else "1.30-1.36"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"version": self.version or None, "source": self.source, "rules": self.name}
+
+
+def kubelet_rules(release: Release | str) -> KubeletRules:
+    """The rules of a release as read (`hami_guard.node.release`), or of the newest known when it is
+    not known (a string: why)."""
+    if isinstance(release, str):
+        return KubeletRules("", release)
+    return KubeletRules(release.version, release.source, release.minor >= NEWEST_RULES)
+
+
+NEWEST = KubeletRules("", "not read")
+
+
 @dataclass(frozen=True)
 class Rules:
     """The settings the verdicts depend on."""
@@ -146,6 +184,8 @@ class Rules:
     expect_devices: DeviceExpectation = ANY_DEVICES
     device_glob: str = ""
     drop_confirm: float = 0.2  # a lost connection must stay lost this long to be a drop
+    # A later connection must stay unrecorded this long to be a refused Register (sidecar.config).
+    refusal_confirm: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -178,6 +218,10 @@ class RoundEvidence:
     expectation: Expectation | None = None
     # Other sockets served in the folder (name, identity), read while a plugin's own socket is missing.
     others: tuple[tuple[str, SocketId], ...] = ()
+    # The checkpoint's mtime_ns read just before the kubelet's connections were (None: not read): a
+    # connection the next round sees first came after it, and so does any record of it.
+    checkpoint_before: int | None = None
+    kubelet_rules: KubeletRules = NEWEST
 
 
 @dataclass(frozen=True)
@@ -246,7 +290,8 @@ class _Conn:
     """One of the kubelet's connections to a held plugin's listener, as the rounds saw it come."""
 
     first_seen: float  # monotonic
-    checkpoint_before: int | None  # the checkpoint's mtime_ns last read before it came (None: unknown)
+    # The checkpoint's mtime_ns read before the last connection table that did not hold it (None: unknown)
+    checkpoint_before: int | None
     recorded: bool  # the kubelet wrote a device list after it came: a Register it accepted
     refused: bool = False  # stayed unrecorded past its confirmation: a later write is another stream's
 
@@ -302,6 +347,10 @@ class _PluginState:
     conns_pair: _Pair | None = None
     registered_conn: int | None = None
     refused: bool = False  # the kubelet refused a later Register of the held pair (1.37): until a new pair
+    # A new pair's connection left unrecorded while the kubelet keeps an endpoint of the resource alive
+    # (pod-resources lists it healthy): since when (monotonic), under rules that refuse a second Register.
+    shadowed: tuple[_Pair, float] | None = None
+    trap: str = ""  # this round: why the kubelet no longer keeps this plugin's client ("": it does)
     # The last verdict of not held that the kubelet's connections gave (trustworthy), with its pair: an
     # unknown count keeps it, never upgrades it on the checkpoint alone.
     not_held: tuple[_Pair, _Held] | None = None
@@ -360,7 +409,10 @@ class DevicePluginJudge:
         self._kubelet_down = False  # a kubelet restart is under way
         self._kubelet_id: SocketId | None = None  # kubelet.sock as last seen answering
         self._kubelet_recreated = False
-        self._checkpoint_mtime: int | None = None  # the checkpoint's mtime_ns as the last round read it
+        # The checkpoint's mtime_ns as the last round read it before its connections: a connection first
+        # seen this round came after it.
+        self._checkpoint_mtime: int | None = None
+        self.kubelet_rules = NEWEST  # the rules of the kubelet's release, as the last round read it
 
     # -- what the views read ------------------------------------------------------------
     def plugin(self, socket: str) -> PluginSpec | None:
@@ -389,17 +441,19 @@ class DevicePluginJudge:
         return out
 
     def wake_at(self) -> float | None:
-        """When a round must run to confirm a lost connection or a failed probe (monotonic), if one must."""
-        firsts = [t for p in self._plugins.values() for t in (p.lost_at, p.failed_at) if t is not None]
-        now = self.clock()
+        """When a round must run to confirm a lost connection, a failed probe, newer evidence against a
+        held plugin or a refusal (monotonic), if one must."""
+        drop, refusal, now = self.rules.drop_confirm, self.rules.refusal_confirm, self.clock()
+        due = [t + drop for p in self._plugins.values() for t in (p.lost_at, p.failed_at) if t is not None]
         for p in self._plugins.values():
-            # A contradiction or an unrecorded new connection, until its confirmation is due.
-            pending = [p.contradicted_at] + [c.first_seen for c in p.conns.values() if not c.recorded]
-            firsts += [t for t in pending if t is not None and now - t < self.rules.drop_confirm]
-        return min(firsts) + self.rules.drop_confirm if firsts else None
+            pending = [(p.contradicted_at, drop)]
+            pending += [(c.first_seen, refusal) for c in p.conns.values() if not c.recorded and not c.refused]
+            pending += [(p.shadowed[1], refusal)] if p.shadowed else []
+            due += [t + wait for t, wait in pending if t is not None and t + wait > now]
+        return min(due) if due else None
 
     def _keys(self, resource: str) -> list[CheckKey]:
-        kinds = [Kind.PLUGIN, Kind.REGISTERED]
+        kinds = [Kind.PLUGIN, Kind.REGISTERED, Kind.KUBELET_CLIENT]
         if self.rules.expect_devices.kind is not Expect.OFF:  # an explicit 0 opts out
             kinds.append(Kind.DEVICES)
         return [CheckKey(k, resource) for k in kinds]
@@ -581,6 +635,7 @@ class DevicePluginJudge:
         """
         if seen.generation not in (None, self.generation):
             return []
+        self.kubelet_rules = seen.kubelet_rules
         self._judge_kubelet(seen.kubelet)
         self._judge_checkpoint(seen.checkpoint)
         vanished = []
@@ -592,7 +647,9 @@ class DevicePluginJudge:
             self._judge_registration(plugin, obs, seen)
             self._count_devices(plugin, seen)
         cp = seen.checkpoint.value
-        self._checkpoint_mtime = cp.mtime_ns if cp is not None else None
+        self._checkpoint_mtime = (
+            seen.checkpoint_before if seen.checkpoint_before is not None else cp.mtime_ns if cp else None
+        )
         return vanished
 
     def _judge_kubelet(self, k: ProbeResult) -> None:
@@ -736,6 +793,7 @@ class DevicePluginJudge:
     def _judge_registration(self, plugin: PluginSpec, obs: PluginEvidence, seen: RoundEvidence) -> None:
         r = plugin.resource
         p, name = self._plugins[r], CheckKey(Kind.REGISTERED, r).name
+        p.trap = ""
         if self._kubelet_down:
             p.lost_at = None
             self.listener.connected(r, None)
@@ -743,8 +801,10 @@ class DevicePluginJudge:
             self.state.report(
                 name, False, why, restarts=False, quiet="a kubelet restart: HAMi registers again by itself"
             )
+            self._report_client(r, "the kubelet is restarting: a new kubelet holds no refusal")
             return
         verdict = self._held(plugin, p, obs, seen)
+        self._report_client(r, "no refused Register seen: the kubelet keeps the plugin's client")
         if verdict.held is None:
             return  # a lost connection, or newer evidence against a held one, waits for its confirmation
         held, why = verdict.held, verdict.why
@@ -771,6 +831,19 @@ class DevicePluginJudge:
             definitive=verdict.definitive,
             restarts=restarts,
             quiet=self._quiet(plugin, obs, seen),
+        )
+
+    def _report_client(self, r: str, ok: str) -> None:
+        """`kubelet-client:`: does the kubelet still keep a client for the plugin's path, or did it refuse a
+        second Register and drop it (1.37)? Readiness only: only a kubelet restart mends it."""
+        p = self._plugins[r]
+        self.state.report(
+            CheckKey(Kind.KUBELET_CLIENT, r).name,
+            not p.trap,
+            p.trap or ok,
+            definitive=True,
+            restarts=False,
+            quiet="only a kubelet restart mends it: the kubelet refuses this plugin's path until then",
         )
 
     def _quiet(self, plugin: PluginSpec, obs: PluginEvidence, seen: RoundEvidence) -> str:
@@ -871,11 +944,15 @@ class DevicePluginJudge:
             # registration: a Register under way, or a dial the kubelet kept after refusing the
             # Register (seen with the real kubelet in the state of kubernetes PR 139338).
             p.lost_at = None
+            shadowed = self._shadowed(plugin, p, seen, pair)
+            if shadowed is not None:
+                return shadowed
             return _Held(
                 False,
                 f"the kubelet is connected to {sock} but has recorded no device list from it since "
                 "the socket was created (a Register under way, or refused)",
             )
+        p.shadowed = None
         if conns > 0 and held_before:
             against = self._newer_evidence(plugin, p, obs, seen, pair)  # rules 1.1 to 1.4
             if against is not None:
@@ -892,6 +969,48 @@ class DevicePluginJudge:
             return self._dropped(sock, p, pair, self._endpoint_alive(r, seen))
         p.lost_at = None
         return _Held(False, f"the kubelet holds no connection to {sock}: {self._not_held(r, seen, obs)}")
+
+    def _shadowed(
+        self, plugin: PluginSpec, p: _PluginState, seen: RoundEvidence, pair: _Pair
+    ) -> _Held | None:
+        """A new socket's connection stays unrecorded for `refusal_confirm` while pod-resources lists the
+        resource's devices healthy: the kubelet keeps the endpoint of an earlier plugin on this path,
+        with no stream of this socket behind it, and refused this Register (1.37, the stale-endpoint
+        trap: the earlier plugin's stream ended after the kubelet had dropped its client). Only a
+        kubelet restart mends it. Up to 1.36 the same evidence is a Register under way (the new client
+        replaces the old, whose devices stay listed until the new list comes): None, as when
+        pod-resources cannot be read."""
+        live = seen.pod_resources.value
+        healthy = physical_devices(live.get(plugin.resource, ())) if live is not None else set()
+        if not seen.kubelet_rules.refuses_second_register or not healthy:
+            p.shadowed = None
+            return None
+        now = self.clock()
+        if p.shadowed is None or p.shadowed[0] != pair:
+            p.shadowed = (pair, now)
+        if now - p.shadowed[1] < self.rules.refusal_confirm:
+            # Under way or refused: not yet told, and a restart would be refused if it was. No liveness.
+            return _Held(
+                False,
+                f"the kubelet is connected to {plugin.socket} but has recorded no device list from it since "
+                f"the socket was created, while pod-resources lists {len(healthy)} healthy device(s) of "
+                f"{plugin.resource} (a Register under way, or refused for an earlier plugin's endpoint)",
+                mends=False,
+            )
+        p.trap = (
+            f"the kubelet refused the Register of {plugin.socket}: it keeps the endpoint of an earlier "
+            "plugin on that path and has forgotten its client (Kubernetes 1.37: device plugin already "
+            "connected); the next plugin restart will not register until the kubelet restarts"
+        )
+        return _Held(
+            False,
+            f"the kubelet is connected to {plugin.socket} and recorded no device list from it in "
+            f"{self.rules.refusal_confirm:g}s, while pod-resources lists {len(healthy)} healthy device(s) of "
+            f"{plugin.resource} with no stream of this socket behind them (phantom capacity: Pods admitted "
+            f"to them fail in Allocate): {p.trap}",
+            definitive=True,
+            mends=False,
+        )
 
     def _endpoint_alive(self, r: str, seen: RoundEvidence) -> bool | None:
         """Does the kubelet keep the resource's endpoint? Yes where pod-resources lists healthy devices
@@ -932,6 +1051,10 @@ class DevicePluginJudge:
                 "admitted to them fail in Allocate)"
                 if endpoint
                 else ""
+            )
+            p.trap = (
+                "the kubelet refused a second Register and dropped this plugin's client: the next plugin "
+                "restart will not register until the kubelet restarts"
             )
             return _Held(
                 False,
@@ -1041,45 +1164,77 @@ class DevicePluginJudge:
         """
         now = self.clock()
         self._track(p, pair, obs.connection_ids, seen.checkpoint.value, plugin.resource)
-        refused = self._refused_register(plugin.socket, p, now)
-        if refused is not None:
-            return refused
+        if seen.kubelet_rules.refuses_second_register:
+            self._refused_register(plugin.socket, p, now)
+        if p.refused:
+            phantom = self._kept_stream_closed(plugin, p, obs, seen)
+            if phantom is not None:
+                return phantom
         why = self._drop_evidence(plugin, p, obs, seen, pair)
         if not why:
             p.contradicted_at = None
             return None
+        p.trap = ""  # the kubelet dropped the plugin: no endpoint keeps the path, whatever connects to it
         if p.contradicted_at is None:
             p.contradicted_at = now
         if now - p.contradicted_at < self.rules.drop_confirm:
             return _UNCONFIRMED
         return _Held(False, why, definitive=True)
 
-    def _refused_register(self, sock: str, p: _PluginState, now: float) -> _Held | None:
-        """Rule 1.1: a later connection the kubelet recorded no device list from within `drop_confirm`.
+    def _refused_register(self, sock: str, p: _PluginState, now: float) -> None:
+        """Rule 1.1: a later connection the kubelet recorded no device list from within `refusal_confirm`.
 
-        It refused a second Register: 1.37 keeps the first stream but forgets its client, and refuses
-        the path until it restarts, so no plugin restart helps. `_UNCONFIRMED` while every such
-        connection came less than `drop_confirm` ago; None when there is none.
+        It refused a second Register (1.37, `device plugin already connected`): it keeps the stream it
+        holds but forgets its client, so that stream's end will go unnoticed and the path is refused
+        until the kubelet restarts. The plugin is registered still (`registered:` holds);
+        `kubelet-client:` fails while the refused connection stays open. Up to 1.36 the kubelet accepts
+        a second Register: the caller asks only under 1.37's rules. An accepted Register records its
+        list within milliseconds, seconds on a loaded node: the bound is long, and only readiness waits.
         """
-        unrecorded = [c for c in p.conns.values() if not c.recorded]
-        if not unrecorded:
+        for c in p.conns.values():
+            if not c.recorded and not c.refused and now - c.first_seen >= self.rules.refusal_confirm:
+                # Refused for as long as it stays open: the stream the kubelet kept rewrites the
+                # checkpoint too, and would pass for it. (A connection that closes ends the verdict.)
+                c.refused = p.refused = True
+        refused = sum(1 for c in p.conns.values() if c.refused)
+        if refused:
+            p.trap = (
+                f"the kubelet opened {refused} more connection(s) to {sock} (a second Register) and recorded "
+                f"no device list from it in {self.rules.refusal_confirm:g}s: it refused that Register "
+                "(Kubernetes 1.37: device plugin already connected) and dropped this plugin's client; the "
+                "stream it keeps still feeds the devices, but their end will go unnoticed (phantom "
+                "capacity) and the next plugin restart will not register until the kubelet restarts"
+            )
+
+    def _kept_stream_closed(
+        self, plugin: PluginSpec, p: _PluginState, obs: PluginEvidence, seen: RoundEvidence
+    ) -> _Held | None:
+        """After a refusal, the connection that carried the stream the kubelet kept closed: the kubelet
+        no longer keeps the plugin's client, so it never learns (no PluginDisconnected) and keeps the
+        endpoint with no stream behind it. Not registered, readiness only: a plugin restart is refused
+        the same way. Where pod-resources shows the devices gone unhealthy the kubelet did drop it
+        (rule 1.3 says so, a drop): None, as when nothing closed."""
+        ids = obs.connection_ids
+        if p.registered_conn is None or ids is None or p.registered_conn in ids:
             return None
-        first = min(c.first_seen for c in unrecorded)
-        if now - first < self.rules.drop_confirm:
-            return _UNCONFIRMED
-        # An accepted Register records its list within milliseconds; one still unrecorded stays
-        # refused while it stays open: the stream the kubelet kept rewrites the checkpoint too, and
-        # would pass for it. (A connection that closes, a probe's that lingered, ends the verdict.)
-        for c in unrecorded:
-            c.refused = True
-        p.refused = True
+        endpoint = self._endpoint_alive(plugin.resource, seen)
+        if endpoint is False:
+            return None
+        phantom = (
+            ": pod-resources still lists its devices healthy with no stream behind them (Pods admitted to "
+            "them fail in Allocate)"
+            if endpoint
+            else ""
+        )
+        p.trap = (
+            "the kubelet refused a second Register and dropped this plugin's client: the next plugin "
+            "restart will not register until the kubelet restarts"
+        )
         return _Held(
             False,
-            f"the kubelet opened {len(unrecorded)} more connection(s) to {sock} (a second Register) "
-            "and recorded no device list since: it refused that Register (Kubernetes 1.37: device "
-            "plugin already connected), which also forgets the stream it holds; that stream's end "
-            "goes unnoticed and the path is refused until the kubelet restarts, so a plugin restart "
-            "would not mend it",
+            f"the connection to {plugin.socket} that carried the stream the kubelet kept closed, and the "
+            f"kubelet, which refused a later Register, no longer knows this plugin{phantom}: the path is "
+            "refused until the kubelet restarts",
             definitive=True,
             mends=False,
         )
@@ -1091,14 +1246,16 @@ class DevicePluginJudge:
         none does."""
         r, sock = plugin.resource, plugin.socket
         ids = obs.connection_ids
-        if p.registered_conn is not None and ids is not None and p.registered_conn not in ids:
+        closed = p.registered_conn is not None and ids is not None and p.registered_conn not in ids
+        if closed and not p.refused:
             # 1.2: the connection that carried the registration closed while older ones stay (up to
             # 1.36, the end of an older stream disconnects the newest client: the older connections
             # carry no stream).
             return (
                 f"the kubelet closed the connection to {sock} that carried its registration and keeps "
-                f"{len(ids)} older one(s) with no stream (an earlier stream's end disconnected the newest "
-                "Register): it dropped the plugin, which keeps serving; a plugin restart registers it again"
+                f"{len(ids or ())} older one(s) with no stream (an earlier stream's end disconnected the "
+                "newest Register): it dropped the plugin, which keeps serving; a plugin restart registers it "
+                "again"
             )
         live = seen.pod_resources.value
         accepted = self._accepted(r, seen, obs)

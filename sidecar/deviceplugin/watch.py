@@ -22,6 +22,7 @@ from functools import partial
 from typing import Protocol, TypeVar
 
 from hami_guard.flags import Expect
+from hami_guard.node import release
 from hami_guard.node.unixdiag import (
     KUBELET_BOUND_PATH,
     KUBELET_PROCESS_NAMES,
@@ -50,10 +51,12 @@ from sidecar.deviceplugin.probes import (
 from sidecar.deviceplugin.verdicts import (
     AfterDeletion,
     DevicePluginJudge,
+    KubeletRules,
     Listener,
     PluginEvidence,
     RoundEvidence,
     Rules,
+    kubelet_rules,
 )
 
 T = TypeVar("T")
@@ -61,6 +64,7 @@ T = TypeVar("T")
 # Where the kubelet binds its plugins' sockets: a plugin whose folder is mounted elsewhere bound there.
 BOUND_DIR = os.path.dirname(KUBELET_BOUND_PATH)
 MAX_FOLDER_SOCKETS = 32  # other sockets tried in the folder per round
+RELEASE_RETRY = 60.0  # seconds between reads of an unknown kubelet release
 
 
 class Publisher(Listener, Protocol):
@@ -100,6 +104,7 @@ class DevicePluginWatch:
             expect_devices=s.expect_devices,
             device_glob=s.device_glob,
             drop_confirm=s.drop_confirm,
+            refusal_confirm=s.refusal_confirm,
         )
         self.publish = publish
         self.judge = DevicePluginJudge(rules, publish, clock, wall)
@@ -108,6 +113,9 @@ class DevicePluginWatch:
         self.expectation: hamiconfig.Expectation | None = None  # auto's, as last read
         self._others: tuple[tuple[str, SocketId], ...] = ()
         self._reader: ThreadPoolExecutor | None = None
+        self._rules: KubeletRules | None = None  # the kubelet's release rules, as last read
+        self._rules_read: tuple[int, float] = (-1, 0.0)  # (judge generation, monotonic) of that read
+        self._clock = clock
         for p in s.plugins:
             publish.series(p.resource)
 
@@ -125,6 +133,10 @@ class DevicePluginWatch:
         the caller to follow up with `observe_vanished`."""
         s = self.settings
         generation = self.judge.generation
+        rules = await self._kubelet_rules(generation)
+        # The checkpoint's time before the connections: any record of a connection the next round sees
+        # first is newer than it (docs/design.md#registration, rule 1.1).
+        checkpoint_before = _mtime_ns(os.path.join(s.device_plugin_dir, CHECKPOINT_NAME))
         # The kubelet's connections before the probes: a probe's own connection lingers a few ms.
         table = self._socket_table()
         kubelet, *plugins = await asyncio.gather(
@@ -155,6 +167,8 @@ class DevicePluginWatch:
             generation,
             expectation=self.expectation,
             others=others,
+            checkpoint_before=checkpoint_before,
+            kubelet_rules=rules,
         )
         return [self.judge.plugin_for(resource) for resource in self.judge.round(seen)]
 
@@ -179,6 +193,28 @@ class DevicePluginWatch:
         finally:
             # Never left waiting for a verdict that will not come: the next round judges the socket.
             self.judge.end_judgement(plugin.resource)
+
+    async def _kubelet_rules(self, generation: int) -> KubeletRules:
+        """The rules of the kubelet's release: the setting, else its binary, read again after each kubelet
+        restart (and every `RELEASE_RETRY` while unknown), off the loop."""
+        s = self.settings
+        if s.kubelet_version:
+            minor = release.parse(s.kubelet_version)
+            assert minor is not None  # the flag's type checked it
+            return kubelet_rules(release.Release(s.kubelet_version, minor, "the setting --kubelet-version"))
+        now = self._clock()
+        last_generation, last_read = self._rules_read
+        if (
+            self._rules is not None
+            and last_generation == generation
+            and (self._rules.version or now - last_read < RELEASE_RETRY)
+        ):
+            return self._rules
+        read = partial(release.from_process, self.names)
+        late = "the kubelet's binary could not be read in time"
+        self._rules = kubelet_rules(await self._off_loop(read, late))
+        self._rules_read = (generation, now)
+        return self._rules
 
     def _socket_table(self) -> _SocketTable:
         """The kubelet's connections, from the sockets bound to the files that matter only (a host
@@ -270,6 +306,13 @@ def _served_elsewhere(folder: str, mine: set[str]) -> tuple[tuple[str, SocketId]
         if identity is not None and not socket_refuses(path):
             out.append((name, identity))
     return tuple(out)
+
+
+def _mtime_ns(path: str) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
 
 
 def _file_id(path: str) -> tuple[int, int] | None:

@@ -58,6 +58,7 @@ def status_document(sidecar: Sidecar) -> dict[str, Any]:
         **({"dra": _dra_document(sidecar.dra, sidecar.clock())} if sidecar.dra is not None else {}),
         "hami_registration": _hami_document(sidecar),
         "kubelet_restarts": judge.kubelet_restarts,
+        "kubelet_release": judge.kubelet_rules.as_dict(),
         "probe_rounds": sidecar.rounds,
         "runtime": _runtime(),
         "registration": judge.registration(),

@@ -226,10 +226,12 @@ async def test_issue_121994_on_the_old_release_is_a_drop_the_sidecar_names(node_
 # PR 139338's state needs PR 135437's per-path endpoints: the new release only.
 @pytest.mark.parametrize("release", ["new"], indirect=True)
 async def test_pr_139338_takeover_on_the_new_release(node_factory: Any) -> None:
-    """The path's new owner serves the stale endpoint's stream: held. When its server restarts, the
-    kubelet keeps the endpoint with no stream and refuses every Register: not held, and liveness asks
-    for restarts only until the budget is spent (a kubelet restart is the remedy)."""
-    async with node_factory(registration_grace=0.5) as node:
+    """The path's new owner serves the stale endpoint's stream: held. Its second Register is refused and
+    the kubelet forgets its client: still held, `kubelet-client:` fails readiness. When its server
+    restarts, the kubelet keeps the endpoint with no stream and refuses every Register: not held, phantom
+    capacity, readiness only; never a liveness 503, no plugin restart asked (a kubelet restart is the
+    remedy)."""
+    async with node_factory(registration_grace=0.5, refusal_confirm=2.0) as node:
         first, second = await fast_takeover(
             node.dir, release="new", second_devices=("GPU-0", "GPU-1", "GPU-2")
         )
@@ -238,8 +240,10 @@ async def test_pr_139338_takeover_on_the_new_release(node_factory: Any) -> None:
         assert await second.streams_open() == 1
         assert not await second.register()  # refused: the kubelet forgets the stale endpoint's client
         # Its stream still runs on the owner's server, but its end would go unnoticed and the path is
-        # refused until the kubelet restarts: not ready, and no plugin restart asked for.
+        # refused until the kubelet restarts: registered, not ready, and no plugin restart asked for.
         await node.until("/readyz?verbose", 503, contains="refused that Register")
+        body = (await node.get("/readyz?verbose"))[1]
+        assert f"[+]registered:{GPU} ok" in body and f"[!]kubelet-client:{GPU} failed" in body, body
         assert (await node.get("/healthz"))[0] == 200
         fault = time.monotonic()
         mark = node.kubelet.mark()
@@ -249,18 +253,28 @@ async def test_pr_139338_takeover_on_the_new_release(node_factory: Any) -> None:
         await node.kubelet.wait_log("ListAndWatch ended unexpectedly for device plugin", after=mark)
         await node.kubelet.capacity()  # a round trip: runClient has finished with the end by now
         assert not await second.register()  # refused ("already connected")
-        await node.until("/healthz?verbose", 503, contains="recorded no device list")
+        await node.until("/readyz?verbose", 503, contains="with no stream of this socket behind them")
         took = time.monotonic() - fault
-        print(f"PR 139338 state on {node.kubelet.version}: liveness failed {took:.3f} s after the restart")
-        await says(node, "recorded no device list")
+        print(f"PR 139338 state on {node.kubelet.version}: the trap named {took:.3f} s after the restart")
+        # The metrics and hami-doctor say the same: not registered, no restart, restart the kubelet.
+        text = (await node.get("/metrics"))[1]
+        labels = f'plugin="hami",resource="{GPU}"'
+        assert f'device_plugin_check_fails_liveness{{check="registered",{labels}}} 0.0' in text
+        assert f'device_plugin_check_up{{check="kubelet-client",{labels}}} 0.0' in text
+        tmp = os.path.dirname(node.dir)
+        open(os.path.join(tmp, "plugin.log"), "a").close()
+        doctor = Doctor(node.dir, tmp, node.kubelet.process.log_path, os.path.join(tmp, "plugin.log"))
+        code, doc = await doctor.report(*NO_PROCESS_LOOKUP)
+        assert (code, doc["most_likely"]) == (1, "plugin-not-registered")
+        found = row(doc, "plugin-not-registered")
+        assert "with no stream of this socket behind them" in " ".join(found["evidence"]), found
+        assert "$ systemctl restart kubelet" in found["fix"]
         assert (await node.kubelet.capacity())["allocatable"] == {GPU: 3}  # a ghost: allocatable, no stream
-        for _ in range(3):  # what the kubelet does after failureThreshold 503s: restart the plugin
-            await node.until("/healthz", 503)
-            assert not await second.restart()
-            await node.until("/healthz", 200)
-        await node.until("/readyz?verbose", 503, contains="restart budget spent")
-        await node.rounds(3)
-        assert (await node.get("/healthz"))[0] == 200
+        for _ in range(6):  # well past the grace: a plugin restart would be refused, none is asked for
+            await node.rounds(1)
+            assert (await node.get("/healthz"))[0] == 200
+        assert node.sidecar.state.checks[f"registered:{GPU}"].status.value == "failed"
+        assert f"[!]kubelet-client:{GPU} failed" in (await node.get("/readyz?verbose"))[1]
         await node.kubelet.restart()  # the remedy
         mark = second.mark()
         assert await second.restart()
@@ -304,7 +318,7 @@ async def test_a_second_register_on_its_own_socket_then_the_first_stream_ends(no
     and both clients are forgotten; the first stream's end changes nothing the kubelet shows, and
     every Register at the path is refused until the kubelet restarts: readiness only.
     """
-    async with node_factory() as node:
+    async with node_factory(refusal_confirm=2.0) as node:
         plugin = await node.plugin(watch_kubelet=False)
         await node.until("/readyz", 200)
         await node.rounds()
@@ -320,10 +334,11 @@ async def test_a_second_register_on_its_own_socket_then_the_first_stream_ends(no
         else:
             assert not accepted
             assert "device plugin already connected" in (plugin.last_register_error or "")
-            # Refused: the first stream still runs, but the kubelet forgot its client.
+            # Refused: the first stream still runs (registered), but the kubelet forgot its client.
             await node.until("/readyz?verbose", 503, contains="refused that Register")
             took = time.monotonic() - registered
             print(f"second Register refused on {node.kubelet.version}: readiness 503 after {took:.3f} s")
+            assert node.sidecar.state.checks[f"registered:{GPU}"].status.value == "ok"
             assert (await node.get("/healthz"))[0] == 200
         fault = time.monotonic()
         await plugin.end_stream("oldest")
