@@ -70,14 +70,10 @@ def splits(*uuids: str, n: int = 3) -> frozenset[str]:
     return frozenset(f"{u}-{i}" for u in uuids for i in range(n))
 
 
-ANNOTATIONS = {
-    HAMI_NVIDIA_REGISTER: register((G1, True), (G2, True)),
-    HAMI_HANDSHAKE: "Requesting_2026-01-01 00:00:00",
-}
-ANNOTATIONS = {
-    HAMI_NVIDIA_REGISTER: register((G1, True), (G2, True)),
-    HAMI_HANDSHAKE: "Requesting_2026-01-01 00:00:00",
-}
+HS = "Requesting_2026-01-01 00:00:00"
+ANNOTATIONS = {HAMI_NVIDIA_REGISTER: register((G1, True), (G2, True)), HAMI_HANDSHAKE: HS}
+HS = "Requesting_2026-01-01 00:00:00"
+ANNOTATIONS = {HAMI_NVIDIA_REGISTER: register((G1, True), (G2, True)), HAMI_HANDSHAKE: HS}
 HEALTHY = HamiEvidence(
     node=node(ANNOTATIONS),
     boot_id="b1",
@@ -201,17 +197,27 @@ def test_a_wrong_node_name_is_readiness_only(judge: HamiJudge) -> None:
 @pytest.mark.parametrize(
     ("annotations", "kubelet", "code", "words"),
     [
-        ({}, splits(G1, G2), "missing", "is absent"),
-        ({HAMI_NVIDIA_REGISTER: "{broken"}, splits(G1, G2), "unparsable", "does not decode"),
-        ({HAMI_NVIDIA_REGISTER: register((G1, True))}, splits(G1, G2), "mismatched", f"does not list: {G2}"),
+        ({HAMI_HANDSHAKE: HS}, splits(G1, G2), "missing", "is absent"),
         (
-            {HAMI_NVIDIA_REGISTER: register((G1, True), (G2, False))},
+            {HAMI_NVIDIA_REGISTER: "{broken", HAMI_HANDSHAKE: HS},
+            splits(G1, G2),
+            "unparsable",
+            "does not decode",
+        ),
+        (
+            {HAMI_NVIDIA_REGISTER: register((G1, True)), HAMI_HANDSHAKE: HS},
+            splits(G1, G2),
+            "mismatched",
+            f"does not list: {G2}",
+        ),
+        (
+            {HAMI_NVIDIA_REGISTER: register((G1, True), (G2, False)), HAMI_HANDSHAKE: HS},
             splits(G1, G2),
             "mismatched",
             "marks unhealthy",
         ),
         (
-            {HAMI_NVIDIA_REGISTER: register((G1, True), (G2, True))},
+            {HAMI_NVIDIA_REGISTER: register((G1, True), (G2, True)), HAMI_HANDSHAKE: HS},
             splits(G1),
             "mismatched",
             "does not list healthy",
@@ -237,20 +243,35 @@ def test_a_difference_outlasting_hamis_loop_fails_liveness(  # noqa: PLR0917 (th
     assert "until the plugin restarts" in v.reason
 
 
+def test_without_hamis_scheduler_the_annotation_decides_nothing(judge: HamiJudge, clock: Clock) -> None:
+    # A plugin that is not HAMi's writes no annotation; a node no HAMi scheduler selects has no handshake.
+    ev = replace(HEALTHY, node=node({}))
+    for _ in range(3):
+        v = judge.judge(R, ev)
+        assert v.status is Status.OK and v.code == "no_evidence" and "has not handshaken" in v.reason
+        clock.now += 10 * REPAIR
+    # once the scheduler stamps the node, HAMi's loop is waited for from then on
+    assert judge.judge(R, replace(ev, node=node({HAMI_HANDSHAKE: HS}))).code == "repairing"
+
+
 def test_hamis_own_repair_within_its_loop_fails_nothing(judge: HamiJudge, clock: Clock) -> None:
     stale = replace(
-        HEALTHY, node=node({HAMI_NVIDIA_REGISTER: register((G1, True), (G2, True))}), kubelet=splits(G1)
+        HEALTHY,
+        node=node({**ANNOTATIONS, HAMI_NVIDIA_REGISTER: register((G1, True), (G2, True))}),
+        kubelet=splits(G1),
     )
     assert judge.judge(R, stale).code == "repairing"
     clock.now += 30
-    fixed = replace(stale, node=node({HAMI_NVIDIA_REGISTER: register((G1, True), (G2, False))}))
+    fixed = replace(
+        stale, node=node({**ANNOTATIONS, HAMI_NVIDIA_REGISTER: register((G1, True), (G2, False))})
+    )
     assert judge.judge(R, fixed).code == "ok"
     clock.now += REPAIR
     assert judge.judge(R, stale).code == "repairing"  # a new difference gets the loop again
 
 
 def test_not_judged_while_the_plugin_does_not_serve_or_register(judge: HamiJudge, clock: Clock) -> None:
-    missing = replace(HEALTHY, node=node({}))
+    missing = replace(HEALTHY, node=node({HAMI_HANDSHAKE: HS}))
     for ev in (replace(missing, plugin_ok=False), replace(missing, registered_ok=False)):
         clock.now += 10 * REPAIR
         v = judge.judge(R, ev)
@@ -262,7 +283,7 @@ def test_not_judged_while_the_plugin_does_not_serve_or_register(judge: HamiJudge
 def test_a_plugin_restart_gets_hamis_loop_and_the_budget_bounds_restarts(
     judge: HamiJudge, clock: Clock
 ) -> None:
-    ev = replace(HEALTHY, node=node({}))
+    ev = replace(HEALTHY, node=node({HAMI_HANDSHAKE: HS}))
     for restart in range(RESTART_BUDGET + 1):
         ev = replace(ev, plugin_id=("sock", restart))
         assert judge.judge(R, ev).code == "repairing", restart  # the new plugin's loop is waited for
@@ -282,7 +303,7 @@ def test_the_kubelets_devices_unknown_judges_presence_only(judge: HamiJudge, clo
     ev = replace(HEALTHY, kubelet=None, kubelet_why="pod-resources socket not mounted")
     v = judge.judge(R, ev)
     assert v.code == "ok" and "cannot be read (pod-resources socket not mounted)" in v.reason
-    gone = replace(ev, node=node({}))
+    gone = replace(ev, node=node({HAMI_HANDSHAKE: HS}))
     judge.judge(R, gone)
     clock.now += REPAIR
     assert judge.judge(R, gone).code == "missing"

@@ -9,7 +9,9 @@ on is in docs/kubelet.md#hami-registration; the rules in docs/design.md#hami-reg
 2. No Node of `NODE_NAME` (404), or a Node whose boot ID is not this machine's: the sidecar is told
    the wrong node name. Readiness only: a plugin restart reads the same name.
 3. The register annotation missing, not decodable, or listing other GPUs or other health than the
-   kubelet lists healthy, while the plugin serves and the kubelet holds it: HAMi's loop rewrites a
+   kubelet lists healthy, while the plugin serves and the kubelet holds it and HAMi's scheduler has
+   handshaken with the node (without its handshake annotation, no scheduler of HAMi's selects the
+   node, and the annotation decides nothing: not judged): HAMi's loop rewrites a
    changed device list every 30 s, so a difference that outlasts `repair` is one its loop will never
    mend. HAMi caches the new content before it patches the Node, and after one failed patch skips
    every later one as "unchanged": only a plugin restart (an empty cache) writes it again. It fails
@@ -164,6 +166,17 @@ class HamiJudge:
         value = node.annotations.get(k.register)
         register = parse_register(value) if value is not None else None
         code, diff, gpus = _compare(k.register, value, register, ev.kubelet)
+        if diff and k.handshake not in node.annotations:
+            # No scheduler of HAMi's looks at this node (it stamps every node it selects within 15 s):
+            # HAMi's annotations decide nothing here, and a plugin that is not HAMi's writes none.
+            st.differs_since = None
+            return HamiVerdict(
+                Status.OK,
+                f"not judged: HAMi's scheduler has not handshaken with this node (no {k.handshake}: it does "
+                f"not select the node, or does not run): {diff}",
+                "no_evidence",
+                gpus=gpus,
+            )
         if diff:
             return self._differs(resource, ev, code, diff, gpus)
         st.differs_since = None
