@@ -97,6 +97,10 @@ class Settings(flags.DeviceFolder):
     # before it is a refused Register: the kubelet records an accepted one within milliseconds, seconds
     # on a loaded node. Readiness only: waiting costs nothing a restart could have saved.
     refusal_confirm: float = 10.0
+    # HAMi serves a new socket at once when kubelet.sock is created (and, when that start fails, retries
+    # 30 s later): a plugin that served none this long after a new kubelet answered missed the restart
+    # and fails at once instead of at the end of the grace. 0: the plugin does not behave so.
+    missed_restart_after: float = 5.0
     # DRA drivers (sidecar.dra.verdicts): judged besides, or instead of, the device plugins.
     dra_drivers: tuple[DraSpec, ...] = ()
     dra_grace: float = DEFAULT_DRA_GRACE
@@ -163,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=PERIOD,
         default=d.registration_grace,
         help=f"seconds a check may stay pending (default {d.registration_grace:g})",
+    )
+    p.add_argument(
+        "--missed-restart-after",
+        type=flags.seconds(0.0, flags.DAY),
+        default=d.missed_restart_after,
+        help="seconds after a kubelet restart within which a plugin must serve a new socket, as HAMi does "
+        f"at once, or it missed the restart and fails liveness (default {d.missed_restart_after:g}; 0: a "
+        "plugin that does not, the grace alone decides)",
     )
     p.add_argument(
         "--kubelet-version",
@@ -389,6 +401,7 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
         polling_interval=args.polling_interval,
         kubelet_process_name=args.kubelet_process_name,
         kubelet_version=args.kubelet_version,
+        missed_restart_after=args.missed_restart_after,
         dra_drivers=dra,
         dra_grace=args.dra_grace,
         dra_api=dra_api(parser, args, environ),

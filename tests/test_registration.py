@@ -633,6 +633,39 @@ def test_a_vanished_plugin_socket_in_either_removal_order(
     assert reg.kubelet_restarts == (verdict == "restart")
 
 
+@pytest.mark.parametrize(
+    ("listening", "expected"),
+    [
+        (True, ("pending", False)),  # its listener is there, unlinked: someone else removed the file
+        (False, ("failed", True)),  # the listener closed with the file: the plugin stopped
+        (None, ("failed", True)),  # sock_diag cannot tell: the kubelet.sock rule alone
+    ],
+)
+def test_a_socket_removed_under_a_plugin_that_still_listens_is_no_crash_however_late_the_kubelet(
+    listening: bool | None, expected: tuple[str, bool]
+) -> None:
+    """On a loaded node a kubelet restart's cleanup can remove the plugin's socket while kubelet.sock
+    still looks like the old one: the listener the kernel still holds for the unlinked file says the
+    plugin did not stop. Pending for the grace (a plugin restart serves the file again if no kubelet
+    restart follows), never a crash verdict on a timing window."""
+    reg, clock, _ = make(grace=5.0)
+    node = Node()
+    reg.round(node.round())
+    reg.plugin_socket_deleted(GPU)
+    seen = AfterDeletion(plugin=None, kubelet=K1, kubelet_refuses=False, listening=listening)
+    if reg.judge_vanished(GPU, seen, restart_window_over=False):
+        reg.judge_vanished(GPU, seen, restart_window_over=True)
+    node.plugin = ProbeResult("absent", "no such file", 0.001, None)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == expected
+    if listening:
+        assert "still listens" in reason(reg, f"plugin:{GPU}")
+        clock.now += 5  # no kubelet restart came within the grace: the plugin's restart serves it again
+        reg.round(node.round())
+        assert status(reg, f"plugin:{GPU}") == ("failed", True)
+
+
 def test_a_plugin_that_serves_a_new_socket_within_its_window_is_no_crash() -> None:
     """HAMi removes its socket and serves a new one on every kubelet.sock creation."""
     reg, _, seen = make()
@@ -1283,3 +1316,82 @@ def test_a_refused_path_is_no_drop_when_its_dials_close_unless_the_kubelet_marke
     assert status(reg, f"registered:{GPU}") == ("failed", False)
     assert shown in reason(reg, f"registered:{GPU}")
     assert seen.restart_requests == 0
+
+
+# -- after a kubelet restart: HAMi's answer, or none --------------------------------------------------
+
+
+def restarted(grace: float = 45.0, **rules: object) -> tuple[DevicePluginJudge, Clock, Published, Node]:
+    """A held plugin, then a kubelet restart whose cleanup removed its socket; the new kubelet answers."""
+    reg, clock, seen = make(grace=grace, **rules)
+    node = Node()
+    reg.round(node.round())
+    reg.plugin_socket_deleted(GPU)
+    reg.judge_vanished(GPU, AfterDeletion(None, None, False), restart_window_over=False)
+    node.kubelet, node.plugin, node.connections = alive(K2), ProbeResult("absent", "gone", 0.001, None), 0
+    clock.now += 0.5
+    reg.round(node.round())
+    return reg, clock, seen, node
+
+
+def test_a_plugin_that_served_no_new_socket_after_the_kubelet_restart_missed_it_and_fails_at_once() -> None:
+    reg, clock, _, node = restarted()
+    assert status(reg, f"plugin:{GPU}") == ("pending", False)
+    assert reg.wake_at() == clock.now + 5.0
+    clock.now += 4.9
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("pending", False)
+    clock.now += 0.1
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)  # not 45 s later: it missed the restart
+    assert "missed the kubelet's restart" in reason(reg, f"plugin:{GPU}")
+
+
+def test_a_hami_start_that_failed_after_the_kubelet_restart_waits_for_its_own_retry() -> None:
+    """HAMi served a new socket for the new kubelet, its Register failed, it stopped the plugin (the socket
+    went) and retries 30 s later: no restart from us before that retry is due."""
+    reg, clock, _, node = restarted()
+    reg.plugin_socket_created(GPU, P2)
+    clock.now += 0.2
+    reg.plugin_socket_deleted(GPU)
+    reg.judge_vanished(GPU, AfterDeletion(None, K2, False, listening=False), restart_window_over=True)
+    for _ in range(40):  # 40 s: its 30 s retry is due within the grace
+        clock.now += 1
+        reg.round(node.round())
+        assert status(reg, f"plugin:{GPU}")[1] is False
+    assert "a failed start" in reason(reg, f"plugin:{GPU}")
+    node.plugin = alive(P3)  # the retry
+    reg.plugin_socket_created(GPU, P3)
+    node.connect(301)
+    node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 9_000)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("ok", False)
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_a_plugin_not_following_hamis_behaviour_keeps_the_constant_grace() -> None:
+    reg, clock, _, node = restarted(grace=45.0, missed_restart_after=0.0)
+    clock.now += 30
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("pending", False)
+
+
+def test_a_plugin_timeout_in_a_round_whose_kubelet_probe_timed_out_too_is_no_hang() -> None:
+    """Every probe of a starved node (or a starved sidecar) times out: the plugin is judged hung only in a
+    round where kubelet.sock answered in time."""
+    reg, clock, seen = make()
+    node = Node()
+    reg.round(node.round())
+    hung = ProbeResult("timeout", "timeout: no answer", 2.0, P1)
+    node.kubelet, node.plugin = ProbeResult("timeout", "timeout: no answer", 2.0, K1), hung
+    for _ in range(5):
+        clock.now += 1
+        reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("ok", False)
+    assert seen.restart_requests == 0
+    node.kubelet = alive(K1)  # the kubelet answers: the plugin alone is slow
+    for _ in range(2):
+        clock.now += 0.2
+        reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)

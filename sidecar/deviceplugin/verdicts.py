@@ -186,6 +186,9 @@ class Rules:
     drop_confirm: float = 0.2  # a lost connection must stay lost this long to be a drop
     # A later connection must stay unrecorded this long to be a refused Register (sidecar.config).
     refusal_confirm: float = 10.0
+    # HAMi serves a new socket at once when kubelet.sock is created: a plugin that served none this long
+    # after a new kubelet answered missed the restart. 0: not HAMi's behaviour, the grace alone decides.
+    missed_restart_after: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,9 @@ class AfterDeletion:
     plugin: SocketId | None  # the plugin socket now (back already?)
     kubelet: SocketId | None  # kubelet.sock now
     kubelet_refuses: bool  # kubelet.sock is a dead file
+    # A listener bound to the deleted file still exists in the plugin's network namespace (sock_diag):
+    # the plugin still serves and someone else removed its file. None: cannot be told.
+    listening: bool | None = None
 
 
 class Listener(Protocol):
@@ -365,6 +371,8 @@ class _PluginState:
     # Its own socket answered, or was seen created, since start: a missing one is then a crash. A creation
     # is enough: a plugin that bound its own name serves under it, whether or not a probe caught it alive.
     served: bool = False
+    # It created a socket since the last kubelet restart began: it heard the restart (HAMi's answer).
+    since_restart: bool = False
     others: dict[str, SocketId] | None = None  # other sockets served in the folder, last round
     found: str | None = None  # the socket it seems to serve instead of its own
 
@@ -407,6 +415,8 @@ class DevicePluginJudge:
         self.history: deque[Attempt] = deque(maxlen=50)
         self.generation = 0  # kubelet restarts seen: a round begun before one is stale
         self._kubelet_down = False  # a kubelet restart is under way
+        self._kubelet_back_at: float | None = None  # monotonic: a new kubelet answered after a restart
+        self._starved = False  # this round's kubelet probe timed out too: the node (or we) are starved
         self._kubelet_id: SocketId | None = None  # kubelet.sock as last seen answering
         self._kubelet_recreated = False
         # The checkpoint's mtime_ns as the last round read it before its connections: a connection first
@@ -445,6 +455,9 @@ class DevicePluginJudge:
         held plugin or a refusal (monotonic), if one must."""
         drop, refusal, now = self.rules.drop_confirm, self.rules.refusal_confirm, self.clock()
         due = [t + drop for p in self._plugins.values() for t in (p.lost_at, p.failed_at) if t is not None]
+        back, missed = self._kubelet_back_at, self.rules.missed_restart_after
+        if back is not None and missed and any(not p.since_restart for p in self._plugins.values()):
+            due += [back + missed] if back + missed > now else []
         for p in self._plugins.values():
             pending = [(p.contradicted_at, drop)]
             pending += [(c.first_seen, refusal) for c in p.conns.values() if not c.recorded and not c.refused]
@@ -489,6 +502,8 @@ class DevicePluginJudge:
             return
         p.identity, p.kubelet_then, p.known = identity, self._kubelet_id, True
         p.judging, p.vanished, p.lost_at, p.connected_pair = False, None, None, None
+        # HAMi's own answer to a kubelet restart, not a restart liveness asked for.
+        p.since_restart = self.kubelet_restarts > 0 and not p.episode and not p.restarts_in_vain
         # Its own socket came: whatever serves elsewhere in the folder is no restart of this plugin, even
         # where it stopped before a round probed it, or before its event was handled (identity None: the
         # cycle above is opened on the event alone too).
@@ -523,10 +538,38 @@ class DevicePluginJudge:
             return False
         plugin = self.plugin_for(resource)
         restart = self._restart_removed(p, seen)
+        if not restart and seen.listening:
+            # The plugin did not stop: its listener is there, unlinked. Something else removed the file:
+            # a kubelet restart's cleanup (kubelet.sock may still be the old one on a loaded node), or
+            # a person. A plugin restart mends the latter only: pending for the grace, waiting for the
+            # kubelet's word, never a crash.
+            p.judging = False
+            name = CheckKey(Kind.PLUGIN, resource).name
+            verdict = (
+                f"{plugin.socket} was removed while the plugin still listens on it (a kubelet restart "
+                "removes every plugin socket before the new kubelet listens): waiting for kubelet.sock "
+                "to tell; a plugin restart serves it again if no kubelet restart follows"
+            )
+            p.vanished = _Vanished(verdict, gone=False)
+            self.state.reset([name])
+            self.state.report(name, False, verdict, definitive=False, restarts=not self._kubelet_down)
+            return False
         if not restart and not restart_window_over:
             return True
         p.judging = False
         name = CheckKey(Kind.PLUGIN, resource).name
+        if not restart and self.rules.missed_restart_after and p.since_restart and p.connected_pair is None:
+            # The socket it served for the new kubelet went before the kubelet held it: HAMi's failed
+            # start (its Register refused or failed), which it retries 30 s later by itself. Pending
+            # for the grace, which covers that retry.
+            verdict = (
+                f"{plugin.socket} came and went after the kubelet's restart before the kubelet held it: "
+                "a failed start, which HAMi retries 30 s later by itself"
+            )
+            p.vanished = _Vanished(verdict, gone=False)
+            self.state.reset([name])
+            self.state.report(name, False, verdict, definitive=False, restarts=True)
+            return False
         if restart:
             # A new kubelet.sock a probe has already seen answering is a restart already counted
             # (and its cycles opened): the removal is that restart's cleanup, not another one.
@@ -574,8 +617,10 @@ class DevicePluginJudge:
         if self._kubelet_down:
             return
         self._kubelet_down = True
+        self._kubelet_back_at = None
         self.generation += 1
         for p in self._plugins.values():
+            p.since_restart = False
             # A kubelet restart ends a failure episode: the new socket HAMi then serves is not a
             # restart the livenessProbe asked for.
             p.lost_at, p.connected_pair, p.episode = None, None, False
@@ -636,6 +681,7 @@ class DevicePluginJudge:
         if seen.generation not in (None, self.generation):
             return []
         self.kubelet_rules = seen.kubelet_rules
+        self._starved = seen.kubelet.state == "timeout"
         self._judge_kubelet(seen.kubelet)
         self._judge_checkpoint(seen.checkpoint)
         vanished = []
@@ -660,6 +706,8 @@ class DevicePluginJudge:
         if k.ok:
             if self._kubelet_recreated:
                 self._kubelet_gone(f"a new {self.rules.kubelet_socket} answers")
+            if self._kubelet_down and self.kubelet_restarts:
+                self._kubelet_back_at = self.clock()
             self._kubelet_down = False
             self._kubelet_recreated = False
             self._kubelet_id = k.identity
@@ -695,6 +743,10 @@ class DevicePluginJudge:
             return True
         if result.state == "absent" and p.vanished is not None:
             v = p.vanished  # keep the verdict and its why
+            missed = self._missed_restart(p)
+            if missed:
+                self.state.report(name, False, missed, definitive=True, restarts=True)
+                return False
             self.state.report(name, False, v.verdict, definitive=v.gone, restarts=not self._kubelet_down)
             return False
         if result.ok and result.identity != p.identity:
@@ -721,12 +773,33 @@ class DevicePluginJudge:
         self._report_plugin(plugin, p, result)
         return False
 
+    def _missed_restart(self, p: _PluginState) -> str:
+        """Why the plugin missed the kubelet's restart, or "": a HAMi plugin answers a new kubelet.sock by
+        serving a new socket at once (a failed start retries 30 s later, its socket having come and
+        gone), so one that served none `missed_restart_after` after the new kubelet answered will not
+        register on its own: waiting out the grace buys nothing."""
+        wait = self.rules.missed_restart_after
+        back = self._kubelet_back_at
+        if not wait or back is None or self._kubelet_down or p.since_restart:
+            return ""
+        if self.clock() - back < wait:
+            return ""
+        return (
+            f"the plugin served no new socket within {wait:g}s of the new kubelet.sock: it missed the "
+            "kubelet's restart (HAMi serves a new socket at once when kubelet.sock is created) and will "
+            "not register on its own; a plugin restart registers it"
+        )
+
     def _verdict_due(self, name: str, p: _PluginState, result: ProbeResult) -> bool:
         """Whether the probe's outcome is reported now. A plugin that answered fails liveness on a
         second failed probe, `drop_confirm` after the first, not the first: one stalled call would
         otherwise hold /healthz at 503 for a whole interval."""
         if result.ok or result.definitive:
             p.failed_at = None
+        elif result.state == "timeout" and self._starved:
+            # kubelet.sock timed out in the same round: a starved node, or a starved sidecar, times out
+            # every probe; a hung plugin alone does not make the kubelet slow. No verdict this round.
+            return False
         elif self.state.checks[name].status is Status.OK:
             now = self.clock()
             if p.failed_at is None:

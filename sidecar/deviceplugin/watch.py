@@ -23,6 +23,7 @@ from typing import Protocol, TypeVar
 
 from hami_guard.flags import Expect
 from hami_guard.node import release
+from hami_guard.node.netunix import LISTEN
 from hami_guard.node.unixdiag import (
     KUBELET_BOUND_PATH,
     KUBELET_PROCESS_NAMES,
@@ -105,6 +106,7 @@ class DevicePluginWatch:
             device_glob=s.device_glob,
             drop_confirm=s.drop_confirm,
             refusal_confirm=s.refusal_confirm,
+            missed_restart_after=s.missed_restart_after,
         )
         self.publish = publish
         self.judge = DevicePluginJudge(rules, publish, clock, wall)
@@ -116,6 +118,8 @@ class DevicePluginWatch:
         self._rules: KubeletRules | None = None  # the kubelet's release rules, as last read
         self._rules_read: tuple[int, float] = (-1, 0.0)  # (judge generation, monotonic) of that read
         self._clock = clock
+        # Each plugin socket's file (st_dev, st_ino) as the last round saw it: its listener outlives it.
+        self._bound: dict[str, tuple[int, int] | None] = {}
         for p in s.plugins:
             publish.series(p.resource)
 
@@ -156,6 +160,7 @@ class DevicePluginWatch:
         for plugin, result in zip(s.plugins, plugins, strict=True):
             self.publish.probed(plugin.socket, result.latency)
             observed[plugin.resource] = self._evidence(plugin, result, table)
+            self._bound[plugin.resource] = _file_id(s.plugin_path(plugin))
         connections = table.connections
         self.connections_source = connections if isinstance(connections, str) else connections.source
         seen = RoundEvidence(
@@ -181,11 +186,13 @@ class DevicePluginWatch:
         s = self.settings
         try:
             await asyncio.sleep(s.vanish_settle)
+            listening = _still_listening(self._bound.get(plugin.resource))
             for window_over in (False, True):
                 seen = AfterDeletion(
                     plugin=socket_identity(s.plugin_path(plugin)),
                     kubelet=socket_identity(s.kubelet_path),
                     kubelet_refuses=socket_refuses(s.kubelet_path),
+                    listening=listening,
                 )
                 if not self.judge.judge_vanished(plugin.resource, seen, window_over):
                     break
@@ -306,6 +313,19 @@ def _served_elsewhere(folder: str, mine: set[str]) -> tuple[tuple[str, SocketId]
         if identity is not None and not socket_refuses(path):
             out.append((name, identity))
     return tuple(out)
+
+
+def _still_listening(bound: tuple[int, int] | None) -> bool | None:
+    """Does a listener bound to the file `bound` (st_dev, st_ino) still exist in this network namespace
+    (the pod's, which the plugin shares)? The kernel keeps a socket's bound file identity after the file
+    is unlinked (UNIX_DIAG_VFS), and no one binds another socket to an unlinked file. None: unknown."""
+    if bound is None:
+        return None
+    try:
+        found = diag_dump({bound})
+    except DiagUnavailable:
+        return None
+    return any(u.state == LISTEN and u.vfs == bound for u in found)
 
 
 def _mtime_ns(path: str) -> int | None:

@@ -46,6 +46,15 @@ class Oracle:
     mismatches: list[str] = field(default_factory=list)
     serving: bool = True
     allocated: int = 0
+    # The kubelet refused a Register at the plugin's path ("already connected", 1.37) and forgot its
+    # client: every Register there is refused until it restarts. Whether the stream it kept still runs
+    # on an open connection is beyond what the kubelet shows: the sidecar must name the trap (not
+    # ready) and never fail liveness for registration.
+    trapped: bool = False
+
+    def refused(self) -> None:
+        if "already connected" in (self.plugin.last_register_error or ""):
+            self.trapped = True
 
     async def truth(self) -> Truth:
         held = self.serving and await self.plugin.streams_open() > 0
@@ -61,7 +70,9 @@ class Oracle:
 
     async def settle(self) -> None:
         """Agree within SETTLE seconds, and never a 503 while the kubelet holds a serving plugin."""
-        deadline = time.monotonic() + SETTLE
+        # A refusal is told by the kubelet's record not coming over `refusal_confirm`.
+        wait = SETTLE + (self.node.settings.refusal_confirm if self.trapped else 0.0)
+        deadline = time.monotonic() + wait
         await asyncio.sleep(self.node.settings.drop_confirm)
         while True:
             self.node.sidecar.trigger()
@@ -70,10 +81,18 @@ class Oracle:
             registered, live, ready, count = self.verdicts()
             if truth.held and truth.serving and not live:
                 self.mismatches.append(f"wrong liveness 503 while held, after {self.history}")
-            expected_ready = truth.held and self.node.sidecar.state.checks["kubelet"].status.value == "ok"
+            checks = self.node.sidecar.state.checks
+            if self.trapped and checks[f"registered:{GPU}"].live_failed:
+                self.mismatches.append(
+                    f"liveness 503 for a path only a kubelet restart mends, after {self.history}"
+                )
+            expected_ready = truth.held and checks["kubelet"].status.value == "ok"
             agree = registered == truth.held and ready == expected_ready
             if truth.held:
                 agree = agree and count == truth.allocatable
+            if self.trapped:
+                named = checks[f"kubelet-client:{GPU}"].status.value == "failed"
+                agree = not ready and (named or checks[f"registered:{GPU}"].status.value == "failed")
             if agree:
                 return
             if time.monotonic() > deadline:
@@ -111,12 +130,14 @@ class Oracle:
             graceful = self.rng.random() < 0.5
             again = self.rng.random() < 0.7
             await k.restart(unlink_socket=graceful)
-            self.allocated = 0
+            self.allocated, self.trapped = 0, False
             self.history.append(f"kubelet restart graceful={graceful} plugin registers again={again}")
             if again and self.serving:
                 await p.restart()
+                self.refused()
         elif event == "plugin-restart" and self.serving:
             await p.restart()
+            self.refused()
             self.history.append("plugin restart")
         elif event == "second-register" and self.serving:
             # Registers again on its own socket, then ends its first stream while its server serves on:
@@ -124,6 +145,7 @@ class Oracle:
             # stream; 1.37 refuses the Register, forgets both clients, and notices no stream's end.
             mark = k.mark()
             accepted = await p.register()
+            self.refused()
             if accepted:
                 # The second stream's first answer is in before the first ends. (Ended at once, the
                 # two race in the old kubelet: a late answer can mark the stopped endpoint's devices
@@ -142,6 +164,7 @@ class Oracle:
             await p.serve()
             self.serving = True
             await p.register()
+            self.refused()
             self.history.append("plugin serves and registers")
         elif event == "allocate":
             try:

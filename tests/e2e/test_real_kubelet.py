@@ -383,3 +383,15 @@ async def test_a_second_register_on_its_own_socket_then_the_first_stream_ends(no
             assert await plugin.restart()
             await plugin.wait_event("stream-open", after=mark)
             await node.until("/readyz", 200)
+
+
+async def test_the_sidecar_reads_the_kubelets_release_from_its_binary(node_factory: Any) -> None:
+    """The rules that differ between releases follow the kubelet's own binary (its Go build information):
+    the fixture's names the kubernetes module it embeds."""
+    async with node_factory(name_kubelet=True) as node:
+        await node.plugin(watch_kubelet=False)
+        await node.until("/readyz", 200)
+        found = status_document(node.sidecar)["kubelet_release"]
+        assert found["version"] == node.kubelet.version, found
+        assert found["source"].startswith("the binary of pid"), found
+        assert found["rules"] == ("1.37" if has_pr_135437(node.release) else "1.30-1.36"), found
