@@ -10,11 +10,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from doctor.dra.causes import dra_causes
+from doctor.hami import hami_causes
 from doctor.patterns import ALREADY_CONNECTED, DRIVER_FIX, RESTART_PLUGIN, RUNTIME_FIX
 from doctor.shell import command
 from doctor.types import (
     CAUSES,
     DRA_CAUSES,
+    HAMI_CAUSES,
     Cause,
     DriverNodes,
     KubeletProcess,
@@ -39,7 +41,7 @@ from sidecar.deviceplugin.verdicts import (
 )
 
 ORDER = {cause: i for i, (cause, _) in enumerate(CAUSES)}
-RANK = {cause: i for i, (cause, _) in enumerate(CAUSES + DRA_CAUSES)}
+RANK = {cause: i for i, (cause, _) in enumerate(CAUSES + DRA_CAUSES + HAMI_CAUSES)}
 # initcheck's checks that are about permission; the others are about the socket's path.
 PERMISSION_CHECKS = frozenset(
     ("PERMISSION_DENIED", "OWNER_MISMATCH", "GROUP_MISMATCH", "MODE_MISMATCH", "MODE_TOO_OPEN")
@@ -102,6 +104,8 @@ def diagnose(e: NodeEvidence) -> list[Cause]:
                 c.fix = [DRIVER_FIRST]
     if e.dra is not None:
         causes += dra_causes(e.dra, e.dra_logs, e.kubelet.version)
+    if e.hami is not None:
+        causes += hami_causes(e.hami, e.plugin_logs)
     causes.sort(key=lambda c: (c.verdict != "problem", RANK[c.id]))
     return causes
 

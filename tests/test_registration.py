@@ -311,9 +311,9 @@ UP_TO_136 = KubeletRules("v1.36.5", "the setting --kubelet-version", refuses_sec
         # Up to 1.36 the kubelet accepts a second Register on the path it holds: never a refusal, however
         # late (or never) its record comes.
         pytest.param(UP_TO_136, None, False, id="1.36, never recorded"),
-        # 1.37 refuses it unless the old client was gone: a record within the bound is an acceptance,
-        # however late on a loaded node.
-        pytest.param(NEWEST, 1.5, False, id="1.37, recorded late"),
+        # 1.37 refuses it unless the old client was gone (its connection closed first): then a record
+        # within the bound is an acceptance, however late on a loaded node.
+        pytest.param(NEWEST, 1.5, False, id="1.37, the old connection closed, recorded late"),
         pytest.param(NEWEST, None, True, id="1.37, never recorded"),
     ],
 )
@@ -327,6 +327,8 @@ def test_whether_a_second_register_was_refused_follows_the_kubelets_release_and_
     node.connect(101, 102)
     for step in range(1, 31):
         clock.now += 0.1
+        if record_after is not None and step == 3:
+            node.connect(102)  # the old stream's end: 1.37 closes its connection, then frees the path
         if record_after is not None and abs(step * 0.1 - record_after) < 1e-9:
             node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 4_000)
         reg.round(node.round())
@@ -348,7 +350,7 @@ def test_a_record_that_landed_before_the_round_that_first_saw_its_connection_cou
     node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 4_000)
     clock.now += 1
     reg.round(node.round())
-    node.connect(101, 102)
+    node.connect(102)  # the old connection closed first (1.37 accepts a second Register only then)
     node.checkpoint_before = 4_000
     for _ in range(5):
         clock.now += 1
@@ -1395,3 +1397,27 @@ def test_a_plugin_timeout_in_a_round_whose_kubelet_probe_timed_out_too_is_no_han
         clock.now += 0.2
         reg.round(node.round())
     assert status(reg, f"plugin:{GPU}") == ("failed", True)
+
+
+def test_on_137_a_connection_that_stays_beside_the_registered_one_is_refused_whatever_was_written() -> None:
+    """1.37 disconnects the client it holds before it accepts another Register at that path: a later
+    connection that came and stayed beside the one that carried the registration was refused, even where
+    the kept stream's own write (a health change, a takeover's first answer) landed just after it came
+    and looks like its record."""
+    reg, clock, _ = make(drop_confirm=0.2, refusal_confirm=2.0)
+    node = Node()
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 102)
+    node.checkpoint = Checkpoint({GPU: ("GPU-0",)}, 4_000)  # the kept stream writes a health change
+    for _ in range(25):
+        clock.now += 0.1
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    assert status(reg, f"kubelet-client:{GPU}") == ("failed", False)
+    node.connect(102)  # the kept stream's connection closes: phantom capacity, readiness only
+    node.pod_resources = {GPU: frozenset({"GPU-0"})}
+    for _ in range(3):
+        clock.now += 0.2
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)

@@ -300,6 +300,9 @@ class _Conn:
     checkpoint_before: int | None
     recorded: bool  # the kubelet wrote a device list after it came: a Register it accepted
     refused: bool = False  # stayed unrecorded past its confirmation: a later write is another stream's
+    # The connection that carried the registration when it came, while every table since has held it
+    # too (None: none known, or it closed): 1.37 accepts a second Register only once that one is closed.
+    alongside: int | None = None
 
 
 class _Pair(NamedTuple):
@@ -1189,9 +1192,12 @@ class DevicePluginJudge:
             p.contradicted_at, p.refused = None, False
             return
         for i in ids - p.conns.keys():
-            p.conns[i] = _Conn(now, self._checkpoint_mtime, False)
+            p.conns[i] = _Conn(now, self._checkpoint_mtime, False, alongside=p.registered_conn)
         for i in p.conns.keys() - ids:
             del p.conns[i]
+        for c in p.conns.values():
+            if c.alongside is not None and c.alongside not in ids:
+                c.alongside = None
         self._mark_recorded(p, cp, r)
 
     @staticmethod
@@ -1264,11 +1270,17 @@ class DevicePluginJudge:
         a second Register: the caller asks only under 1.37's rules. An accepted Register records its
         list within milliseconds, seconds on a loaded node: the bound is long, and only readiness waits.
         """
-        for c in p.conns.values():
-            if not c.recorded and not c.refused and now - c.first_seen >= self.rules.refusal_confirm:
+        for i, c in p.conns.items():
+            if c.refused or now - c.first_seen < self.rules.refusal_confirm:
+                continue
+            if not c.recorded or c.alongside is not None:
                 # Refused for as long as it stays open: the stream the kubelet kept rewrites the
                 # checkpoint too, and would pass for it. (A connection that closes ends the verdict.)
+                # One that came, and stayed, beside the connection that carried the registration is
+                # refused whatever was written: 1.37 disconnects that one before it accepts another.
                 c.refused = p.refused = True
+                if p.registered_conn == i:
+                    p.registered_conn = c.alongside
         refused = sum(1 for c in p.conns.values() if c.refused)
         if refused:
             p.trap = (
@@ -1320,7 +1332,10 @@ class DevicePluginJudge:
         r, sock = plugin.resource, plugin.socket
         ids = obs.connection_ids
         closed = p.registered_conn is not None and ids is not None and p.registered_conn not in ids
-        if closed and not p.refused:
+        # Only newer connections left, each awaiting its record: a Register under way after the old
+        # stream's end (1.37 frees the path then), not 1.2's pattern; the refusal rule decides them.
+        awaiting = all(not c.recorded and not c.refused for c in p.conns.values())
+        if closed and not p.refused and not awaiting:
             # 1.2: the connection that carried the registration closed while older ones stay (up to
             # 1.36, the end of an older stream disconnects the newest client: the older connections
             # carry no stream).

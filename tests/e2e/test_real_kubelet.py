@@ -181,9 +181,10 @@ async def test_issue_121994_on_the_old_release_is_a_drop_the_sidecar_names(node_
     """A registered, B registers on the same socket path, A's stream ends: the old kubelet disconnects B.
 
     On the new release (PR 135437) B is refused while A's endpoint holds the path, and A's end leaves
-    an endpoint with no stream at all: not held either way, so the sidecar fails both, differently.
+    an endpoint with no stream at all: not held either way, so the sidecar fails both, differently
+    (the new release's readiness only: a plugin restart is refused the same way).
     """
-    async with node_factory() as node:
+    async with node_factory(refusal_confirm=2.0) as node:
         a = await node.plugin(watch_kubelet=False)
         await node.until("/readyz", 200)
         b = await node.plugin(devices=("GPU-0", "GPU-1", "GPU-2"), watch_kubelet=False, register=False)
@@ -212,9 +213,12 @@ async def test_issue_121994_on_the_old_release_is_a_drop_the_sidecar_names(node_
             assert not registered
             assert "device plugin already connected" in (b.last_register_error or "")
             await a.crash(remove_socket=True)
-            # The refused Register's dial stays open: connected, but no device list recorded since.
-            await node.until("/healthz?verbose", 503, contains="recorded no device list")
+            # The refused Register's dial stays open: connected, but no device list recorded since, and
+            # A's endpoint stays with no stream (its end went unnoticed): the stale-endpoint trap, which
+            # only a kubelet restart mends. Not ready, never a liveness 503.
+            await node.until("/readyz?verbose", 503, contains="with no stream of this socket behind them")
             assert await b.streams_open() == 0
+            assert (await node.get("/healthz"))[0] == 200
         # A plugin restart is the remedy on the old release; the budget bounds it on the new one.
         if not has_pr_135437(node.release):
             mark = b.mark()
