@@ -29,6 +29,7 @@ from hami_guard.flags import Expect
 from hami_guard.node import release
 from hami_guard.node.netunix import LISTEN
 from hami_guard.node.unixdiag import (
+    DIAG_DEADLINE,
     KUBELET_BOUND_PATH,
     KUBELET_PROCESS_NAMES,
     Connections,
@@ -305,8 +306,10 @@ class DevicePluginWatch:
         return self._rules
 
     async def _socket_table(self) -> _SocketTable:
-        """The kubelet's connections, read on the table's thread within the probe timeout."""
-        got = await self._table.read(self._read_socket_table, self.settings.probe_timeout)
+        """The kubelet's connections, read on the table's thread within the probe timeout or the dump's
+        deadline (2 s), the longer."""
+        # Not the probe timeout alone, which may be 50 ms: a read of 100,000 sockets takes a few hundred.
+        got = await self._table.read(self._read_socket_table, max(self.settings.probe_timeout, DIAG_DEADLINE))
         table = _SocketTable(got, set(), got) if isinstance(got, str) else got
         self.kubelets_ignored = table.ignored
         self.table_read_seconds = self._table.last_read
