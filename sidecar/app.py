@@ -208,6 +208,8 @@ class Sidecar:
         """One round: the device plugins', then the DRA drivers' (their verdicts into the same checks)."""
         if self._folder_id is not None and self._folder_replaced():
             self._await_folder()
+        if self.hami is not None:  # the kubelet's release as its Node reports it, where its binary is shut
+            self.device_plugins.node_kubelet_version = self.hami.kubelet_version()
         for plugin in await self.device_plugins.round():
             self._follow_vanished(plugin)
         if self.dra is not None:
@@ -222,7 +224,9 @@ class Sidecar:
         if h is None or not h.due() or (self._hami_task is not None and not self._hami_task.done()):
             return
         checks = hami.plugin_checks(self.state, [k.resource for k in h.keys])
-        self._hami_task = self._tasks.spawn(h.round(checks), "hami")
+        # The round's own pod-resources reading: one call, not two.
+        read = h.round(checks, kubelet=self.device_plugins.pod_resources)
+        self._hami_task = self._tasks.spawn(read, "hami")
 
     # -- state changes -----------------------------------------------------------------
     def _schedule_refresh(self) -> None:

@@ -194,7 +194,10 @@ class DevicePluginWatch:
         self.expectation: hamiconfig.Expectation | None = None  # auto's, as last read
         self._others: tuple[tuple[str, SocketId], ...] = ()
         self._reader: ThreadPoolExecutor | None = None
-        self._rules: KubeletRules | None = None  # the kubelet's release rules, as last read
+        self._rules: KubeletRules | None = None  # the kubelet's release rules, as its binary last said
+        # The kubelet's version as this node's Node reports it (sidecar.hami reads the Node), "": unknown.
+        self.node_kubelet_version = ""
+        self.pod_resources: Reading[dict[str, frozenset[str]]] | None = None  # the last round's
         self._rules_read: tuple[int, float] = (-1, 0.0)  # (judge generation, monotonic) of that read
         self._clock = clock
         # Each plugin socket's file (st_dev, st_ino) as the last round saw it: its listener outlives it.
@@ -233,6 +236,7 @@ class DevicePluginWatch:
         # pod-resources before the checkpoint: the kubelet changes its live view before it rewrites
         # the file, so the other order can see devices recorded healthy that it no longer lists.
         pod_resources = await pod_resources_devices(s.pod_resources_socket, s.probe_timeout)
+        self.pod_resources = pod_resources
         checkpoint = await self._checkpoint()
         auto = s.expect_devices.kind is Expect.AUTO
         host_devices = len(glob.glob(s.device_glob)) if auto else None
@@ -298,12 +302,21 @@ class DevicePluginWatch:
             and last_generation == generation
             and (self._rules.version or now - last_read < RELEASE_RETRY)
         ):
-            return self._rules
+            return self._node_rules(self._rules)
         read = partial(release.from_process, self.names)
         late = "the kubelet's binary could not be read in time"
         self._rules = kubelet_rules(await self._off_loop(read, late))
         self._rules_read = (generation, now)
-        return self._rules
+        return self._node_rules(self._rules)
+
+    def _node_rules(self, binary: KubeletRules) -> KubeletRules:
+        """Where the binary names no release, the one this node's Node reports (status.nodeInfo)."""
+        reported = self.node_kubelet_version
+        minor = release.parse(reported) if reported and not binary.version else None
+        if minor is None:
+            return binary
+        source = f"the Node's status.nodeInfo.kubeletVersion (the binary: {binary.source})"
+        return kubelet_rules(release.Release(reported, minor, source))
 
     async def _socket_table(self) -> _SocketTable:
         """The kubelet's connections, read on the table's thread within the probe timeout or the dump's

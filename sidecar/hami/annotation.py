@@ -92,6 +92,7 @@ class NodeView:
     annotations: dict[str, str] = field(default_factory=dict)  # only the keys asked for
     allocatable: dict[str, int | None] = field(default_factory=dict)  # None: not an integer count
     boot_id: str = ""  # status.nodeInfo.bootID, as the kubelet reports it
+    kubelet_version: str = ""  # status.nodeInfo.kubeletVersion, as the kubelet reports it
 
 
 def parse_register(value: str) -> Register:
@@ -169,6 +170,9 @@ def _stamp(text: str) -> datetime | None:
     return None
 
 
+MAX_KUBELET_VERSION = 128  # a version string longer than this is no version
+
+
 def parse_node(body: bytes, keys: Iterable[str]) -> NodeView | str:
     """A Node object's name, the annotations `keys`, allocatable counts and boot ID; or why not."""
     if len(body) > MAX_NODE:
@@ -183,13 +187,15 @@ def parse_node(body: bytes, keys: Iterable[str]) -> NodeView | str:
     annotations = _dict(meta.get("annotations"))
     picked = {k: v for k in keys if isinstance(v := annotations.get(k), str)}
     allocatable = {k: _count(v) for k, v in _dict(status.get("allocatable")).items() if isinstance(k, str)}
-    boot = _dict(status.get("nodeInfo")).get("bootID")
+    info = _dict(status.get("nodeInfo"))
+    boot, kubelet = info.get("bootID"), info.get("kubeletVersion")
     name = meta.get("name")
     return NodeView(
         name if isinstance(name, str) else "",
         picked,
         allocatable,
         boot if isinstance(boot, str) else "",
+        kubelet if isinstance(kubelet, str) and len(kubelet) <= MAX_KUBELET_VERSION else "",
     )
 
 

@@ -131,6 +131,14 @@ class HamiWatch:
             publish.hami(k.resource, "no_evidence", None)
         self._into = (state, publish)
 
+    def kubelet_version(self) -> str:
+        """The kubelet's version as this node's Node last reported it ("" none, or a Node of another
+        machine: a wrong NODE_NAME must not choose the kubelet's rules)."""
+        node = self.reading.node if self.reading is not None else None
+        if node is None or (self.boot_id and node.boot_id != self.boot_id):
+            return ""
+        return node.kubelet_version
+
     def due(self) -> bool:
         """Whether a reading is due (at most one every `every` seconds)."""
         return self.read_at is None or self.clock() - self.read_at >= self.every

@@ -24,6 +24,7 @@ from sidecar.hami.verdicts import HANDSHAKE_EXPIRY, SCHEDULER_TICK
 from sidecar.hami.watch import HamiKeys, HamiWatch, boot_id
 from sidecar.health import HealthState, Status
 from sidecar.kube.access import ApiAccess
+from sidecar.server.status import status_document
 from testing import free_port, hami_device_ids
 from tests import apiserver
 from tests.conftest import wait_for
@@ -72,10 +73,13 @@ async def api(short_tmp: str) -> AsyncIterator[apiserver.ApiServer]:
         server.stop()
 
 
+KUBELET_VERSION = "v1.34.4"  # as the Node reports it
+
+
 async def set_status(api: apiserver.ApiServer, node: str, boot: str, gpus: int) -> None:
     body = {
         "status": {
-            "nodeInfo": {"bootID": boot},
+            "nodeInfo": {"bootID": boot, "kubeletVersion": KUBELET_VERSION},
             "capacity": {GPU: str(gpus)},
             "allocatable": {GPU: str(gpus)},
         }
@@ -111,6 +115,13 @@ async def test_the_stuck_patch_fails_liveness_and_a_restart_writes_it_again(
         hami_repair=REPAIR,
     ) as node:
         assert node.sidecar.hami is not None
+        # The kubelet's binary cannot be read here (the simulator runs in the test's process): the rules
+        # follow the release this node's Node reports.
+        await wait_for(
+            lambda: status_document(node.sidecar)["kubelet_release"]["version"] == KUBELET_VERSION,
+            what="the kubelet's release from the Node",
+        )
+        assert status_document(node.sidecar)["kubelet_release"]["rules"] == "1.30-1.36"
         # No annotation yet: HAMi's own loop is waited for (readiness says so, liveness does not fail).
         await wait_for(lambda: "HAMi's loop rewrites" in check(node)[2], what="the wait for HAMi's loop")
         assert check(node)[0] is Status.OK and (await node.get("/healthz"))[0] == 200
