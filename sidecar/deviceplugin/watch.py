@@ -272,7 +272,9 @@ class DevicePluginWatch:
         s = self.settings
         try:
             await asyncio.sleep(s.vanish_settle)
-            listening = _still_listening(self._bound.get(plugin.resource))
+            # A sock_diag dump: off the loop (a host's namespace may hold 100,000 sockets).
+            look = partial(_still_listening, self._bound.get(plugin.resource))
+            listening = await self._off_loop(look, None)
             for window_over in (False, True):
                 seen = AfterDeletion(
                     plugin=socket_identity(s.plugin_path(plugin)),
