@@ -50,7 +50,8 @@ test: lint typecheck pytest ## lint, types and every test (builds the Go fixture
 # which needs a Go build or an outside tool (the figure is in BENCHMARKS.md).
 CHECK_TESTS := tests/test_layers.py tests/test_registration.py tests/test_health.py tests/test_dra.py \
 	tests/test_config.py tests/test_hamiconfig.py tests/test_proto.py tests/test_dra_proto.py \
-	tests/test_serving.py tests/test_sidecar_cli.py tests/test_simulator.py tests/test_doctor_dra.py
+	tests/test_serving.py tests/test_sidecar_cli.py tests/test_simulator.py tests/test_doctor_dra.py \
+	tests/test_hami.py
 check: lint typecheck ## lint, types and the tests that need no Go build (under a minute)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(CHECK_TESTS)
 
@@ -271,6 +272,12 @@ $(DRA_RELEASES:%=dra-matrix-%): dra-matrix-%: $(STAMP) matrix-built-dra-%
 .PHONY: dra-slices
 dra-slices: $(STAMP) dra-fixture-new $(NODE_DIR)/bin/kube-apiserver
 	$(PY) -m pytest -q -m slow tests/e2e/test_dra_slices.py
+
+# HAMi's own registration against a real API server (tests/e2e/test_hami_registration.py): HAMi-shaped
+# writers of the Node's annotations (tests/hamifixture.py), kube-apiserver from make node-bins, Debian's etcd.
+.PHONY: hami-registration
+hami-registration: $(STAMP) $(NODE_DIR)/bin/kube-apiserver ## HAMi's registration against a real API server
+	$(PY) -m pytest -q -m slow tests/e2e/test_hami_registration.py
 
 # The serving-limits floods on loopback (about 75 s): /healthz p99 during each, peak RSS, fds, exit on
 # SIGTERM (BENCHMARKS.md#stress). STRESS_CPU_LIMIT=0.2 adds the manifests' CPU limit where cgroups allow.

@@ -10,11 +10,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from doctor.dra.causes import dra_causes
+from doctor.hami import hami_causes
 from doctor.patterns import ALREADY_CONNECTED, DRIVER_FIX, RESTART_PLUGIN, RUNTIME_FIX
 from doctor.shell import command
 from doctor.types import (
     CAUSES,
     DRA_CAUSES,
+    HAMI_CAUSES,
     Cause,
     DriverNodes,
     KubeletProcess,
@@ -39,7 +41,7 @@ from sidecar.deviceplugin.verdicts import (
 )
 
 ORDER = {cause: i for i, (cause, _) in enumerate(CAUSES)}
-RANK = {cause: i for i, (cause, _) in enumerate(CAUSES + DRA_CAUSES)}
+RANK = {cause: i for i, (cause, _) in enumerate(CAUSES + DRA_CAUSES + HAMI_CAUSES)}
 # initcheck's checks that are about permission; the others are about the socket's path.
 PERMISSION_CHECKS = frozenset(
     ("PERMISSION_DENIED", "OWNER_MISMATCH", "GROUP_MISMATCH", "MODE_MISMATCH", "MODE_TOO_OPEN")
@@ -102,6 +104,8 @@ def diagnose(e: NodeEvidence) -> list[Cause]:
                 c.fix = [DRIVER_FIRST]
     if e.dra is not None:
         causes += dra_causes(e.dra, e.dra_logs, e.kubelet.version)
+    if e.hami is not None:
+        causes += hami_causes(e.hami, e.plugin_logs)
     causes.sort(key=lambda c: (c.verdict != "problem", RANK[c.id]))
     return causes
 
@@ -292,6 +296,23 @@ def _by_connections(p: PluginEvidence, e: NodeEvidence, conns: int, accepted: in
     """The kubelet's connections to the plugin's socket are seen: held, dropped, or refused."""
     r, sock = p.spec.resource, p.spec.socket
     cp, live = e.checkpoint.value, e.pod_resources.value
+    if unrecorded_connection(conns, cp, accepted) and (refused := _refused_at(sock, e)):
+        # 1.37's stale endpoint: the kubelet keeps an earlier plugin's endpoint at the path (its end went
+        # unnoticed after a refusal forgot its client) and refuses this one's Register.
+        healthy = len(physical_devices(live.get(r, ()))) if live is not None else 0
+        phantom = (
+            f"; pod-resources lists {healthy} healthy device(s) of {r} with no stream of this socket behind "
+            "them (phantom capacity: Pods admitted to them fail in Allocate)"
+            if healthy
+            else ""
+        )
+        return Registration(
+            False,
+            f"the kubelet is connected to {sock} but recorded no device list from it, and its log says it "
+            f"refused the Register there ({refused}): it keeps the endpoint of an earlier plugin at that "
+            f"path and refuses the path until it restarts (Kubernetes 1.37){phantom}",
+            REFUSED_FIX,
+        )
     if unrecorded_connection(conns, cp, accepted):
         return Registration(
             False,

@@ -26,6 +26,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from doctor.dra.evidence import dra_kubelet_logs, gather_dra
+from doctor.hami import gather_hami
 from doctor.logscan import kubelet_logs, plugin_logs
 from doctor.patterns import KUBELET_PATTERNS, PLUGIN_PATTERNS
 from doctor.settings import DoctorSettings
@@ -180,6 +181,7 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
         ),
         errors=tuple(g.errors),
         **(await _dra_evidence(s, g, names) if s.dra_drivers else {}),
+        **(await _hami_evidence(s, g, pod_resources, plugins) if s.hami_api is not None else {}),
     )
 
 
@@ -196,6 +198,30 @@ async def _dra_evidence(s: DoctorSettings, g: Gathering, names: set[str]) -> dic
         "dra": tuple(readings),
         "dra_logs": tuple(g.take("kubelet DRA log", lambda: dra_kubelet_logs(s.kubelet_log, s.since), [])),
     }
+
+
+async def _hami_evidence(
+    s: DoctorSettings,
+    g: Gathering,
+    pod_resources: Reading[dict[str, frozenset[str]]],
+    plugins: tuple[PluginEvidence, ...],
+) -> dict[str, Any]:
+    """HAMi's registration of each resource with a known annotation (doctor/hami.py)."""
+    assert s.hami_api is not None
+    try:
+        readings = await gather_hami(
+            s.hami_api,
+            s.node_name,
+            s.hami_keys,
+            s.hami_handshake,
+            kubelet=pod_resources,
+            serving={p.spec.resource: p.probe.ok for p in plugins},
+            timeout=max(s.probe_timeout, 1.0),
+        )
+    except Exception as e:  # a broken reader never costs the whole report
+        g.errors.append(f"HAMi's registration: {type(e).__name__}: {e}")
+        return {}
+    return {"hami": readings}
 
 
 _NO_OWNER = SocketOwner("unknown", "could not be read")
@@ -231,7 +257,9 @@ def _read_connections(
     unseen: Connections | str = "the kubelet's connections could not be read"
     seen = g.take(
         "the kubelet's connections",
-        lambda: kubelet_connections(s.kubelet_path, names=names, mine=mine),
+        lambda: kubelet_connections(
+            s.kubelet_path, names=names, mine=mine, served=[s.plugin_path(p) for p in s.plugins]
+        ),
         unseen,
     )
     return mine, seen

@@ -22,7 +22,7 @@ FILE = "patterns.toml"
 # Each section of the file, and the rows its patterns may feed.
 SECTIONS: Mapping[str, frozenset[str]] = {
     "kubelet": frozenset({"kubelet-log"}),
-    "plugin": frozenset({"plugin-log", "driver-runtime"}),
+    "plugin": frozenset({"plugin-log", "driver-runtime", "hami-registration"}),
     "dra": frozenset({"dra-log"}),
 }
 KINDS: tuple[Kind, ...] = ("error", "attempt", "success")

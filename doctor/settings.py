@@ -18,9 +18,10 @@ from hami_guard.envflags import parse_with_env
 from hami_guard.flags import PluginSpec
 from hami_guard.node.sockets import DEFAULT_KUBELET_PROCESS
 from sidecar.config import DEFAULTS as SIDECAR
-from sidecar.config import dra_api, dra_drivers, dra_flags
+from sidecar.config import dra_api, dra_drivers, dra_flags, hami_flags, hami_keys, hami_settings
 from sidecar.deviceplugin.hamiconfig import NODE_NAME_ENV
 from sidecar.dra.spec import ApiAccess, DraSpec
+from sidecar.kube.access import KubeconfigError, from_kubeconfig
 
 Output = Literal["text", "json"]
 
@@ -56,6 +57,12 @@ class DoctorSettings(flags.DeviceFolder):
     # ($NODE_NAME, else the host's name); None: the API is never called.
     dra_api: ApiAccess | None = None
     dra_node: str = ""
+    # HAMi's own registration (doctor/hami.py): the API server (--kubeconfig, else the Pod's), the
+    # resources' register annotations, the handshake's, and the node's name; None: not read.
+    hami_api: ApiAccess | None = None
+    hami_keys: tuple[tuple[str, str], ...] = SIDECAR.hami_keys()
+    hami_handshake: str = SIDECAR.hami_handshake_annotation
+    node_name: str = ""
 
 
 DEFAULTS = DoctorSettings()
@@ -114,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fix", action="store_true", help="apply the safe repairs the report lists")
     p.add_argument("--npd", action="store_true", help="one line and node-problem-detector's exit codes")
     dra_flags(p, None)
+    hami_flags(p, timing=False)
+    p.add_argument(
+        "--kubeconfig",
+        default="",
+        help="read this node's Node (HAMi's registration) with this kubeconfig's current context instead of "
+        "the Pod's ServiceAccount; on a node, the kubelet's own (/etc/kubernetes/kubelet.conf) may read it",
+    )
+    p.add_argument("--kube-context", default="", help="the kubeconfig's context (default its current one)")
     return p
 
 
@@ -123,10 +138,20 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
     args = parse_with_env(parser, argv, environ)
     dra = dra_drivers(parser, args)
     api = dra_api(parser, args, environ)
+    plugins = tuple(args.plugin or (() if dra else DEFAULTS.plugins))
+    hami = hami_settings(parser, args, environ, plugins)
+    hami_api = hami.api
+    if args.kubeconfig and hami.registration:
+        try:
+            hami_api = from_kubeconfig(args.kubeconfig, args.kube_context)
+        except KubeconfigError as e:
+            parser.error(f"--kubeconfig: {e}")
+    keys = hami_keys(plugins, hami.annotations)
+    node = (os.environ if environ is None else environ).get(NODE_NAME_ENV, "") or socket.gethostname()
     return DoctorSettings(
         device_plugin_dir=args.device_plugin_dir,
         kubelet_socket=args.kubelet_socket,
-        plugins=tuple(args.plugin or (() if dra else DEFAULTS.plugins)),
+        plugins=plugins,
         pod_resources_socket=args.pod_resources_socket,
         probe_timeout=args.probe_timeout,
         expect_devices=args.expect_devices,
@@ -148,7 +173,9 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
         npd=args.npd,
         dra_drivers=dra,
         dra_api=api,
-        dra_node=((os.environ if environ is None else environ).get(NODE_NAME_ENV, "") or socket.gethostname())
-        if api
-        else "",
+        dra_node=node if api else "",
+        hami_api=hami_api if keys else None,
+        hami_keys=keys,
+        hami_handshake=hami.handshake,
+        node_name=node if hami_api and keys else "",
     )

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from sidecar.deviceplugin.probes import Reading, SocketId
     from sidecar.dra.spec import DraSpec
     from sidecar.dra.verdicts import Evidence, Judgement
+    from sidecar.hami.verdicts import HamiEvidence, HamiKeys, HamiVerdict
 
 Verdict = Literal["problem", "ok", "unknown"]
 Kind = Literal["error", "attempt", "success"]
@@ -53,7 +54,12 @@ DRA_CAUSES = (
     ("dra-not-registered", "DRA driver not registered"),
     ("dra-log", "kubelet DRA log lines"),
 )
-TITLES = dict(CAUSES + DRA_CAUSES)
+# HAMi's own registration (doctor/hami.py), only where the API server can be asked: after the others.
+HAMI_CAUSES = (
+    ("hami-registration", "HAMi scheduler's view of the GPUs"),
+    ("hami-handshake", "HAMi scheduler handshake"),
+)
+TITLES = dict(CAUSES + DRA_CAUSES + HAMI_CAUSES)
 
 
 # -- the evidence ----------------------------------------------------------------------------------------
@@ -248,6 +254,21 @@ class DraReading:
     judgement: Judgement
 
 
+# -- HAMi's own registration ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HamiReading:
+    """One resource's HAMi registration: the sidecar's evidence of one moment and its verdict with no
+    wait for HAMi's loop (a snapshot), and the node's handshake annotation as read."""
+
+    keys: HamiKeys
+    evidence: HamiEvidence
+    verdict: HamiVerdict
+    handshake: str | None  # the handshake annotation's value; None when absent or the Node unread
+    allocatable: int | None  # the Node's allocatable of the resource (None: absent, or unread)
+    api: str  # where the Node was read from
+    node: str  # the Node's name
+
+
 # -- all the node's evidence -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class NodeEvidence:
@@ -274,6 +295,8 @@ class NodeEvidence:
     # DRA drivers (doctor/dra/): None when --dra-driver names none.
     dra: tuple[DraReading, ...] | None = None
     dra_logs: tuple[LogFindings, ...] = ()
+    # HAMi's own registration (doctor/hami.py): None when no API server is known or it is turned off.
+    hami: tuple[HamiReading, ...] | None = None
 
 
 # -- the verdicts, the repairs and the report --------------------------------------------------------------

@@ -22,6 +22,7 @@ from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
 from sidecar.deviceplugin.probes import socket_identity
 from sidecar.deviceplugin.watch import DevicePluginWatch
 from sidecar.dra.watch import DraWatch
+from sidecar.hami import watch as hami
 from sidecar.server.metrics import Metrics, MetricsPublisher
 from sidecar.tasks import TaskSet
 from sidecar.watcher import FolderWatcher, FsEvent
@@ -62,6 +63,11 @@ class Sidecar:
                 node=s.node_name,
             )
             self.dra.attach(self.state, publish)
+        # HAMi's own registration (sidecar.hami): judged beside the rounds, into the same checks.
+        self.hami = hami.from_settings(s, clock)
+        self._hami_task: asyncio.Task[object] | None = None
+        if self.hami is not None:
+            self.hami.attach(self.state, publish)
         for check in self.state.checks.values():
             publish.check(check)
         self.started = clock()
@@ -98,6 +104,8 @@ class Sidecar:
         if self._watcher is not None:
             self._watcher.stop()
         await self._tasks.cancel()
+        if self.hami is not None:
+            await self.hami.close()
         if self.dra is not None:
             self.dra.close()
         self.device_plugins.close()
@@ -200,12 +208,25 @@ class Sidecar:
         """One round: the device plugins', then the DRA drivers' (their verdicts into the same checks)."""
         if self._folder_id is not None and self._folder_replaced():
             self._await_folder()
+        if self.hami is not None:  # the kubelet's release as its Node reports it, where its binary is shut
+            self.device_plugins.node_kubelet_version = self.hami.kubelet_version()
         for plugin in await self.device_plugins.round():
             self._follow_vanished(plugin)
         if self.dra is not None:
             await self.dra.round()
+        self._read_hami()
         self.rounds += 1
         self._schedule_refresh()
+
+    def _read_hami(self) -> None:
+        """HAMi's registration, when due, in a task of its own: the API server never delays a round."""
+        h = self.hami
+        if h is None or not h.due() or (self._hami_task is not None and not self._hami_task.done()):
+            return
+        checks = hami.plugin_checks(self.state, [k.resource for k in h.keys])
+        # The round's own pod-resources reading: one call, not two.
+        read = h.round(checks, kubelet=self.device_plugins.pod_resources)
+        self._hami_task = self._tasks.spawn(read, "hami")
 
     # -- state changes -----------------------------------------------------------------
     def _schedule_refresh(self) -> None:

@@ -28,6 +28,7 @@ from sidecar.dra.spec import (
     in_cluster,
 )
 from sidecar.dra.spec import DEFAULT_GRACE as DEFAULT_DRA_GRACE
+from sidecar.kube.access import in_cluster as api_in_cluster
 
 if TYPE_CHECKING:
     from sidecar.watcher import WatchMode
@@ -48,6 +49,9 @@ __all__ = [
 DEFAULT_PLUGIN = PluginSpec("nvidia.com/gpu", "nvidia-gpu.sock")
 DEFAULT_POD_RESOURCES = "/var/lib/kubelet/pod-resources/kubelet.sock"
 DEFAULT_DEVICE_GLOB = "/dev/nvidia[0-9]*"
+# HAMi's NVIDIA annotations (pkg/device/nvidia/device.go: RegisterAnnos, HandshakeAnnos).
+HAMI_NVIDIA_REGISTER = "hami.io/node-nvidia-register"
+HAMI_HANDSHAKE = "hami.io/node-handshake"
 
 
 @dataclass(frozen=True)
@@ -93,11 +97,35 @@ class Settings(flags.DeviceFolder):
     # before it is a refused Register: the kubelet records an accepted one within milliseconds, seconds
     # on a loaded node. Readiness only: waiting costs nothing a restart could have saved.
     refusal_confirm: float = 10.0
+    # HAMi serves a new socket at once when kubelet.sock is created (and, when that start fails, retries
+    # 30 s later): a plugin that served none this long after a new kubelet answered missed the restart
+    # and fails at once instead of at the end of the grace. 0: the plugin does not behave so.
+    missed_restart_after: float = 5.0
     # DRA drivers (sidecar.dra.verdicts): judged besides, or instead of, the device plugins.
     dra_drivers: tuple[DraSpec, ...] = ()
     dra_grace: float = DEFAULT_DRA_GRACE
     # The API server to read the node's ResourceSlices from (sidecar.dra.slices); None: never asked.
     dra_api: ApiAccess | None = None
+    # HAMi's own registration (sidecar.hami): the `hami:<resource>` checks, read from this node's Node.
+    hami_registration: bool = True
+    hami_api: ApiAccess | None = None  # None: no API server known (not in a Pod): no check at all
+    # (resource, register annotation key) besides HAMi's NVIDIA default for nvidia.com/* resources.
+    hami_annotations: tuple[tuple[str, str], ...] = ()
+    hami_handshake_annotation: str = HAMI_HANDSHAKE
+    hami_repair: float = 60.0  # HAMi's 30 s loop, its 5 s retry, two of our readings and a margin
+    hami_interval: float = 10.0  # at most one GET of the Node this often
+
+    def hami_keys(self) -> tuple[tuple[str, str], ...]:
+        """(resource, register annotation key) of each configured plugin whose HAMi key is known."""
+        return hami_keys(self.plugins, self.hami_annotations)
+
+
+def hami_keys(plugins: Sequence[PluginSpec], given: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    """(resource, register annotation key) of each plugin whose key is given, or HAMi's NVIDIA key for an
+    nvidia.com/* resource; other resources have no check."""
+    keys = dict(given)
+    nvidia = {p.resource: HAMI_NVIDIA_REGISTER for p in plugins if p.resource.startswith("nvidia.com/")}
+    return tuple((p.resource, k) for p in plugins if (k := keys.get(p.resource) or nvidia.get(p.resource)))
 
 
 DEFAULTS = Settings()
@@ -141,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"seconds a check may stay pending (default {d.registration_grace:g})",
     )
     p.add_argument(
+        "--missed-restart-after",
+        type=flags.seconds(0.0, flags.DAY),
+        default=d.missed_restart_after,
+        help="seconds after a kubelet restart within which a plugin must serve a new socket, as HAMi does "
+        f"at once, or it missed the restart and fails liveness (default {d.missed_restart_after:g}; 0: a "
+        "plugin that does not, the grace alone decides)",
+    )
+    p.add_argument(
         "--kubelet-version",
         type=flags.kubelet_version,
         default=d.kubelet_version,
@@ -148,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the rules that differ between releases follow it (default: read it; unknown: the newest rules)",
     )
     dra_flags(p, d.dra_grace)
+    hami_flags(p)
     p.add_argument("--plugin-label", default=d.plugin_label, help="the `plugin` label of the metrics")
     p.add_argument("--log-format", choices=("text", "json"), default=d.log_format)
     p.add_argument(
@@ -208,10 +245,100 @@ def dra_flags(p: argparse.ArgumentParser, grace: float | None) -> None:
     p.add_argument(
         "--kube-api-server",
         default="",
-        help="the API server for --dra-resourceslices (default: the Pod's KUBERNETES_SERVICE_HOST/PORT)",
+        help="the API server for --dra-resourceslices and HAMi's registration (default: the Pod's "
+        "KUBERNETES_SERVICE_HOST/PORT)",
     )
     p.add_argument("--kube-token-file", default=DEFAULT_TOKEN_FILE, help=f"default {DEFAULT_TOKEN_FILE}")
     p.add_argument("--kube-ca-file", default=DEFAULT_CA_FILE, help=f"default {DEFAULT_CA_FILE}")
+
+
+def hami_flags(p: argparse.ArgumentParser, *, timing: bool = True) -> None:
+    """HAMi's own registration (sidecar.hami): on by default wherever an API server is known. `timing`
+    False: not --hami-repair and --hami-interval (hami-doctor reads once)."""
+    d = DEFAULTS
+    p.add_argument(
+        "--hami-registration",
+        action=argparse.BooleanOptionalAction,
+        default=d.hami_registration,
+        help="judge HAMi's own registration: this node's Node annotations against the kubelet's devices "
+        "(GET nodes/<node> with --kube-token-file, default on; --no-hami-registration, "
+        "HAMI_GUARD_HAMI_REGISTRATION=false: off, and the API is never called for it)",
+    )
+    p.add_argument(
+        "--hami-annotation",
+        action="append",
+        help="RESOURCE=KEY, repeatable: HAMi's register annotation of a resource (default "
+        f"{HAMI_NVIDIA_REGISTER} for nvidia.com/* resources; other vendors have keys of their own)",
+    )
+    p.add_argument(
+        "--hami-handshake-annotation",
+        default=d.hami_handshake_annotation,
+        help=f"HAMi's scheduler handshake annotation (default {d.hami_handshake_annotation})",
+    )
+    if not timing:
+        return
+    p.add_argument(
+        "--hami-repair",
+        type=PERIOD,
+        default=d.hami_repair,
+        help=f"seconds the annotation may differ from the kubelet's devices before it is HAMi's stuck patch "
+        f"(default {d.hami_repair:g}: HAMi's loop rewrites a change within 30 s)",
+    )
+    p.add_argument(
+        "--hami-interval",
+        type=PERIOD,
+        default=d.hami_interval,
+        help=f"seconds between two GETs of the Node (default {d.hami_interval:g})",
+    )
+
+
+@dataclass(frozen=True)
+class HamiSettings:
+    """The hami_* fields of `Settings`, as the flags give them."""
+
+    registration: bool
+    api: ApiAccess | None
+    annotations: tuple[tuple[str, str], ...]
+    handshake: str
+    repair: float
+    interval: float
+
+
+def hami_settings(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None,
+    plugins: Sequence[PluginSpec],
+) -> HamiSettings:
+    """The hami_* settings of the parsed flags (a usage error on a bad one)."""
+    d = DEFAULTS
+    pairs = []
+    for value in args.hami_annotation or ():
+        resource, _, key = value.strip().partition("=")
+        if (
+            not resource
+            or not key
+            or resource not in {p.resource for p in plugins}
+            or any(c.isspace() for c in key)
+        ):
+            parser.error(f"--hami-annotation: expected RESOURCE=KEY of a --plugin resource, got {value!r}")
+        pairs.append((resource, key))
+    server = args.kube_api_server or api_in_cluster(os.environ if environ is None else environ)
+    if server and not server.startswith("https://"):
+        parser.error(f"--kube-api-server {server!r}: an https:// address (the token is sent to it)")
+    api = (
+        ApiAccess(server, args.kube_token_file, args.kube_ca_file)
+        if server and args.hami_registration
+        else None
+    )
+    return HamiSettings(
+        args.hami_registration,
+        api,
+        tuple(pairs),
+        args.hami_handshake_annotation,
+        getattr(args, "hami_repair", d.hami_repair),
+        getattr(args, "hami_interval", d.hami_interval),
+    )
 
 
 def dra_drivers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[DraSpec, ...]:
@@ -251,6 +378,7 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
     resources = [p.resource for p in plugins]
     if len(set(resources)) != len(resources):
         parser.error(f"--plugin: a resource is named twice: {', '.join(resources)}")
+    hami = hami_settings(parser, args, environ, plugins)
     return Settings(
         device_plugin_dir=args.device_plugin_dir,
         kubelet_socket=args.kubelet_socket,
@@ -273,9 +401,16 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
         polling_interval=args.polling_interval,
         kubelet_process_name=args.kubelet_process_name,
         kubelet_version=args.kubelet_version,
+        missed_restart_after=args.missed_restart_after,
         dra_drivers=dra,
         dra_grace=args.dra_grace,
         dra_api=dra_api(parser, args, environ),
+        hami_registration=hami.registration,
+        hami_api=hami.api,
+        hami_annotations=hami.annotations,
+        hami_handshake_annotation=hami.handshake,
+        hami_repair=hami.repair,
+        hami_interval=hami.interval,
     )
 
 

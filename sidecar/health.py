@@ -27,6 +27,7 @@ class Kind(enum.Enum):
     DEVICES = "devices"
     DRA_PLUGIN = "dra-plugin"  # a DRA driver answers GetInfo (sidecar.dra.verdicts)
     DRA_REGISTERED = "dra-registered"  # the kubelet holds the DRA driver's service connection
+    HAMI = "hami"  # HAMi's scheduler sees the GPUs the kubelet lists (sidecar.hami.verdicts)
 
 
 @dataclass(frozen=True)

@@ -352,11 +352,13 @@ class RealKubelet:
         capacity_interval: float = 10.0,
         numa_nodes: int = 2,
         netns: bool = False,
+        unique_name: bool = False,
     ) -> None:
         """`netns`: run in a network namespace of its own (root), as a kubelet beside a pod that does
         not use the host network: its connections to the plugins are then not in the test's. The
         process then also bears a name of its own (`process_name`, through a link to the binary),
-        so that a sidecar told that name finds this kubelet and no other test's."""
+        so that a sidecar told that name finds this kubelet and no other test's; `unique_name` gives it
+        that name without the namespace."""
         self.dir = device_plugin_dir
         self.socket_path = os.path.join(device_plugin_dir, KUBELET_SOCKET)
         self.checkpoint_path = os.path.join(device_plugin_dir, CHECKPOINT_NAME)
@@ -367,7 +369,7 @@ class RealKubelet:
         self._link_dir = ""
         binary = str(_binary(release))
         self.process_name = f"realkubelet-{self.version}"[:15]
-        if netns:
+        if netns or unique_name:
             self._link_dir = tempfile.mkdtemp(prefix="hg-kubelet-")
             self.process_name = f"kubelet-{os.path.basename(self._link_dir)[-6:]}"
             os.symlink(binary, os.path.join(self._link_dir, self.process_name))

@@ -3,7 +3,9 @@
 folder of their own.
 
 Static bearer tokens (`--token-auth-file`) stand for the ServiceAccounts: `admin` (system:masters),
-`slices` (a ClusterRole that may list resourceslices, bound by the test), `nobody` (no role: 403).
+`slices` (a ClusterRole that may list resourceslices, bound by the test), `nobody` (no role: 403),
+`hami-plugin` and `hami-sidecar` (HAMi's device plugin and the sidecar beside it: roles granted by the
+test with `grant`).
 The serving certificate is the one kube-apiserver generates for itself (`--cert-dir`).
 """
 
@@ -26,7 +28,14 @@ from testing import free_port
 from tests.conftest import stop_process
 
 BINARY = Path(__file__).resolve().parent / "node" / "bin" / "kube-apiserver"
-TOKENS = {"admin": "admin-token", "slices": "slices-token", "nobody": "nobody-token"}
+TOKENS = {
+    "admin": "admin-token",
+    "slices": "slices-token",
+    "nobody": "nobody-token",
+    "hami-plugin": "hami-plugin-token",
+    "hami-sidecar": "hami-sidecar-token",
+}
+RBAC = "/apis/rbac.authorization.k8s.io/v1"
 
 
 def missing() -> str | None:
@@ -93,7 +102,9 @@ class ApiServer:
         tokens = os.path.join(run, "tokens.csv")
         with open(tokens, "w") as f:
             f.write(f"{TOKENS['admin']},admin,admin-uid,system:masters\n")
-            f.write(f"{TOKENS['slices']},slices,slices-uid\n{TOKENS['nobody']},nobody,nobody-uid\n")
+            for user, token in TOKENS.items():
+                if user != "admin":
+                    f.write(f"{token},{user},{user}-uid\n")
         client, peer, secure = free_port(), free_port(), free_port()
         etcd = [
             "etcd",
@@ -133,13 +144,21 @@ class ApiServer:
         return run
 
     async def request(
-        self, method: str, path: str, body: Any = None, user: str = "admin", raw: bool = False
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        user: str = "admin",
+        raw: bool = False,
+        *,
+        content_type: str = "application/json",
     ) -> Any:
         ctx = ssl.create_default_context(cafile=self.ca_file) if os.path.exists(self.ca_file) else False
-        headers = {"Authorization": f"Bearer {TOKENS[user]}"}
+        headers = {"Authorization": f"Bearer {TOKENS[user]}", "Content-Type": content_type}
+        data = None if body is None else json.dumps(body)
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s,
-            s.request(method, self.url + path, json=body, headers=headers, ssl=ctx) as r,
+            s.request(method, self.url + path, data=data, headers=headers, ssl=ctx) as r,
         ):
             text = await r.text()
             if r.status >= 300:
@@ -175,6 +194,26 @@ class ApiServer:
                 "subjects": [{"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": "slices"}],
             },
         )
+
+    async def grant(self, user: str, name: str, resources: list[str], verbs: list[str]) -> None:
+        """A ClusterRole `name` with `verbs` on core `resources`, bound to `user`."""
+        rule = {"apiGroups": [""], "resources": resources, "verbs": verbs}
+        await self.request("POST", f"{RBAC}/clusterroles", {"metadata": {"name": name}, "rules": [rule]})
+        await self.bind(user, name)
+
+    async def bind(self, user: str, name: str) -> None:
+        """Bind the ClusterRole `name` to `user` (a binding of the same name)."""
+        subject = {"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": user}
+        role = {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name}
+        await self.request(
+            "POST",
+            f"{RBAC}/clusterrolebindings",
+            {"metadata": {"name": name}, "roleRef": role, "subjects": [subject]},
+        )
+
+    async def unbind(self, name: str) -> None:
+        """Remove the binding `name`: its user loses the role's rights."""
+        await self.request("DELETE", f"{RBAC}/clusterrolebindings/{name}")
 
     def stop(self) -> None:
         for p in reversed(self.procs):

@@ -1383,7 +1383,13 @@ CATALOG: dict[str, tuple[str, str, str]] = {
 
 
 def test_every_error_pattern_has_a_real_line() -> None:
-    errors = {p.text for p in KUBELET_PATTERNS + PLUGIN_PATTERNS if p.kind == "error"}
+    # HAMi's register loop's lines feed the hami-registration row, which needs the API server: their real
+    # lines are tests/e2e/test_hami_registration.py's.
+    errors = {
+        p.text
+        for p in KUBELET_PATTERNS + PLUGIN_PATTERNS
+        if p.kind == "error" and p.cause != "hami-registration"
+    }
     assert errors == set(CATALOG)
     assert all(p.source for p in KUBELET_PATTERNS + PLUGIN_PATTERNS)
 

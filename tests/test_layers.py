@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # its own submodules; `x.*` is x and every layer under it. A module belongs to the longest layer that
 # names it. The product is hami_guard, initcheck, sidecar and doctor; testing/ is the rig, which the
 # product never imports.
-_PLUMBING = frozenset({"hami_guard", "sidecar.proto", "sidecar.rpc", "sidecar.health", "sidecar.tasks"})
+_PLUMBING = frozenset(
+    {"hami_guard", "sidecar.proto", "sidecar.rpc", "sidecar.health", "sidecar.tasks", "sidecar.kube.*"}
+)
 LAYERS: Mapping[str, frozenset[str]] = {
     "hami_guard": frozenset(),
     "initcheck": frozenset({"hami_guard"}),
@@ -31,18 +33,34 @@ LAYERS: Mapping[str, frozenset[str]] = {
     "sidecar.tasks": frozenset(),
     "sidecar.rpc": frozenset({"sidecar.proto"}),
     "sidecar.watcher": frozenset(),
+    # The project's own reader of the API server: where and how (standard library), and one bounded GET.
+    "sidecar.kube": frozenset({"sidecar.kube.access"}),
+    "sidecar.kube.access": frozenset(),
     # The settings, and the halves' configuration types they are made of.
     "sidecar.config": frozenset(
-        {"hami_guard", "sidecar.watcher", "sidecar.deviceplugin.hamiconfig", "sidecar.dra.spec"}
+        {
+            "hami_guard",
+            "sidecar.watcher",
+            "sidecar.deviceplugin.hamiconfig",
+            "sidecar.dra.spec",
+            "sidecar.kube.access",
+        }
     ),
     "sidecar.deviceplugin.hamiconfig": frozenset({"hami_guard"}),
-    "sidecar.dra.spec": frozenset({"hami_guard"}),
+    "sidecar.dra.spec": frozenset({"hami_guard", "sidecar.kube.access"}),
     # The two halves mirror each other and never meet: their evidence and verdicts build on the
     # plumbing; their watches (the rounds) also read the settings.
     "sidecar.deviceplugin": _PLUMBING,
     "sidecar.dra": _PLUMBING,
     "sidecar.deviceplugin.watch": _PLUMBING | {"sidecar.config", "sidecar.deviceplugin.*"},
+    # The device plugins' readings of the node (pod-resources, sockets, the checkpoint), which HAMi's
+    # registration reads too.
+    "sidecar.deviceplugin.probes": _PLUMBING | {"sidecar.deviceplugin"},
     "sidecar.dra.watch": _PLUMBING | {"sidecar.config", "sidecar.dra.*"},
+    # HAMi's own registration (its Node annotations): the API reader, and the device plugins' readings
+    # of the kubelet's devices (pod-resources, a plugin socket's identity); its watch reads the settings.
+    "sidecar.hami": _PLUMBING | {"sidecar.deviceplugin.probes"},
+    "sidecar.hami.watch": _PLUMBING | {"sidecar.config", "sidecar.hami.*", "sidecar.deviceplugin.probes"},
     "sidecar.server.serving": frozenset(),
     "sidecar.server.metrics": frozenset({"sidecar.health"}),
     "sidecar.app": frozenset(
@@ -54,6 +72,7 @@ LAYERS: Mapping[str, frozenset[str]] = {
             "sidecar.watcher",
             "sidecar.deviceplugin.*",
             "sidecar.dra.*",
+            "sidecar.hami.*",
             "sidecar.server.metrics",
             "sidecar.server.status",
         }
@@ -61,7 +80,7 @@ LAYERS: Mapping[str, frozenset[str]] = {
     # The views and the status document: what the app knows, as JSON and text.
     "sidecar.server": frozenset(
         {"hami_guard", "sidecar", "sidecar.app", "sidecar.config", "sidecar.health", "sidecar.server.*"}
-        | {"sidecar.deviceplugin.*", "sidecar.dra.*"}
+        | {"sidecar.deviceplugin.*", "sidecar.dra.*", "sidecar.hami.*"}
     ),
     "sidecar.cli": frozenset(
         {"hami_guard", "sidecar.app", "sidecar.config", "sidecar.server.*", "sidecar.watcher"}

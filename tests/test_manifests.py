@@ -256,7 +256,7 @@ def check_patched(ds: Obj, plugin: str, registry: str = REGISTRY) -> None:
     assert plugin_container["livenessProbe"]["exec"]["command"][:2] == ["bash", "-c"]
     resource = plugin.split("=", 1)[0]
     assert plugin_container["readinessProbe"]["httpGet"]["path"] == (
-        f"/readyz?exclude=kubelet&exclude=checkpoint&exclude=devices:{resource}"
+        f"/readyz?exclude=kubelet&exclude=checkpoint&exclude=devices:{resource}&exclude=hami:{resource}"
     )
     # Every mount of hami-guard's containers names a volume of the pod (the validator does not check).
     volumes = by_name(pod["volumes"])
@@ -726,7 +726,7 @@ def test_promtool_checks_the_rules(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(shipped_rules())} rules found" in result.stdout
-    assert len(shipped_rules()) == 11
+    assert len(shipped_rules()) == 13
 
 
 def test_every_alert_names_its_node_and_links_its_fix_in_the_runbook() -> None:
@@ -915,13 +915,15 @@ def test_metrics_the_rules_use_exist_and_pass_promtool(tmp_path: Path) -> None:
     script = (
         "import asyncio, aiohttp, os, socket, sys, tempfile\n"
         "from sidecar.config import AUTO_DEVICES, Settings\nfrom sidecar.cli import serve\n"
-        "from testing import FakeKubelet, FakeDevicePlugin\n"
+        "from testing import FakeKubelet, FakeDevicePlugin, free_port\n"
+        "from sidecar.kube.access import ApiAccess\n"
         "async def main():\n"
         "    d = tempfile.mkdtemp(prefix='hg-'); dp = d + '/dp'; os.mkdir(dp)\n"
         "    s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
         "    st = Settings(device_plugin_dir=dp, pod_resources_socket=d+'/pr.sock', host='127.0.0.1',\n"
         "                  port=port, expect_devices=AUTO_DEVICES, device_glob=d + '/nvidia[0-9]*',\n"
-        "                  probe_interval=1, probe_timeout=0.5)\n"
+        "                  probe_interval=1, probe_timeout=0.5, node_name='n',\n"
+        "                  hami_api=ApiAccess(f'https://127.0.0.1:{free_port()}'))  # nobody: no evidence\n"
         "    stop = asyncio.Event()\n"
         "    async with FakeKubelet(dp, d+'/pr.sock', dial_timeout=1) as k, FakeDevicePlugin(dp) as p:\n"
         "        t = asyncio.ensure_future(serve(st, stop))\n"

@@ -311,9 +311,9 @@ UP_TO_136 = KubeletRules("v1.36.5", "the setting --kubelet-version", refuses_sec
         # Up to 1.36 the kubelet accepts a second Register on the path it holds: never a refusal, however
         # late (or never) its record comes.
         pytest.param(UP_TO_136, None, False, id="1.36, never recorded"),
-        # 1.37 refuses it unless the old client was gone: a record within the bound is an acceptance,
-        # however late on a loaded node.
-        pytest.param(NEWEST, 1.5, False, id="1.37, recorded late"),
+        # 1.37 refuses it unless the old client was gone (its connection closed first): then a record
+        # within the bound is an acceptance, however late on a loaded node.
+        pytest.param(NEWEST, 1.5, False, id="1.37, the old connection closed, recorded late"),
         pytest.param(NEWEST, None, True, id="1.37, never recorded"),
     ],
 )
@@ -327,6 +327,8 @@ def test_whether_a_second_register_was_refused_follows_the_kubelets_release_and_
     node.connect(101, 102)
     for step in range(1, 31):
         clock.now += 0.1
+        if record_after is not None and step == 3:
+            node.connect(102)  # the old stream's end: 1.37 closes its connection, then frees the path
         if record_after is not None and abs(step * 0.1 - record_after) < 1e-9:
             node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 4_000)
         reg.round(node.round())
@@ -348,7 +350,7 @@ def test_a_record_that_landed_before_the_round_that_first_saw_its_connection_cou
     node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 4_000)
     clock.now += 1
     reg.round(node.round())
-    node.connect(101, 102)
+    node.connect(102)  # the old connection closed first (1.37 accepts a second Register only then)
     node.checkpoint_before = 4_000
     for _ in range(5):
         clock.now += 1
@@ -631,6 +633,39 @@ def test_a_vanished_plugin_socket_in_either_removal_order(
     expected = ("pending", False) if verdict == "restart" else ("failed", True)
     assert status(reg, f"plugin:{GPU}") == expected
     assert reg.kubelet_restarts == (verdict == "restart")
+
+
+@pytest.mark.parametrize(
+    ("listening", "expected"),
+    [
+        (True, ("pending", False)),  # its listener is there, unlinked: someone else removed the file
+        (False, ("failed", True)),  # the listener closed with the file: the plugin stopped
+        (None, ("failed", True)),  # sock_diag cannot tell: the kubelet.sock rule alone
+    ],
+)
+def test_a_socket_removed_under_a_plugin_that_still_listens_is_no_crash_however_late_the_kubelet(
+    listening: bool | None, expected: tuple[str, bool]
+) -> None:
+    """On a loaded node a kubelet restart's cleanup can remove the plugin's socket while kubelet.sock
+    still looks like the old one: the listener the kernel still holds for the unlinked file says the
+    plugin did not stop. Pending for the grace (a plugin restart serves the file again if no kubelet
+    restart follows), never a crash verdict on a timing window."""
+    reg, clock, _ = make(grace=5.0)
+    node = Node()
+    reg.round(node.round())
+    reg.plugin_socket_deleted(GPU)
+    seen = AfterDeletion(plugin=None, kubelet=K1, kubelet_refuses=False, listening=listening)
+    if reg.judge_vanished(GPU, seen, restart_window_over=False):
+        reg.judge_vanished(GPU, seen, restart_window_over=True)
+    node.plugin = ProbeResult("absent", "no such file", 0.001, None)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == expected
+    if listening:
+        assert "still listens" in reason(reg, f"plugin:{GPU}")
+        clock.now += 5  # no kubelet restart came within the grace: the plugin's restart serves it again
+        reg.round(node.round())
+        assert status(reg, f"plugin:{GPU}") == ("failed", True)
 
 
 def test_a_plugin_that_serves_a_new_socket_within_its_window_is_no_crash() -> None:
@@ -1283,3 +1318,131 @@ def test_a_refused_path_is_no_drop_when_its_dials_close_unless_the_kubelet_marke
     assert status(reg, f"registered:{GPU}") == ("failed", False)
     assert shown in reason(reg, f"registered:{GPU}")
     assert seen.restart_requests == 0
+
+
+# -- after a kubelet restart: HAMi's answer, or none --------------------------------------------------
+
+
+def restarted(grace: float = 45.0, **rules: object) -> tuple[DevicePluginJudge, Clock, Published, Node]:
+    """A held plugin, then a kubelet restart whose cleanup removed its socket; the new kubelet answers."""
+    reg, clock, seen = make(grace=grace, **rules)
+    node = Node()
+    reg.round(node.round())
+    reg.plugin_socket_deleted(GPU)
+    reg.judge_vanished(GPU, AfterDeletion(None, None, False), restart_window_over=False)
+    node.kubelet, node.plugin, node.connections = alive(K2), ProbeResult("absent", "gone", 0.001, None), 0
+    clock.now += 0.5
+    reg.round(node.round())
+    return reg, clock, seen, node
+
+
+def test_a_plugin_that_served_no_new_socket_after_the_kubelet_restart_missed_it_and_fails_at_once() -> None:
+    reg, clock, _, node = restarted()
+    assert status(reg, f"plugin:{GPU}") == ("pending", False)
+    assert reg.wake_at() == clock.now + 5.0
+    clock.now += 4.9
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("pending", False)
+    clock.now += 0.1
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)  # not 45 s later: it missed the restart
+    assert "missed the kubelet's restart" in reason(reg, f"plugin:{GPU}")
+
+
+def test_a_hami_start_that_failed_after_the_kubelet_restart_waits_for_its_own_retry() -> None:
+    """HAMi served a new socket for the new kubelet, its Register failed, it stopped the plugin (the socket
+    went) and retries 30 s later: no restart from us before that retry is due."""
+    reg, clock, _, node = restarted()
+    reg.plugin_socket_created(GPU, P2)
+    clock.now += 0.2
+    reg.plugin_socket_deleted(GPU)
+    reg.judge_vanished(GPU, AfterDeletion(None, K2, False, listening=False), restart_window_over=True)
+    for _ in range(40):  # 40 s: its 30 s retry is due within the grace
+        clock.now += 1
+        reg.round(node.round())
+        assert status(reg, f"plugin:{GPU}")[1] is False
+    assert "a failed start" in reason(reg, f"plugin:{GPU}")
+    node.plugin = alive(P3)  # the retry
+    reg.plugin_socket_created(GPU, P3)
+    node.connect(301)
+    node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 9_000)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("ok", False)
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+def test_a_plugin_not_following_hamis_behaviour_keeps_the_constant_grace() -> None:
+    reg, clock, _, node = restarted(grace=45.0, missed_restart_after=0.0)
+    clock.now += 30
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("pending", False)
+
+
+def test_a_plugin_timeout_in_a_round_whose_kubelet_probe_timed_out_too_is_no_hang() -> None:
+    """Every probe of a starved node (or a starved sidecar) times out: the plugin is judged hung only in a
+    round where kubelet.sock answered in time."""
+    reg, clock, seen = make()
+    node = Node()
+    reg.round(node.round())
+    hung = ProbeResult("timeout", "timeout: no answer", 2.0, P1)
+    node.kubelet, node.plugin = ProbeResult("timeout", "timeout: no answer", 2.0, K1), hung
+    for _ in range(5):
+        clock.now += 1
+        reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("ok", False)
+    assert seen.restart_requests == 0
+    node.kubelet = alive(K1)  # the kubelet answers: the plugin alone is slow
+    for _ in range(2):
+        clock.now += 0.2
+        reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)
+
+
+def test_on_137_a_connection_that_stays_beside_the_registered_one_is_refused_whatever_was_written() -> None:
+    """1.37 disconnects the client it holds before it accepts another Register at that path: a later
+    connection that came and stayed beside the one that carried the registration was refused, even where
+    the kept stream's own write (a health change, a takeover's first answer) landed just after it came
+    and looks like its record."""
+    reg, clock, _ = make(drop_confirm=0.2, refusal_confirm=2.0)
+    node = Node()
+    node.connect(101)
+    reg.round(node.round())
+    node.connect(101, 102)
+    node.checkpoint = Checkpoint({GPU: ("GPU-0",)}, 4_000)  # the kept stream writes a health change
+    for _ in range(25):
+        clock.now += 0.1
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    assert status(reg, f"kubelet-client:{GPU}") == ("failed", False)
+    node.connect(102)  # the kept stream's connection closes: phantom capacity, readiness only
+    node.pod_resources = {GPU: frozenset({"GPU-0"})}
+    for _ in range(3):
+        clock.now += 0.2
+        reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", False)
+
+
+@pytest.mark.parametrize("kubelet_stops", [False, True], ids=["a drop", "a stopping kubelet"])
+def test_where_only_a_count_of_zero_is_trusted_a_lost_connection_is_still_confirmed(
+    kubelet_stops: bool,
+) -> None:
+    """The /proc route without the plugin's descriptors trusts no positive count (a look-alike could make
+    one) but trusts 0: held by pod-resources, the connections falling to 0 is confirmed once, as any lost
+    connection, so a kubelet on its way out (it closes its connections a moment before its socket goes)
+    is no drop."""
+    reg, clock, seen = make(drop_confirm=0.2)
+    node = Node(connections=None, pod_resources={GPU: frozenset({"GPU-0", "GPU-1"})})
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    node.connect()  # 0: trusted
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)  # confirmed once first
+    assert reg.wake_at() == clock.now + 0.2
+    if kubelet_stops:
+        node.kubelet = ProbeResult("absent", "no such file", 0.001, None)
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}")[1] is not kubelet_stops
+    assert seen.restart_requests == (0 if kubelet_stops else 1)

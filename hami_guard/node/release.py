@@ -28,7 +28,9 @@ _RELEASE = re.compile(r"^v?(\d{1,3})\.(\d{1,3})(?:\.(\d{1,5}))?(?:[-+][0-9A-Za-z
 # (a kubelet built as a module, as the node end-to-end's is) or depends on (a program embedding the
 # device manager, k3s's fork).
 _STAMPED = (
-    re.compile(rb"k8s\.io/component-base/version\.gitVersion=(v\d{1,3}\.\d{1,3}\.\d{1,5}[0-9A-Za-z.+-]{0,64})"),
+    re.compile(
+        rb"k8s\.io/component-base/version\.gitVersion=(v\d{1,3}\.\d{1,3}\.\d{1,5}[0-9A-Za-z.+-]{0,64})"
+    ),
     re.compile(rb"\nmod\tk8s\.io/kubernetes\t(v\d{1,3}\.\d{1,3}\.\d{1,5}[0-9A-Za-z.+-]{0,64})\t"),
     re.compile(rb"\ndep\tk8s\.io/kubernetes\t(v\d{1,3}\.\d{1,3}\.\d{1,5}[0-9A-Za-z.+-]{0,64})[\t\n]"),
 )
@@ -61,7 +63,7 @@ def buildinfo(path: str) -> bytes:
         head = os.pread(fd, 64, 0)
         if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
             raise ValueError("not a 64-bit little-endian ELF file")
-        shoff, = struct.unpack_from("<Q", head, 0x28)
+        (shoff,) = struct.unpack_from("<Q", head, 0x28)
         shentsize, shnum, shstrndx = struct.unpack_from("<HHH", head, 0x3A)
         if shentsize < 64 or not 0 < shnum <= MAX_SECTIONS or shstrndx >= shnum:
             raise ValueError("no section table")
@@ -70,7 +72,7 @@ def buildinfo(path: str) -> bytes:
             raise ValueError("a truncated section table")
 
         def section(i: int) -> tuple[int, int, int]:
-            name, = struct.unpack_from("<I", table, i * shentsize)
+            (name,) = struct.unpack_from("<I", table, i * shentsize)
             offset, size = struct.unpack_from("<QQ", table, i * shentsize + 0x18)
             return name, offset, size
 
@@ -115,28 +117,25 @@ def kubelet_pids(names: set[str]) -> list[int]:
 def from_process(names: set[str]) -> Release | str:
     """The release of the kubelet process among `names`, from its binary; or why it is not known.
 
-    Every visible process of those names must agree: a look-alike that names another release makes
-    it unknown rather than letting either win."""
+    Every visible process of those names must be read and name the same release: anyone can name a
+    process `kubelet`, and a look-alike whose binary can be read while the kubelet's cannot must not
+    choose the rules."""
     pids = kubelet_pids(names)
     if not pids:
         return "no kubelet process is visible"
     seen: dict[str, int] = {}
-    why = ""
     for pid in pids:
         try:
             version = from_buildinfo(buildinfo(f"/proc/{pid}/exe"))
         except (OSError, ValueError) as e:
-            why = f"/proc/{pid}/exe: {getattr(e, 'strerror', None) or e}"
-            continue
+            return f"/proc/{pid}/exe: {getattr(e, 'strerror', None) or e}"
         if version is None:
-            why = f"/proc/{pid}/exe names no Kubernetes version (a -trimpath build)"
-            continue
+            return f"/proc/{pid}/exe names no Kubernetes version (a -trimpath build)"
         seen.setdefault(version, pid)
-    if len(seen) == 1:
-        (version, pid), = seen.items()
-        minor = parse(version)
-        if minor is not None:
-            return Release(version, minor, f"the binary of pid {pid}")
     if len(seen) > 1:
         return "processes of the kubelet's name name different releases: " + ", ".join(sorted(seen))
-    return why or "the kubelet's binary names no release"
+    ((version, pid),) = seen.items()
+    minor = parse(version)
+    if minor is None:
+        return f"/proc/{pid}/exe names {version!r}, not a release"
+    return Release(version, minor, f"the binary of pid {pid}")

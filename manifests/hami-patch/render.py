@@ -159,7 +159,9 @@ def chart_plugins(ds: Mapping[str, Any], objects: Sequence[Mapping[str, Any]]) -
 
 
 def readiness_path(plugins: str) -> str:
-    excluded = ["kubelet", "checkpoint"] + [f"devices:{p.split('=', 1)[0]}" for p in plugins.split(",")]
+    resources = [p.split("=", 1)[0] for p in plugins.split(",")]
+    # The rollout gate: serving and registration only; devices and HAMi's scheduler view are the node's.
+    excluded = ["kubelet", "checkpoint"] + [f"{kind}:{r}" for r in resources for kind in ("devices", "hami")]
     return "/readyz?" + "&".join(f"exclude={e}" for e in excluded)
 
 

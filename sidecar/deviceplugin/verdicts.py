@@ -143,7 +143,7 @@ NEWEST_RULES = (1, 37)
 @dataclass(frozen=True)
 class KubeletRules:
     """The kubelet behaviour that differs between releases where the evidence cannot tell which
-    (docs/kubelet.md#releases): the release read, or why none was, and the rules that follow."""
+    (docs/kubelet.md#second-register): the release read, or why none was, and the rules that follow."""
 
     version: str  # "v1.37.2" as read or set; "" when unknown
     source: str  # where it was read, or why it was not
@@ -186,6 +186,9 @@ class Rules:
     drop_confirm: float = 0.2  # a lost connection must stay lost this long to be a drop
     # A later connection must stay unrecorded this long to be a refused Register (sidecar.config).
     refusal_confirm: float = 10.0
+    # HAMi serves a new socket at once when kubelet.sock is created: a plugin that served none this long
+    # after a new kubelet answered missed the restart. 0: not HAMi's behaviour, the grace alone decides.
+    missed_restart_after: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,9 @@ class AfterDeletion:
     plugin: SocketId | None  # the plugin socket now (back already?)
     kubelet: SocketId | None  # kubelet.sock now
     kubelet_refuses: bool  # kubelet.sock is a dead file
+    # A listener bound to the deleted file still exists in the plugin's network namespace (sock_diag):
+    # the plugin still serves and someone else removed its file. None: cannot be told.
+    listening: bool | None = None
 
 
 class Listener(Protocol):
@@ -294,6 +300,9 @@ class _Conn:
     checkpoint_before: int | None
     recorded: bool  # the kubelet wrote a device list after it came: a Register it accepted
     refused: bool = False  # stayed unrecorded past its confirmation: a later write is another stream's
+    # The connection that carried the registration when it came, while every table since has held it
+    # too (None: none known, or it closed): 1.37 accepts a second Register only once that one is closed.
+    alongside: int | None = None
 
 
 class _Pair(NamedTuple):
@@ -351,6 +360,7 @@ class _PluginState:
     # (pod-resources lists it healthy): since when (monotonic), under rules that refuse a second Register.
     shadowed: tuple[_Pair, float] | None = None
     trap: str = ""  # this round: why the kubelet no longer keeps this plugin's client ("": it does)
+    records_held: _Pair | None = None  # the pair pod-resources or the checkpoint last said is held
     # The last verdict of not held that the kubelet's connections gave (trustworthy), with its pair: an
     # unknown count keeps it, never upgrades it on the checkpoint alone.
     not_held: tuple[_Pair, _Held] | None = None
@@ -365,6 +375,8 @@ class _PluginState:
     # Its own socket answered, or was seen created, since start: a missing one is then a crash. A creation
     # is enough: a plugin that bound its own name serves under it, whether or not a probe caught it alive.
     served: bool = False
+    # It created a socket since the last kubelet restart began: it heard the restart (HAMi's answer).
+    since_restart: bool = False
     others: dict[str, SocketId] | None = None  # other sockets served in the folder, last round
     found: str | None = None  # the socket it seems to serve instead of its own
 
@@ -407,6 +419,8 @@ class DevicePluginJudge:
         self.history: deque[Attempt] = deque(maxlen=50)
         self.generation = 0  # kubelet restarts seen: a round begun before one is stale
         self._kubelet_down = False  # a kubelet restart is under way
+        self._kubelet_back_at: float | None = None  # monotonic: a new kubelet answered after a restart
+        self._starved = False  # this round's kubelet probe timed out too: the node (or we) are starved
         self._kubelet_id: SocketId | None = None  # kubelet.sock as last seen answering
         self._kubelet_recreated = False
         # The checkpoint's mtime_ns as the last round read it before its connections: a connection first
@@ -445,6 +459,9 @@ class DevicePluginJudge:
         held plugin or a refusal (monotonic), if one must."""
         drop, refusal, now = self.rules.drop_confirm, self.rules.refusal_confirm, self.clock()
         due = [t + drop for p in self._plugins.values() for t in (p.lost_at, p.failed_at) if t is not None]
+        back, missed = self._kubelet_back_at, self.rules.missed_restart_after
+        if back is not None and missed and any(not p.since_restart for p in self._plugins.values()):
+            due += [back + missed] if back + missed > now else []
         for p in self._plugins.values():
             pending = [(p.contradicted_at, drop)]
             pending += [(c.first_seen, refusal) for c in p.conns.values() if not c.recorded and not c.refused]
@@ -489,6 +506,8 @@ class DevicePluginJudge:
             return
         p.identity, p.kubelet_then, p.known = identity, self._kubelet_id, True
         p.judging, p.vanished, p.lost_at, p.connected_pair = False, None, None, None
+        # HAMi's own answer to a kubelet restart, not a restart liveness asked for.
+        p.since_restart = self.kubelet_restarts > 0 and not p.episode and not p.restarts_in_vain
         # Its own socket came: whatever serves elsewhere in the folder is no restart of this plugin, even
         # where it stopped before a round probed it, or before its event was handled (identity None: the
         # cycle above is opened on the event alone too).
@@ -523,10 +542,38 @@ class DevicePluginJudge:
             return False
         plugin = self.plugin_for(resource)
         restart = self._restart_removed(p, seen)
+        if not restart and seen.listening:
+            # The plugin did not stop: its listener is there, unlinked. Something else removed the file:
+            # a kubelet restart's cleanup (kubelet.sock may still be the old one on a loaded node), or
+            # a person. A plugin restart mends the latter only: pending for the grace, waiting for the
+            # kubelet's word, never a crash.
+            p.judging = False
+            name = CheckKey(Kind.PLUGIN, resource).name
+            verdict = (
+                f"{plugin.socket} was removed while the plugin still listens on it (a kubelet restart "
+                "removes every plugin socket before the new kubelet listens): waiting for kubelet.sock "
+                "to tell; a plugin restart serves it again if no kubelet restart follows"
+            )
+            p.vanished = _Vanished(verdict, gone=False)
+            self.state.reset([name])
+            self.state.report(name, False, verdict, definitive=False, restarts=not self._kubelet_down)
+            return False
         if not restart and not restart_window_over:
             return True
         p.judging = False
         name = CheckKey(Kind.PLUGIN, resource).name
+        if not restart and self.rules.missed_restart_after and p.since_restart and p.connected_pair is None:
+            # The socket it served for the new kubelet went before the kubelet held it: HAMi's failed
+            # start (its Register refused or failed), which it retries 30 s later by itself. Pending
+            # for the grace, which covers that retry.
+            verdict = (
+                f"{plugin.socket} came and went after the kubelet's restart before the kubelet held it: "
+                "a failed start, which HAMi retries 30 s later by itself"
+            )
+            p.vanished = _Vanished(verdict, gone=False)
+            self.state.reset([name])
+            self.state.report(name, False, verdict, definitive=False, restarts=True)
+            return False
         if restart:
             # A new kubelet.sock a probe has already seen answering is a restart already counted
             # (and its cycles opened): the removal is that restart's cleanup, not another one.
@@ -574,8 +621,10 @@ class DevicePluginJudge:
         if self._kubelet_down:
             return
         self._kubelet_down = True
+        self._kubelet_back_at = None
         self.generation += 1
         for p in self._plugins.values():
+            p.since_restart = False
             # A kubelet restart ends a failure episode: the new socket HAMi then serves is not a
             # restart the livenessProbe asked for.
             p.lost_at, p.connected_pair, p.episode = None, None, False
@@ -636,6 +685,7 @@ class DevicePluginJudge:
         if seen.generation not in (None, self.generation):
             return []
         self.kubelet_rules = seen.kubelet_rules
+        self._starved = seen.kubelet.state == "timeout"
         self._judge_kubelet(seen.kubelet)
         self._judge_checkpoint(seen.checkpoint)
         vanished = []
@@ -660,6 +710,8 @@ class DevicePluginJudge:
         if k.ok:
             if self._kubelet_recreated:
                 self._kubelet_gone(f"a new {self.rules.kubelet_socket} answers")
+            if self._kubelet_down and self.kubelet_restarts:
+                self._kubelet_back_at = self.clock()
             self._kubelet_down = False
             self._kubelet_recreated = False
             self._kubelet_id = k.identity
@@ -695,6 +747,10 @@ class DevicePluginJudge:
             return True
         if result.state == "absent" and p.vanished is not None:
             v = p.vanished  # keep the verdict and its why
+            missed = self._missed_restart(p)
+            if missed:
+                self.state.report(name, False, missed, definitive=True, restarts=True)
+                return False
             self.state.report(name, False, v.verdict, definitive=v.gone, restarts=not self._kubelet_down)
             return False
         if result.ok and result.identity != p.identity:
@@ -721,12 +777,33 @@ class DevicePluginJudge:
         self._report_plugin(plugin, p, result)
         return False
 
+    def _missed_restart(self, p: _PluginState) -> str:
+        """Why the plugin missed the kubelet's restart, or "": a HAMi plugin answers a new kubelet.sock by
+        serving a new socket at once (a failed start retries 30 s later, its socket having come and
+        gone), so one that served none `missed_restart_after` after the new kubelet answered will not
+        register on its own: waiting out the grace buys nothing."""
+        wait = self.rules.missed_restart_after
+        back = self._kubelet_back_at
+        if not wait or back is None or self._kubelet_down or p.since_restart:
+            return ""
+        if self.clock() - back < wait:
+            return ""
+        return (
+            f"the plugin served no new socket within {wait:g}s of the new kubelet.sock: it missed the "
+            "kubelet's restart (HAMi serves a new socket at once when kubelet.sock is created) and will "
+            "not register on its own; a plugin restart registers it"
+        )
+
     def _verdict_due(self, name: str, p: _PluginState, result: ProbeResult) -> bool:
         """Whether the probe's outcome is reported now. A plugin that answered fails liveness on a
         second failed probe, `drop_confirm` after the first, not the first: one stalled call would
         otherwise hold /healthz at 503 for a whole interval."""
         if result.ok or result.definitive:
             p.failed_at = None
+        elif result.state == "timeout" and self._starved:
+            # kubelet.sock timed out in the same round: a starved node, or a starved sidecar, times out
+            # every probe; a hung plugin alone does not make the kubelet slow. No verdict this round.
+            return False
         elif self.state.checks[name].status is Status.OK:
             now = self.clock()
             if p.failed_at is None:
@@ -878,7 +955,11 @@ class DevicePluginJudge:
         # No view of the kubelet's connections: pod-resources is live, the checkpoint is history.
         p.lost_at = None
         kept = self._unknown_keeps(plugin.resource, p, obs, seen, pair)
-        return kept if kept is not None else self._held_by_records(plugin.resource, obs, seen)
+        verdict = kept if kept is not None else self._held_by_records(plugin.resource, obs, seen)
+        # A reader that trusts only a count of 0 (a positive one could be a look-alike's): held by the
+        # records, the pair's connections falling to 0 is still a lost connection to confirm.
+        p.records_held = pair if verdict.held else None
+        return verdict
 
     @staticmethod
     def _remember(
@@ -967,6 +1048,14 @@ class DevicePluginJudge:
             return _Held(True, f"the kubelet holds a connection to {sock}{self._device_note(r, seen)}")
         if held_before and obs.probe.ok:
             return self._dropped(sock, p, pair, self._endpoint_alive(r, seen))
+        if conns == 0 and p.records_held == pair and obs.probe.ok:
+            # Held by pod-resources or the checkpoint while only a count of 0 is trusted: confirmed once
+            # `drop_confirm` later like any lost connection (a stopping kubelet closes its connections a
+            # moment before its socket goes), then the drop.
+            verdict = self._dropped(sock, p, pair, self._endpoint_alive(r, seen))
+            if verdict.held is not None:
+                p.records_held = None
+            return verdict
         p.lost_at = None
         return _Held(False, f"the kubelet holds no connection to {sock}: {self._not_held(r, seen, obs)}")
 
@@ -989,7 +1078,14 @@ class DevicePluginJudge:
         if p.shadowed is None or p.shadowed[0] != pair:
             p.shadowed = (pair, now)
         if now - p.shadowed[1] < self.rules.refusal_confirm:
-            return None
+            # Under way or refused: not yet told, and a restart would be refused if it was. No liveness.
+            return _Held(
+                False,
+                f"the kubelet is connected to {plugin.socket} but has recorded no device list from it since "
+                f"the socket was created, while pod-resources lists {len(healthy)} healthy device(s) of "
+                f"{plugin.resource} (a Register under way, or refused for an earlier plugin's endpoint)",
+                mends=False,
+            )
         p.trap = (
             f"the kubelet refused the Register of {plugin.socket}: it keeps the endpoint of an earlier "
             "plugin on that path and has forgotten its client (Kubernetes 1.37: device plugin already "
@@ -1109,9 +1205,12 @@ class DevicePluginJudge:
             p.contradicted_at, p.refused = None, False
             return
         for i in ids - p.conns.keys():
-            p.conns[i] = _Conn(now, self._checkpoint_mtime, False)
+            p.conns[i] = _Conn(now, self._checkpoint_mtime, False, alongside=p.registered_conn)
         for i in p.conns.keys() - ids:
             del p.conns[i]
+        for c in p.conns.values():
+            if c.alongside is not None and c.alongside not in ids:
+                c.alongside = None
         self._mark_recorded(p, cp, r)
 
     @staticmethod
@@ -1184,11 +1283,17 @@ class DevicePluginJudge:
         a second Register: the caller asks only under 1.37's rules. An accepted Register records its
         list within milliseconds, seconds on a loaded node: the bound is long, and only readiness waits.
         """
-        for c in p.conns.values():
-            if not c.recorded and not c.refused and now - c.first_seen >= self.rules.refusal_confirm:
+        for i, c in p.conns.items():
+            if c.refused or now - c.first_seen < self.rules.refusal_confirm:
+                continue
+            if not c.recorded or c.alongside is not None:
                 # Refused for as long as it stays open: the stream the kubelet kept rewrites the
                 # checkpoint too, and would pass for it. (A connection that closes ends the verdict.)
+                # One that came, and stayed, beside the connection that carried the registration is
+                # refused whatever was written: 1.37 disconnects that one before it accepts another.
                 c.refused = p.refused = True
+                if p.registered_conn == i:
+                    p.registered_conn = c.alongside
         refused = sum(1 for c in p.conns.values() if c.refused)
         if refused:
             p.trap = (
@@ -1240,7 +1345,10 @@ class DevicePluginJudge:
         r, sock = plugin.resource, plugin.socket
         ids = obs.connection_ids
         closed = p.registered_conn is not None and ids is not None and p.registered_conn not in ids
-        if closed and not p.refused:
+        # Only newer connections left, each awaiting its record: a Register under way after the old
+        # stream's end (1.37 frees the path then), not 1.2's pattern; the refusal rule decides them.
+        awaiting = all(not c.recorded and not c.refused for c in p.conns.values())
+        if closed and not p.refused and not awaiting:
             # 1.2: the connection that carried the registration closed while older ones stay (up to
             # 1.36, the end of an older stream disconnects the newest client: the older connections
             # carry no stream).

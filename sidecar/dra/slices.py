@@ -12,17 +12,13 @@ timeout or an answer that does not parse is "no evidence", never a failure.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import ssl
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-import aiohttp
-
-from sidecar.dra.spec import ApiAccess
+from sidecar.kube.access import ApiAccess
+from sidecar.kube.client import get
 
 __all__ = ["ApiAccess", "Slices", "parse_slices", "read_slices"]
 
@@ -75,30 +71,12 @@ def _dict(v: Any) -> dict[str, Any]:
 
 async def read_slices(access: ApiAccess, node: str, timeout: float) -> Slices:
     """LIST the node's ResourceSlices; a reading, or why there is none (never an exception)."""
-    try:
-        with open(access.token_file, encoding="utf-8", errors="replace") as f:
-            token = f.read(16384).strip()
-    except OSError as e:
-        return Slices(None, f"no ServiceAccount token ({access.token_file}: {e.strerror or e})")
-    try:
-        ctx = ssl.create_default_context(cafile=access.ca_file if os.path.exists(access.ca_file) else None)
-    except (OSError, ssl.SSLError, ValueError) as e:
-        return Slices(None, f"the API server's CA cannot be read ({access.ca_file}: {e})")
-    url = f"{access.server.rstrip('/')}{PATH}?fieldSelector={quote(f'spec.nodeName={node}', safe='=')}"
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
-            session.get(url, headers={"Authorization": f"Bearer {token}"}, ssl=ctx) as r,
-        ):
-            if r.status != 200:
-                return Slices(None, f"the API server answered {r.status} (no evidence)")
-            body = await r.content.read(MAX_BODY + 1)
-    except TimeoutError:
-        return Slices(None, f"the API server did not answer within {timeout:g}s (no evidence)")
-    except (aiohttp.ClientError, OSError, ValueError, ssl.SSLError) as e:
-        return Slices(None, f"the API server cannot be asked: {type(e).__name__}: {e} (no evidence)")
-    except asyncio.CancelledError:
-        raise
-    if len(body) > MAX_BODY:
+    path = f"{PATH}?fieldSelector={quote(f'spec.nodeName={node}', safe='=')}"
+    answer = await get(access, path, timeout, MAX_BODY)
+    if answer.status is None:
+        return Slices(None, f"{answer.why} (no evidence)")
+    if answer.status != 200:
+        return Slices(None, f"the API server answered {answer.status} (no evidence)")
+    if answer.why:
         return Slices(None, f"the node's ResourceSlices exceed {MAX_BODY} bytes (not read)")
-    return parse_slices(body, node)
+    return parse_slices(answer.body, node)

@@ -4,18 +4,26 @@ grace, and how the sidecar and hami-doctor reach the API server for their Resour
 
 Configuration only, for `sidecar.config` and `doctor.settings` to name without importing the
 verdicts or the reading itself (`sidecar.dra.slices`, which brings aiohttp): the standard library,
-nothing else.
+nothing else. The API server's access is the project's shared one (`sidecar.kube.access`).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-DEFAULT_TOKEN_FILE = f"{SA_DIR}/token"
-DEFAULT_CA_FILE = f"{SA_DIR}/ca.crt"
+from sidecar.kube.access import DEFAULT_CA_FILE, DEFAULT_TOKEN_FILE, SA_DIR, ApiAccess, in_cluster
+
+__all__ = [
+    "DEFAULT_CA_FILE",
+    "DEFAULT_GRACE",
+    "DEFAULT_REGISTRY",
+    "DEFAULT_TOKEN_FILE",
+    "SA_DIR",
+    "ApiAccess",
+    "DraSpec",
+    "dra_spec",
+    "in_cluster",
+]
 
 # The grace covers one full retry interval of the kubelet (at most 2 min 2 s apart: the verdicts'
 # KUBELET_RETRY_CAP) plus its registration and connection.
@@ -47,21 +55,3 @@ def dra_spec(value: str, registry: str = DEFAULT_REGISTRY) -> DraSpec:
     sock = sock or f"{name}-reg.sock"
     path = sock if sock.startswith("/") else f"{registry.rstrip('/')}/{sock}"
     return DraSpec(name, path)
-
-
-@dataclass(frozen=True)
-class ApiAccess:
-    """The API server to read ResourceSlices from, and the ServiceAccount's token and CA to do it with."""
-
-    server: str  # https://host:port
-    token_file: str = DEFAULT_TOKEN_FILE
-    ca_file: str = DEFAULT_CA_FILE
-
-
-def in_cluster(environ: Mapping[str, str] | None = None) -> str:
-    """The API server's address from the Pod's environment, "" when it is not there."""
-    env = os.environ if environ is None else environ
-    host, port = env.get("KUBERNETES_SERVICE_HOST", ""), env.get("KUBERNETES_SERVICE_PORT", "")
-    if not host or not port:
-        return ""
-    return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"

@@ -22,6 +22,19 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from sidecar.health import Check, Status
 
+# The hami check's reason codes (sidecar.hami.verdicts.CODES; tests/test_hami.py holds them equal).
+HAMI_CODES = (
+    "ok",
+    "repairing",
+    "no_evidence",
+    "missing",
+    "unparsable",
+    "mismatched",
+    "wrong_node",
+    "handshake_deleted",
+    "handshake_expired",
+)
+
 logger = logging.getLogger(__name__)
 
 # `*_created` series double the exposition and no rule here uses them.
@@ -103,6 +116,21 @@ class Metrics:
             ["plugin", "resource"],
             registry=r,
         )
+        # HAMi's own registration (sidecar.hami): the `hami` check's reason, and what HAMi's scheduler sees.
+        self.hami_reason = Gauge(
+            "device_plugin_hami_registration",
+            "1 for the hami check's current reason code (ok, repairing, no_evidence, missing, unparsable, "
+            "mismatched, wrong_node, handshake_deleted, handshake_expired), 0 for the others",
+            ["plugin", "resource", "reason"],
+            registry=r,
+        )
+        self.hami_gpus = Gauge(
+            "device_plugin_hami_gpus",
+            "Healthy GPUs HAMi's register annotation lists for the scheduler (0 when absent or undecodable); "
+            "absent when the Node cannot be read",
+            ["plugin", "resource"],
+            registry=r,
+        )
         self.kubelet_restarts = Counter("device_plugin_kubelet_restarts", "Kubelet restarts seen", registry=r)
         self.config_error = Gauge(
             "device_plugin_sidecar_config_error",
@@ -176,6 +204,17 @@ class MetricsPublisher:
                 gauge.remove(self.label, resource)
         else:
             gauge.labels(self.label, resource).set(1 if count else 0)
+
+    def hami(self, resource: str, code: str, gpus: int | None) -> None:
+        """The hami check's reason code (every code's series exists: 1 for this one), and the healthy GPUs
+        HAMi's annotation lists; None (no reading) removes that series."""
+        for c in HAMI_CODES:
+            self.m.hami_reason.labels(self.label, resource, c).set(1 if c == code else 0)
+        if gpus is None:
+            with contextlib.suppress(KeyError):
+                self.m.hami_gpus.remove(self.label, resource)
+        else:
+            self.m.hami_gpus.labels(self.label, resource).set(gpus)
 
     def check(self, check: Check) -> None:
         """A check's state, as its gauges."""

@@ -55,7 +55,11 @@ def status_document(sidecar: Sidecar) -> dict[str, Any]:
             "pod-resources": _socket_info(s.pod_resources_socket),
         },
         "kubelet_connections_from": sidecar.device_plugins.connections_source,
+        # Processes named as the kubelet that do not listen on the kubelet.sock this pod sees: not read.
+        "kubelet_processes_ignored": list(sidecar.device_plugins.kubelets_ignored),
+        "socket_table_read_seconds": round(sidecar.device_plugins.table_read_seconds, 4),
         **({"dra": _dra_document(sidecar.dra, sidecar.clock())} if sidecar.dra is not None else {}),
+        "hami_registration": _hami_document(sidecar),
         "kubelet_restarts": judge.kubelet_restarts,
         "kubelet_release": judge.kubelet_rules.as_dict(),
         "probe_rounds": sidecar.rounds,
@@ -118,6 +122,21 @@ def _dra_document(dra: DraWatch, now: float) -> dict[str, Any]:
         "kubelet_connections_from": dra.connections_source,
         "drivers": drivers,
     }
+
+
+def _hami_document(sidecar: Sidecar) -> dict[str, Any]:
+    """HAMi's registration as the hami checks last read it, or why there are none."""
+    s = sidecar.settings
+    if sidecar.hami is not None:
+        return {"on": True, **sidecar.hami.document(sidecar.clock())}
+    why = (
+        "off (--no-hami-registration)"
+        if not s.hami_registration
+        else "off: no API server known (KUBERNETES_SERVICE_HOST/PORT unset, no --kube-api-server)"
+        if s.hami_api is None
+        else "off: no configured plugin has a known HAMi register annotation (--hami-annotation)"
+    )
+    return {"on": False, "why": why}
 
 
 def _since(now: float, since: float | None) -> float | None:

@@ -86,6 +86,8 @@ async def real_node(
     release: Release,
     sockets: Iterable[str] = ("nvidia-gpu.sock",),
     kubelet_netns: bool = False,
+    *,
+    name_kubelet: bool = False,
     **overrides: Any,
 ) -> AsyncIterator[RealNode]:
     """`kubelet_netns`: the kubelet in a network namespace of its own, the sidecar and plugins in the
@@ -100,8 +102,10 @@ async def real_node(
         **overrides,
     )
     plugins: list[RealPlugin] = []
-    async with RealKubelet(dp_dir, pod_resources, release=release, netns=kubelet_netns) as kubelet:
-        if kubelet_netns:
+    async with RealKubelet(
+        dp_dir, pod_resources, release=release, netns=kubelet_netns, unique_name=name_kubelet
+    ) as kubelet:
+        if kubelet_netns or name_kubelet:  # `name_kubelet`: the sidecar finds the kubelet by its name
             settings = replace(settings, kubelet_process_name=kubelet.process_name)
         try:
             async with sidecar_running(settings) as (sidecar, _), aiohttp.ClientSession() as http:

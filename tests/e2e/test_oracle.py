@@ -21,29 +21,13 @@ from typing import Any
 
 import pytest
 
-from testing.realkubelet import FixtureError, RealPlugin, has_pr_135437
+from testing.realkubelet import FixtureError, RealPlugin
 from tests.e2e.realnode import GPU, RealNode
 
 EVENTS = int(os.environ.get("ORACLE_EVENTS", "25"))
 SEEDS = [int(s) for s in os.environ.get("ORACLE_SEEDS", "1").split(",")]
 SETTLE = 3.0  # seconds the sidecar has to agree: the drop confirmation, the kubelet's checkpoint write
 DEVICES = ("GPU-0@0", "GPU-1@0,1", "GPU-2@1", "GPU-3")
-
-
-# The sidecar's refusal_confirm (10 s by default) at 1 s: a refused Register is told within SETTLE.
-# Only 1.37 (and an unknown release) calls a Register refused; an accepted one is recorded within
-# milliseconds here.
-REFUSAL_CONFIRM = 1.0
-
-
-@pytest.fixture
-def node_factory(node_factory: Any) -> Any:
-    """The e2e conftest's real nodes, with REFUSAL_CONFIRM."""
-
-    def make(**overrides: Any) -> Any:
-        return node_factory(**{"refusal_confirm": REFUSAL_CONFIRM, **overrides})
-
-    return make
 
 
 @dataclass
@@ -62,11 +46,15 @@ class Oracle:
     mismatches: list[str] = field(default_factory=list)
     serving: bool = True
     allocated: int = 0
-    # 1.37 refused a Register at the plugin's path and forgot its client: every Register there is
-    # refused until the kubelet restarts, and what the kubelet shows (an endpoint, maybe no stream
-    # behind it) no longer says whether it holds the plugin. The sidecar must fail readiness and keep
-    # liveness while the plugin serves (a plugin restart would be refused too).
-    refused_path: bool = False
+    # The kubelet refused a Register at the plugin's path ("already connected", 1.37) and forgot its
+    # client: every Register there is refused until it restarts. Whether the stream it kept still runs
+    # on an open connection is beyond what the kubelet shows: the sidecar must name the trap (not
+    # ready) and never fail liveness for registration.
+    trapped: bool = False
+
+    def refused(self) -> None:
+        if "already connected" in (self.plugin.last_register_error or ""):
+            self.trapped = True
 
     async def truth(self) -> Truth:
         held = self.serving and await self.plugin.streams_open() > 0
@@ -82,7 +70,9 @@ class Oracle:
 
     async def settle(self) -> None:
         """Agree within SETTLE seconds, and never a 503 while the kubelet holds a serving plugin."""
-        deadline = time.monotonic() + SETTLE
+        # A refusal is told by the kubelet's record not coming over `refusal_confirm`.
+        wait = SETTLE + (self.node.settings.refusal_confirm if self.trapped else 0.0)
+        deadline = time.monotonic() + wait
         await asyncio.sleep(self.node.settings.drop_confirm)
         while True:
             self.node.sidecar.trigger()
@@ -91,31 +81,26 @@ class Oracle:
             registered, live, ready, count = self.verdicts()
             if truth.held and truth.serving and not live:
                 self.mismatches.append(f"wrong liveness 503 while held, after {self.history}")
-            expected_ready = truth.held and self.node.sidecar.state.checks["kubelet"].status.value == "ok"
-            if self.refused_path:
-                agree = not ready and (live or not truth.serving)
-            else:
-                agree = registered == truth.held and ready == expected_ready
-                if truth.held:
-                    agree = agree and count == truth.allocatable
+            checks = self.node.sidecar.state.checks
+            if self.trapped and checks[f"registered:{GPU}"].live_failed:
+                self.mismatches.append(
+                    f"liveness 503 for a path only a kubelet restart mends, after {self.history}"
+                )
+            expected_ready = truth.held and checks["kubelet"].status.value == "ok"
+            agree = registered == truth.held and ready == expected_ready
+            if truth.held:
+                agree = agree and count == truth.allocatable
+            if self.trapped:
+                named = checks[f"kubelet-client:{GPU}"].status.value == "failed"
+                agree = not ready and (named or checks[f"registered:{GPU}"].status.value == "failed")
             if agree:
                 return
             if time.monotonic() > deadline:
                 self.mismatches.append(
-                    f"after {self.history[-8:]}: sidecar registered={registered} ready={ready} live={live} "
-                    f"devices={count}, truth held={truth.held} allocatable={truth.allocatable} "
-                    f"refused path={self.refused_path}"
+                    f"after {self.history[-8:]}: sidecar registered={registered} ready={ready} "
+                    f"devices={count}, truth held={truth.held} allocatable={truth.allocatable}"
                 )
                 return
-
-    def registered(self, accepted: bool) -> None:
-        """Note a Register's answer: 1.37's refusal of a connected path ("already connected") poisons
-        the path until the kubelet restarts; any other failure (a dial that timed out) does not."""
-        error = self.plugin.last_register_error or ""
-        if not accepted:
-            self.history.append(f"(Register refused: {error[:80]})")
-        if not accepted and has_pr_135437(self.node.release) and "already connected" in error:
-            self.refused_path = True
 
     async def step(self) -> None:
         p, k = self.plugin, self.node.kubelet
@@ -145,22 +130,22 @@ class Oracle:
             graceful = self.rng.random() < 0.5
             again = self.rng.random() < 0.7
             await k.restart(unlink_socket=graceful)
-            self.allocated = 0
-            self.refused_path = False
+            self.allocated, self.trapped = 0, False
             self.history.append(f"kubelet restart graceful={graceful} plugin registers again={again}")
             if again and self.serving:
-                self.registered(await p.restart())
+                await p.restart()
+                self.refused()
         elif event == "plugin-restart" and self.serving:
-            accepted = await p.restart()
-            self.registered(accepted)
-            self.history.append(f"plugin restart accepted={accepted}")
+            await p.restart()
+            self.refused()
+            self.history.append("plugin restart")
         elif event == "second-register" and self.serving:
             # Registers again on its own socket, then ends its first stream while its server serves on:
             # up to 1.36 the kubelet disconnects the second and keeps the first's connection with no
             # stream; 1.37 refuses the Register, forgets both clients, and notices no stream's end.
             mark = k.mark()
             accepted = await p.register()
-            self.registered(accepted)
+            self.refused()
             if accepted:
                 # The second stream's first answer is in before the first ends. (Ended at once, the
                 # two race in the old kubelet: a late answer can mark the stopped endpoint's devices
@@ -178,9 +163,9 @@ class Oracle:
         elif event == "serve":
             await p.serve()
             self.serving = True
-            accepted = await p.register()
-            self.registered(accepted)
-            self.history.append(f"plugin serves and registers accepted={accepted}")
+            await p.register()
+            self.refused()
+            self.history.append("plugin serves and registers")
         elif event == "allocate":
             try:
                 await k.allocate(f"pod-{len(self.history)}", "main", GPU, 1)

@@ -59,6 +59,7 @@ async def test_healthy_node_answers_200_with_every_check(make_node: NodeFactory)
             "[+]checkpoint ok",
             "[+]plugin:nvidia.com/gpu ok",
             "[+]registered:nvidia.com/gpu ok",
+            "[+]kubelet-client:nvidia.com/gpu ok",
             "[+]devices:nvidia.com/gpu ok",
             "healthz check passed",
         ]
@@ -567,6 +568,8 @@ async def test_one_log_line_per_transition_none_per_probe(
                 f"check plugin:{GPU}: pending -> ok: GetDevicePluginOptions answered",
                 f"check registered:{GPU}: pending -> ok: the kubelet holds a connection to nvidia-gpu.sock; "
                 "pod-resources lists 2 healthy device(s)",
+                f"check kubelet-client:{GPU}: pending -> ok: no refused Register seen: the kubelet keeps the "
+                "plugin's client",
                 f"check devices:{GPU}: pending -> ok: the kubelet lists 2 (want 1: a registered plugin "
                 "with no healthy device is not ready; --expect-devices 0 opts out)",
             ]

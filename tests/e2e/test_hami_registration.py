@@ -1,0 +1,350 @@
+"""HAMi's own registration against a real API server (tests/apiserver.py: kube-apiserver and etcd), with
+HAMi-shaped writers of the Node's annotations (tests/hamifixture.py: the device plugin's register loop,
+the scheduler's handshake) and the simulated kubelet and device plugin beside the real sidecar.
+
+Marked slow and not in `make real-slow`: it needs `make node-bins` (kube-apiserver) and etcd;
+`make hami-registration` runs it. About a minute. HAMi's 30 s loop and 5 s retry are scaled to 1 s and
+0.25 s, the sidecar's --hami-repair to 3 s; the handshake's 60 s run on clocks the test moves.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+
+from doctor import settings as doctor_settings
+from doctor.hami import gather_hami, hami_causes
+from doctor.logscan import scan
+from doctor.patterns import PLUGIN_PATTERNS
+from doctor.types import Cause
+from sidecar.deviceplugin.probes import Reading
+from sidecar.hami.verdicts import HANDSHAKE_EXPIRY, SCHEDULER_TICK
+from sidecar.hami.watch import HamiKeys, HamiWatch, boot_id
+from sidecar.health import HealthState, Status
+from sidecar.kube.access import ApiAccess
+from sidecar.server.status import status_document
+from testing import free_port, hami_device_ids
+from tests import apiserver
+from tests.conftest import wait_for
+from tests.e2e.conftest import GPU, Node, NodeFactory
+from tests.hamifixture import HANDSHAKE, REGISTER, Gpu, HamiRegistrar, HamiScheduler, marshal
+
+pytestmark = pytest.mark.slow
+NODE = "gpu-node-1"
+G1 = "GPU-0a1b2c3d-0000-1111-2222-333344445555"
+G2 = "GPU-9f8e7d6c-aaaa-bbbb-cccc-ddddeeeeffff"
+CHECK = f"hami:{GPU}"
+REPAIR = 3.0
+KEYS = (HamiKeys(GPU, REGISTER, HANDSHAKE),)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def api(short_tmp: str) -> AsyncIterator[apiserver.ApiServer]:
+    reason = apiserver.missing()
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    server = apiserver.ApiServer(short_tmp)
+    try:
+        await server.start()
+        for name in (NODE, "gpu-node-2"):
+            await server.request("POST", "/api/v1/nodes", {"metadata": {"name": name}})
+        # The kubelet's report: this machine's boot ID, the GPUs allocatable (HAMi's 10 splits each).
+        await set_status(server, NODE, boot_id(), 20)
+        await set_status(server, "gpu-node-2", "another-machine", 20)
+        # HAMi's chart grants its device plugin get/list/update/patch on nodes; here get and patch apart,
+        # so that the test can take patch away alone. The sidecar needs get.
+        await server.grant("hami-plugin", "hami-plugin-get", ["nodes"], ["get"])
+        await server.grant("hami-plugin", "hami-plugin-patch", ["nodes"], ["patch"])
+        await server.grant("hami-sidecar", "hami-sidecar", ["nodes"], ["get"])
+        yield server
+    finally:
+        server.stop()
+
+
+KUBELET_VERSION = "v1.34.4"  # as the Node reports it
+
+
+async def set_status(api: apiserver.ApiServer, node: str, boot: str, gpus: int) -> None:
+    body = {
+        "status": {
+            "nodeInfo": {"bootID": boot, "kubeletVersion": KUBELET_VERSION},
+            "capacity": {GPU: str(gpus)},
+            "allocatable": {GPU: str(gpus)},
+        }
+    }
+    await api.request(
+        "PATCH", f"/api/v1/nodes/{node}/status", body, content_type="application/merge-patch+json"
+    )
+
+
+async def annotation(api: apiserver.ApiServer, key: str = REGISTER) -> str | None:
+    n = await api.request("GET", f"/api/v1/nodes/{NODE}")
+    value = (n["metadata"].get("annotations") or {}).get(key)
+    return value if isinstance(value, str) else None
+
+
+def check(node: Node) -> tuple[Status, bool, str]:
+    c = node.sidecar.state.checks[CHECK]
+    return c.status, c.live_failed, c.reason
+
+
+async def test_the_stuck_patch_fails_liveness_and_a_restart_writes_it_again(
+    api: apiserver.ApiServer, make_node: NodeFactory
+) -> None:
+    gpus = [Gpu(G1), Gpu(G2)]
+    writer = HamiRegistrar(api, NODE, gpus, interval=1.0, error_interval=0.25)
+    sidecar_api = ApiAccess(api.url, api.token_file("hami-sidecar"), api.ca_file)
+    await HamiScheduler(api, NODE).tick()  # HAMi's scheduler selects the node: its handshake
+    async with make_node(
+        {"devices": hami_device_ids([G1, G2])},
+        node_name=NODE,
+        hami_api=sidecar_api,
+        hami_interval=0.2,
+        hami_repair=REPAIR,
+    ) as node:
+        assert node.sidecar.hami is not None
+        # The kubelet's binary cannot be read here (the simulator runs in the test's process): the rules
+        # follow the release this node's Node reports.
+        await wait_for(
+            lambda: status_document(node.sidecar)["kubelet_release"]["version"] == KUBELET_VERSION,
+            what="the kubelet's release from the Node",
+        )
+        assert status_document(node.sidecar)["kubelet_release"]["rules"] == "1.30-1.36"
+        # No annotation yet: HAMi's own loop is waited for (readiness says so, liveness does not fail).
+        await wait_for(lambda: "HAMi's loop rewrites" in check(node)[2], what="the wait for HAMi's loop")
+        assert check(node)[0] is Status.OK and (await node.get("/healthz"))[0] == 200
+        # The first patch fails (HAMi's ServiceAccount may not patch nodes yet), after the cache took it.
+        await api.unbind("hami-plugin-patch")
+        writer.start()
+        try:
+            await wait_for(
+                lambda: any("patch node error" in line for line in writer.log), what="a failed patch"
+            )
+            await api.bind("hami-plugin", "hami-plugin-patch")  # the fault is gone; HAMi's cache stays
+            await wait_for(
+                lambda: any("unchanged, skipping" in line for line in writer.log), what="the cached skip"
+            )
+            assert await annotation(api) is None
+            body = await node.until("/healthz?verbose", 503, timeout=REPAIR + 3, contains=f"[-]{CHECK}")
+            assert "skips the patch as 'unchanged'" in body
+            assert writer.patches == 0 and await annotation(api) is None  # nothing else mends it
+            # The liveness probe's remedy: the kubelet restarts the plugin's container.
+            await writer.restart()
+            await node.plugin.restart()
+            await node.until("/healthz", 200, timeout=5)
+            await wait_for(lambda: check(node)[0] is Status.OK, timeout=5, what="hami ok again")
+            assert await annotation(api) == marshal(gpus)
+            scheduler = HamiScheduler(api, NODE)
+            await scheduler.tick()
+            assert scheduler.sees
+
+            # A GPU turns unhealthy while the patch fails once: the annotation keeps it healthy.
+            await api.unbind("hami-plugin-patch")
+            for device in hami_device_ids([G2]):
+                node.plugin.set_health(device, False)
+            gpus[1].healthy = False
+            before = len(writer.log)
+            await wait_for(lambda: any("patch node error" in x for x in writer.log[before:]), what="failed")
+            await api.bind("hami-plugin", "hami-plugin-patch")
+            body = await node.until("/healthz?verbose", 503, timeout=REPAIR + 5, contains=f"[-]{CHECK}")
+            assert f"as healthy GPU(s) the kubelet does not list healthy: {G2}" in body
+            assert node.sidecar.metrics.hami_reason.labels("hami", GPU, "mismatched")._value.get() == 1
+            await writer.restart()
+            await node.plugin.restart()
+            for device in hami_device_ids([G2]):
+                node.plugin.set_health(device, False)
+            await node.until("/healthz", 200, timeout=5)
+            assert await annotation(api) == marshal(gpus)
+        finally:
+            await writer.stop()
+
+
+async def test_a_deleted_handshake_that_stays_is_readiness_only(api: apiserver.ApiServer) -> None:
+    clock, sched_now = Clock(), [1.7e9]
+    scheduler = HamiScheduler(api, NODE, release="before-v2.9", now=lambda: sched_now[0])
+    writer = HamiRegistrar(api, NODE, [Gpu(G1), Gpu(G2)])
+    assert await writer.register_once()
+    watch = HamiWatch(
+        KEYS,
+        {},
+        ApiAccess(api.url, api.token_file("hami-sidecar"), api.ca_file),
+        NODE,
+        pod_resources_socket="/nonexistent",
+        every=0.0,
+        clock=clock,
+    )
+    state = HealthState(60.0, clock)
+    watch.attach(state, _Nothing())
+    kubelet = Reading({GPU: frozenset(hami_device_ids([G1, G2]))})
+
+    async def verdict() -> tuple[Status, str, str]:
+        _, v = (await watch.round({GPU: (True, True)}, kubelet))[GPU]
+        return v.status, v.code, v.reason
+
+    await scheduler.tick()  # the first handshake
+    assert (await annotation(api, HANDSHAKE) or "").startswith("Requesting_")
+    first = await verdict()
+    assert first[1] == "ok", first
+    # The kubelet stops reporting the GPUs for a while; the stamp is over 60 s old: the node is cleaned.
+    await set_status(api, NODE, boot_id(), 0)
+    sched_now[0] += 61
+    clock.now += HANDSHAKE_EXPIRY
+    assert (await verdict())[1] == "handshake_expired"
+    await scheduler.tick()
+    assert any("Device is unhealthy, cleaning up node" in line for line in scheduler.log)
+    assert (await annotation(api, HANDSHAKE) or "").startswith("Deleted_")
+    # The GPUs are back, but the old scheduler keeps its Deleted_ handshake: it never looks again.
+    await set_status(api, NODE, boot_id(), 20)
+    for _ in range(3):
+        sched_now[0] += 15
+        await scheduler.tick()
+    assert not scheduler.sees and (await annotation(api, HANDSHAKE) or "").startswith("Deleted_")
+    assert (await verdict())[1] == "ok"  # a current scheduler replaces it within a tick
+    clock.now += HANDSHAKE_EXPIRY + SCHEDULER_TICK
+    status, code, reason = await verdict()
+    assert (status, code) == (Status.FAILED, "handshake_deleted")
+    assert f"kubectl annotate node {NODE} {HANDSHAKE}-" in reason
+    assert state.healthy() and not state.all_ok()  # readiness only: no restart
+    # The fix the reason names: the annotation removed, the scheduler hands shakes again.
+    await api.request(
+        "PATCH",
+        f"/api/v1/nodes/{NODE}",
+        {"metadata": {"annotations": {HANDSHAKE: None}}},
+        content_type="application/merge-patch+json",
+    )
+    await scheduler.tick()
+    await scheduler.tick()
+    assert scheduler.sees
+    assert (await verdict())[1] == "ok" and state.all_ok()
+    await watch.close()
+
+
+async def test_no_api_access_is_no_evidence_and_a_wrong_node_is_readiness_only(
+    api: apiserver.ApiServer, short_tmp: str
+) -> None:
+    writer = HamiRegistrar(api, NODE, [Gpu(G1)])
+    assert await writer.register_once()
+    await HamiScheduler(api, NODE).tick()
+    kubelet = Reading({GPU: frozenset(hami_device_ids([G2]))})  # it differs: only access can hide it
+    clock = Clock()
+
+    async def verdict(access: ApiAccess, node: str = NODE) -> tuple[str, str, bool]:
+        watch = HamiWatch(
+            KEYS, {}, access, node, pod_resources_socket="/nonexistent", every=0.0, repair=REPAIR, clock=clock
+        )
+        state = HealthState(60.0, clock)
+        watch.attach(state, _Nothing())
+        try:
+            for _ in range(2):
+                _, v = (await watch.round({GPU: (True, True)}, kubelet))[GPU]
+                clock.now += 10 * REPAIR
+        finally:
+            await watch.close()
+        return v.code, v.reason, state.healthy()
+
+    nobody = ApiAccess(api.url, api.token_file("nobody"), api.ca_file)
+    expired = os.path.join(short_tmp, "expired.token")
+    with open(expired, "w") as f:
+        f.write("a-token-the-api-server-does-not-know\n")
+    for access, words in (
+        (nobody, "answered 403"),  # RBAC: no get on nodes
+        (ApiAccess(api.url, os.path.join(short_tmp, "no-token"), api.ca_file), "no ServiceAccount token"),
+        (ApiAccess(api.url, expired, api.ca_file), "answered 401"),
+        (ApiAccess(api.url, "", api.ca_file), "answered 403"),  # anonymous
+        (
+            ApiAccess(f"https://127.0.0.1:{free_port()}", api.token_file("hami-sidecar"), api.ca_file),
+            "cannot be asked",
+        ),
+    ):
+        code, reason, live = await verdict(access)
+        assert code == "no_evidence" and words in reason and reason.startswith("no evidence: "), reason
+        assert live
+    sidecar = ApiAccess(api.url, api.token_file("hami-sidecar"), api.ca_file)
+    code, reason, live = await verdict(sidecar, "no-such-node")
+    assert code == "wrong_node" and "no Node 'no-such-node'" in reason and live
+    code, reason, live = await verdict(sidecar, "gpu-node-2")
+    assert code == "wrong_node" and "another machine" in reason and live
+    code, reason, live = await verdict(sidecar)  # the right name: the difference is seen, and fails
+    assert code == "mismatched" and not live
+
+
+class _Nothing:
+    def hami(self, resource: str, code: str, gpus: int | None) -> None:
+        pass
+
+    def restart_requested(self, resource: str) -> None:
+        pass
+
+
+async def test_the_doctor_names_the_stuck_cache_and_removes_a_deleted_handshake(
+    api: apiserver.ApiServer, short_tmp: str
+) -> None:
+    # hami-doctor --kubeconfig: the sidecar's user, as a kubeconfig (its CA and token inline or by path).
+    settings = doctor_settings.parse_settings(
+        ["--kubeconfig", api.kubeconfig("hami-sidecar")], {"NODE_NAME": NODE}
+    )
+    assert settings.hami_api is not None and settings.hami_api.source.startswith("kubeconfig ")
+    assert settings.hami_keys == ((GPU, REGISTER),)
+    writer = HamiRegistrar(api, NODE, [Gpu(G1), Gpu(G2)])
+    await HamiScheduler(api, NODE).tick()
+    await api.unbind("hami-plugin-patch")
+    assert not await writer.register_once()
+    await api.bind("hami-plugin", "hami-plugin-patch")
+    assert await writer.register_once()  # "unchanged": skipped
+    # The plugin's log as klog prints it (a registration, then the loop's lines).
+    lines = [
+        "I1205 07:00:00.000000       1 server.go:404] "
+        "Registered device plugin for 'nvidia.com/gpu' with Kubelet"
+    ]
+    lines += [f"E1205 07:00:01.000000       1 register.go:303] {line}" for line in writer.log]
+    log = scan(("\n".join(lines) + "\n").encode(), PLUGIN_PATTERNS, "device-plugin.log", None, 0.0)
+    kubelet = Reading({GPU: frozenset(hami_device_ids([G1, G2]))})
+
+    async def rows() -> dict[str, Cause]:
+        assert settings.hami_api is not None
+        found = await gather_hami(
+            settings.hami_api,
+            settings.node_name,
+            settings.hami_keys,
+            settings.hami_handshake,
+            kubelet=kubelet,
+            serving={GPU: True},
+            timeout=2.0,
+        )
+        return {c.id: c for c in hami_causes(found, [log])}
+
+    r = await rows()
+    reg = r["hami-registration"]
+    assert reg.verdict == "problem" and f"{REGISTER} is absent" in reg.evidence[0]
+    assert any("patch node error" in e for e in reg.evidence) and any("skipping" in e for e in reg.evidence)
+    assert "cached" in reg.fix[0] and "delete pod" in reg.fix[1]
+    assert r["hami-handshake"].verdict == "ok" and "Requesting_" in r["hami-handshake"].evidence[0]
+    # The plugin restarted: the annotation is back; an old scheduler left a Deleted_ handshake.
+    writer.cache = ""  # a plugin restart: a new process, an empty cache; its first round patches
+    assert await writer.register_once() and writer.patches == 1
+    await api.request(
+        "PATCH",
+        f"/api/v1/nodes/{NODE}",
+        {"metadata": {"annotations": {HANDSHAKE: "Deleted_2024.01.02 00:00:00"}}},
+        content_type="application/merge-patch+json",
+    )
+    r = await rows()
+    assert r["hami-registration"].verdict == "ok"
+    hs = r["hami-handshake"]
+    assert hs.verdict == "problem" and hs.fix[-1] == f"$ kubectl annotate node {NODE} {HANDSHAKE}-"
+    # Without access: unknown, never a problem.
+    settings = doctor_settings.parse_settings(["--kubeconfig", api.kubeconfig("nobody")], {"NODE_NAME": NODE})
+    r = await rows()
+    assert r["hami-registration"].verdict == "unknown" and "403" in r["hami-registration"].evidence[0]
