@@ -36,6 +36,7 @@ from hami_guard.node.unixdiag import (
     DiagUnavailable,
     SocketOwner,
     UnixSocket,
+    diag_alive,
     diag_dump,
     kubelet_connections,
     kubelet_processes,
@@ -74,6 +75,7 @@ SWITCH = 0.0002  # seconds: the GIL's switch interval while the socket table is 
 BOUND_DIR = os.path.dirname(KUBELET_BOUND_PATH)
 MAX_FOLDER_SOCKETS = 32  # other sockets tried in the folder per round
 RELEASE_RETRY = 60.0  # seconds between reads of an unknown kubelet release
+FULL_READ_EVERY = 5  # between rounds, the whole socket table at most every 5 connection intervals
 
 
 class Publisher(Listener, Protocol):
@@ -202,6 +204,7 @@ class DevicePluginWatch:
         # of the table at a time: between rounds it is read again to see a drop within a second.
         self.last_ids: dict[str, frozenset[int] | None] = {}
         self._table_lock = asyncio.Lock()
+        self._full_read_at = 0.0  # monotonic: the last whole read of the table between rounds
         self._rules_read: tuple[int, float] = (-1, 0.0)  # (judge generation, monotonic) of that read
         self._clock = clock
         # Each plugin socket's file (st_dev, st_ino) as the last round saw it: its listener outlives it.
@@ -345,6 +348,18 @@ class DevicePluginWatch:
         watched = [p for p in self.settings.plugins if p.resource in held]
         if not watched:
             return False
+        known = [self.last_ids.get(p.resource) for p in watched]
+        if self.connections_source.startswith("this network namespace") and all(known):
+            # Read by sock_diag in this namespace, each connection known: asked for one by one, which
+            # costs microseconds however many sockets the namespace holds.
+            ids = frozenset().union(*(k for k in known if k))
+            alive = await self._off_loop(partial(_alive, ids), None)
+            if alive is not None:
+                return alive != ids
+        now = self._clock()
+        if now - self._full_read_at < FULL_READ_EVERY * self.settings.connection_interval:
+            return False  # the whole table, less often: a /proc read is a file of the whole namespace
+        self._full_read_at = now
         table = await self._socket_table()
         if isinstance(table.connections, str):
             return False
@@ -449,6 +464,14 @@ def _served_elsewhere(folder: str, mine: set[str]) -> tuple[tuple[str, SocketId]
         if identity is not None and not socket_refuses(path):
             out.append((name, identity))
     return tuple(out)
+
+
+def _alive(ids: frozenset[int]) -> frozenset[int] | None:
+    """The connections among `ids` still open (sock_diag, one request each); None: cannot be told."""
+    try:
+        return frozenset(diag_alive(ids))
+    except DiagUnavailable:
+        return None
 
 
 def _still_listening(bound: tuple[int, int] | None) -> bool | None:
