@@ -541,6 +541,9 @@ class DevicePluginJudge:
             p.restarts_in_vain += 1
         if resource in self._recovery:  # it re-reads every device: a restart asked for them, or not
             self._recovery[resource].restarted(self.wall())
+            # The restart asked for is under way: no longer asked, whatever the round before said.
+            why = "the plugin serves a new socket: its devices are judged against its new list"
+            self.state.report(CheckKey(Kind.RECOVER, resource).name, True, why, restarts=False)
         self.state.reset(self._names(resource))
         self._open_attempt(resource, "new plugin socket")
 
@@ -1505,6 +1508,8 @@ class DevicePluginJudge:
             why = "the plugin does not answer"
         elif self.state.checks[CheckKey(Kind.REGISTERED, r).name].status is not Status.OK:
             why = "the kubelet does not hold the plugin"
+        elif self._plugins[r].lost_at is not None or self._plugins[r].contradicted_at is not None:
+            why = "a lost hold of the plugin awaits its confirmation"
         elif live is None:
             why = f"pod-resources cannot be read ({seen.pod_resources.error})"
         listed = frozenset(physical_devices(live.get(r, ()))) if live is not None else None
