@@ -135,9 +135,9 @@ class DeviceRecovery:
         why)."""
         events: list[tuple[str, int]] = []
         if why_not or listed is None:
-            # Devices not listed while the plugin is not held say nothing of their health.
+            # Devices not listed while the plugin is not held say nothing of their health. A restart asked
+            # for stays asked for: the plugin going down is that restart under way (its new socket ends it).
             self._missing.clear()
-            self._asked = frozenset()
             return RecoveryVerdict(True, f"not judged: {why_not or 'no list of healthy devices'}")
         back = self._awaiting & listed
         if back:
