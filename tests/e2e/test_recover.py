@@ -17,7 +17,8 @@ from sidecar.server.status import status_document
 from testing.realkubelet import RealPlugin
 from tests.e2e.conftest import Watch
 from tests.e2e.realnode import GPU, UUIDS, RealNode
-from tests.e2e.test_real_kubelet import applied
+from tests.e2e.test_real_kubelet import NO_PROCESS_LOOKUP, applied
+from tests.test_doctor import Doctor, row
 
 RECOVER = f"recover:{GPU}"
 AFTER = 1.0
@@ -106,6 +107,17 @@ async def test_a_gpu_unhealthy_again_after_its_restart_gets_no_more_restarts(
         assert (doc["restarts"], list(doc["really_unhealthy"])) == (1, [UUIDS[0]])
         assert await metric(node, "device_plugin_unhealthy_recovery_restarts_total") == 1
         assert await metric(node, "device_plugin_unhealthy_devices_unrecoverable") == 1
+        # hami-doctor, run in the pod, says what was done: one restart, and the GPU really unhealthy.
+        tmp = os.path.dirname(node.dir)
+        logs = [os.path.join(tmp, name) for name in ("kubelet.log", "plugin.log")]
+        for log in logs:
+            open(log, "a").close()
+        url = f"http://127.0.0.1:{node.settings.port}/status"
+        code, report = await Doctor(node.dir, tmp, *logs).report(*NO_PROCESS_LOOKUP, "--sidecar-status", url)
+        assert code == 1
+        evidence = " ".join(row(report, "unhealthy-devices")["evidence"])
+        assert f"{GPU}: the sidecar asked for 1 plugin restart(s) to re-read unhealthy devices" in evidence
+        assert f"{UUIDS[0]} unhealthy again after the plugin restart that re-read it" in evidence
 
 
 async def test_a_gpu_a_running_pod_holds_is_never_taken_by_a_restart(
