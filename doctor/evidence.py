@@ -259,7 +259,9 @@ def _read_connections(
     unseen: Connections | str = "the kubelet's connections could not be read"
     seen = g.take(
         "the kubelet's connections",
-        lambda: kubelet_connections(s.kubelet_path, names=names, mine=mine),
+        lambda: kubelet_connections(
+            s.kubelet_path, names=names, mine=mine, served=[s.plugin_path(p) for p in s.plugins]
+        ),
         unseen,
     )
     return mine, seen

@@ -4,6 +4,7 @@ process of their own until it is stopped."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -156,6 +157,34 @@ NOBODY = [
     "--bounding-set=-all",
     "--",
 ]
+
+
+# With CAP_SYS_PTRACE alone: the descriptors of the kubelet and of the plugin can be read.
+PTRACE_ONLY = [
+    "setpriv",
+    "--inh-caps=-all,+sys_ptrace",
+    "--ambient-caps=-all,+sys_ptrace",
+    "--bounding-set=-all,+sys_ptrace",
+    "--",
+]
+
+
+def in_a_mount_namespace(folder: str, *, user: bool, python: str = sys.executable) -> list[str]:
+    """A command prefix: a mount namespace of its own (and, with `user`, a user namespace, as any
+    unprivileged user may have one) with a tmpfs over `folder`, where any path in it can be bound; the
+    command's interpreter becomes `python`."""
+    unshare = ["unshare", "-U", "-r", "-m"] if user else ["unshare", "-m"]
+    return [*unshare, "sh", "-c", f'mount -t tmpfs none {folder} && shift && exec {python} "$@"', "sh"]
+
+
+def unprivileged() -> list[str]:
+    """The command prefix of an unprivileged user's own user namespace: nobody, with an interpreter
+    that user may run (in a user namespace, the checkout's may be out of reach), or root where none."""
+    for python in (os.path.realpath(sys.executable), "/usr/bin/python3"):
+        probe = [*NOBODY, "unshare", "-U", "-r", "-m", python, "-c", "pass"]
+        if os.path.exists(python) and subprocess.run(probe, capture_output=True, check=False).returncode == 0:
+            return [*NOBODY, python]
+    return ["env", os.path.realpath(sys.executable)]
 
 
 # A new network namespace's loopback is down: a sidecar in it could not serve HTTP on 127.0.0.1.

@@ -1428,3 +1428,28 @@ def test_on_137_a_connection_that_stays_beside_the_registered_one_is_refused_wha
         clock.now += 0.2
         reg.round(node.round())
     assert status(reg, f"registered:{GPU}") == ("failed", False)
+
+
+@pytest.mark.parametrize("kubelet_stops", [False, True], ids=["a drop", "a stopping kubelet"])
+def test_where_only_a_count_of_zero_is_trusted_a_lost_connection_is_still_confirmed(
+    kubelet_stops: bool,
+) -> None:
+    """The /proc route without the plugin's descriptors trusts no positive count (a look-alike could make
+    one) but trusts 0: held by pod-resources, the connections falling to 0 is confirmed once, as any lost
+    connection, so a kubelet on its way out (it closes its connections a moment before its socket goes)
+    is no drop."""
+    reg, clock, seen = make(drop_confirm=0.2)
+    node = Node(connections=None, pod_resources={GPU: frozenset({"GPU-0", "GPU-1"})})
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    node.connect()  # 0: trusted
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)  # confirmed once first
+    assert reg.wake_at() == clock.now + 0.2
+    if kubelet_stops:
+        node.kubelet = ProbeResult("absent", "no such file", 0.001, None)
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}")[1] is not kubelet_stops
+    assert seen.restart_requests == (0 if kubelet_stops else 1)

@@ -13,8 +13,9 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,10 +45,14 @@ from tests.forged import (
     comm,
     connect,
     forged_names,
+    in_a_mount_namespace,
     kernel_line,
     listen,
     names,
+    nsenter,
+    pair,
     serve,
+    unprivileged,
 )
 
 # Runs in a namespace: binds the names it is given (hex), with a connection to each, then prints the raw
@@ -225,7 +230,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 READ = (
     "import json, sys; from hami_guard.node.unixdiag import kubelet_connections as k; "
-    "c = k(sys.argv[1], names={sys.argv[2]}); "
+    "c = k(sys.argv[1], names={sys.argv[2]}, served=sys.argv[3:]); "
     "print(json.dumps(c if isinstance(c, str) else [c.source, c.held(sys.argv[3]), c.owned is not None]))"
 )
 
@@ -293,7 +298,10 @@ def test_from_a_pod_the_kubelets_namespace_through_proc_whoever_reads_it(short_t
     """HAMi's layout: the plugin's listener in the pod's namespace, the kubelet (a root process named as
     one) and a hostile neighbour's names in the kubelet's. Read from the pod through /proc as root, as root
     with no capability (the manifests' sidecar: the kubelet's descriptors are listed, their links not
-    readable) and as nobody: the kubelet's connection counts once; the names' lines never."""
+    readable) and as nobody. As root the kubelet's connection counts once (among the descriptors of the
+    plugin's process), the names' lines never; without CAP_SYS_PTRACE the plugin's descriptors cannot be
+    read, and a connection seen by path is no count; nobody cannot connect to kubelet.sock (mode 755),
+    so which process listens on it, the kubelet, cannot be told."""
     netns.require()
     os.chmod(short_tmp, 0o755)
     folder = os.path.join(short_tmp, "device-plugins")
@@ -311,11 +319,18 @@ def test_from_a_pod_the_kubelets_namespace_through_proc_whoever_reads_it(short_t
         Holder([serve(plugin)], pod.command([])),
         Holder(kubelet_ops, node.command([])) as k,  # it connects once the plugin serves
     ):
-        for enter in ([], ROOT_NO_CAPS, NOBODY):
-            done = pod.run([*enter, *argv], capture_output=True, text=True, timeout=60, env=env)
-            assert done.returncode == 0, done.stderr
-            source, held, _ = json.loads(done.stdout)
-            assert (source, held) == (f"the kubelet's network namespace (/proc/{k.pid}/net/unix)", 1)
+        ours = f"the kubelet's network namespace (/proc/{k.pid}/net/unix)"
+        done = pod.run(argv, capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)[:2] == [ours, 1]
+        done = pod.run([*ROOT_NO_CAPS, *argv], capture_output=True, text=True, timeout=60, env=env)
+        source, held, _ = json.loads(done.stdout)
+        assert source == ours
+        assert held.startswith("the kubelet's net/unix shows 1 connection(s) to nvidia-gpu.sock by path only")
+        assert held.endswith("cannot be read (that needs CAP_SYS_PTRACE)"), held
+        done = pod.run([*NOBODY, *argv], capture_output=True, text=True, timeout=60, env=env)
+        why = json.loads(done.stdout)
+        assert isinstance(why, str) and f"pid {k.pid} ({name}): which process listens on kubelet.sock" in why
 
 
 def test_where_the_kubelet_listens_is_not_told_by_a_name(ns: Netns, short_tmp: str) -> None:
@@ -350,3 +365,152 @@ def test_where_the_kubelet_listens_is_not_told_by_a_name(ns: Netns, short_tmp: s
         "/k.sock",
     )
     assert listeners(parse_proc_net_unix(lines), {1}) == ()
+
+
+# -- look-alikes: a neighbour's pair at the plugin's path, a process named as the kubelet -----------------
+READ_ALL = (
+    "import json, sys; from hami_guard.node.unixdiag import kubelet_connections as k; "
+    "c = k(sys.argv[1], names={sys.argv[2]}, served=sys.argv[3:]); "
+    "print(json.dumps(c if isinstance(c, str) else "
+    "{'source': c.source, 'held': [c.held(p) for p in sys.argv[3:]], 'ignored': list(c.ignored)}))"
+)
+
+
+class Layout:
+    """A node: the kubelet (a root process of a kubelet's name) in a network namespace of its own (the
+    host's), listening on kubelet.sock and connected to one plugin ("held") and not to the other
+    ("dropped"); both plugins serve from a pod's network namespace (HAMi's, with hostPID), or from the
+    host's (hostNetwork). The readers run in the pod's, or in the host's."""
+
+    def __init__(self, short_tmp: str, node: Netns, pod: Netns) -> None:
+        os.chmod(short_tmp, 0o755)
+        self.folder = os.path.join(short_tmp, "device-plugins")
+        os.mkdir(self.folder)
+        os.chmod(self.folder, 0o777)
+        self.kubelet = os.path.join(self.folder, "kubelet.sock")
+        self.held, self.dropped = (os.path.join(self.folder, n) for n in ("held.sock", "dropped.sock"))
+        self.name = f"kubelet-{os.path.basename(short_tmp)[-6:]}"
+        self.node, self.pod = node, pod
+        head, self.env = reader(short_tmp)
+        self.argv = [*head, self.kubelet, self.name, self.held, self.dropped]
+        self.argv[2] = READ_ALL
+
+    def read(self, where: Netns, enter: Sequence[str] = ()) -> Any:
+        done = where.run([*enter, *self.argv], capture_output=True, text=True, timeout=60, env=self.env)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+
+@pytest.fixture
+def layout(short_tmp: str) -> Iterator[Layout]:
+    netns.require()
+    with Netns() as node, Netns() as pod:
+        yield Layout(short_tmp, node, pod)
+
+
+@pytest.mark.parametrize("route", ["sock_diag", "proc"])
+def test_a_look_alike_pair_at_a_plugins_path_is_never_the_kubelets(layout: Layout, route: str) -> None:
+    """An unprivileged user of the host's network namespace takes user and mount namespaces of its own
+    (`unshare -U -r -m`), mounts a tmpfs over the folder, binds each plugin's path there, connects,
+    accepts and closes the listener: an accepted end at the plugin's path, with nothing listening.
+    sock_diag knows it by its file (another device, another inode); /proc by who holds it (not the
+    plugin's process, which accepted the kubelet's). Without CAP_SYS_PTRACE /proc cannot read who
+    holds it: a positive count is unknown, and the attack can only make a zero unknown. Nothing is left
+    once the neighbour goes."""
+    lay = layout
+    where = lay.node if route == "sock_diag" else lay.pod
+    kubelet_ops = [comm(lay.name), listen(lay.kubelet), connect(lay.held)]
+    *user, python = unprivileged()
+    attacker = [*nsenter(lay.node.pid), *user, *in_a_mount_namespace(lay.folder, user=True, python=python)]
+    with (
+        Holder([serve(lay.held), serve(lay.dropped)], where.command([])),
+        Holder(kubelet_ops, lay.node.command([])) as k,  # it connects once the plugins serve
+    ):
+        ours = (
+            "this network namespace (sock_diag)"
+            if route == "sock_diag"
+            else f"the kubelet's network namespace (/proc/{k.pid}/net/unix)"
+        )
+
+        def readings() -> tuple[Any, Any]:
+            return lay.read(where), lay.read(where, ROOT_NO_CAPS)
+
+        before = readings()
+        assert before[0] == {"source": ours, "held": [1, 0], "ignored": []}
+        if route == "sock_diag":  # by the file's inode, with or without the kubelet's descriptors
+            assert before[1] == before[0]
+        else:  # the plugin's descriptors cannot be read: a connection by path is no count; none is 0
+            assert before[1]["source"] == ours
+            held, dropped = before[1]["held"]
+            assert "by path only" in held and "needs CAP_SYS_PTRACE" in held, held
+            assert dropped == 0
+        with Holder([pair(lay.held), pair(lay.dropped)], attacker) as a:
+            with open(f"/proc/{a.pid}/net/unix", "rb") as f:  # the pairs, by path, in the host's table
+                assert f.read().count(b" 03 ") >= 4
+            during = readings()
+            assert during[0] == before[0]
+            if route == "sock_diag":
+                assert during[1] == before[0]
+            else:
+                held, dropped = during[1]["held"]
+                assert "2 connection(s) to held.sock by path only" in held, held
+                assert "1 connection(s) to dropped.sock by path only" in dropped, (
+                    dropped
+                )  # 0 no more: unknown
+        assert readings() == before
+
+
+@pytest.mark.parametrize("route", ["sock_diag", "proc"])
+def test_a_root_process_named_kubelet_in_another_runtimes_container_is_ignored(
+    layout: Layout, route: str
+) -> None:
+    """A root process with the kubelet's name, outside any pod's cgroup, in network and mount namespaces
+    of its own (a container another runtime runs): it binds kubelet.sock and the plugins' paths on a
+    tmpfs of its own, listens, and connects to them. It does not listen on the kubelet.sock the readers
+    see (SO_PEERCRED says whose listener that is): its namespace is never read, and it is named as
+    ignored. Nothing is left once it goes."""
+    lay = layout
+    where = lay.node if route == "sock_diag" else lay.pod
+    kubelet_ops = [comm(lay.name), listen(lay.kubelet), connect(lay.held)]
+    with (
+        Netns() as other,
+        Holder([serve(lay.held), serve(lay.dropped)], where.command([])),
+        Holder(kubelet_ops, lay.node.command([])) as k,
+    ):
+        before = lay.read(where)
+        assert before["held"] == [1, 0] and before["ignored"] == []
+        fake_ops = [comm(lay.name), listen(lay.kubelet), *names(lay.held.encode()), pair(lay.dropped)]
+        with Holder(fake_ops, other.command(in_a_mount_namespace(lay.folder, user=False))) as fake:
+            during = lay.read(where)
+            why = f"it does not listen on kubelet.sock as this pod sees it (pid {k.pid} does)"
+            assert during == {**before, "ignored": [f"pid {fake.pid} ({lay.name}): {why}"]}
+        assert lay.read(where) == before
+
+
+def test_the_kubelet_under_another_name_is_the_process_that_listens(layout: Layout) -> None:
+    """The only process of the kubelet's name a look-alike, the real kubelet running under another name
+    (as root, outside any pod): the readers read the namespace of the process that listens on
+    kubelet.sock, never the look-alike's, and name the look-alike. Run by nobody, the process that
+    listens is no kubelet: no namespace is read, not even pid 1's (where a kubelet of the machine may
+    listen at the default path), and the readers say why."""
+    lay = layout
+    fake_ops = [comm(lay.name), listen(lay.kubelet), *names(lay.held.encode())]
+    with Netns() as other:
+        with (
+            Holder([serve(lay.held), serve(lay.dropped)], lay.pod.command([])),
+            Holder([listen(lay.kubelet), connect(lay.held)], lay.node.command([])) as real,  # named python
+            Holder(fake_ops, other.command(in_a_mount_namespace(lay.folder, user=False))) as fake,
+        ):
+            why = f"it does not listen on kubelet.sock as this pod sees it (pid {real.pid} does)"
+            assert lay.read(lay.pod) == {
+                "source": f"the kubelet's network namespace (/proc/{real.pid}/net/unix)",
+                "held": [1, 0],
+                "ignored": [f"pid {fake.pid} ({lay.name}): {why}"],
+            }
+        os.unlink(lay.kubelet)
+        with (
+            Holder([listen(lay.kubelet)], lay.node.command(NOBODY)) as real,
+            Holder(fake_ops, other.command(in_a_mount_namespace(lay.folder, user=False))) as fake,
+        ):
+            why = f"it does not listen on kubelet.sock as this pod sees it (pid {real.pid} does)"
+            assert lay.read(lay.pod) == f"no kubelet process is known: pid {fake.pid} ({lay.name}): {why}"

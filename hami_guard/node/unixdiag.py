@@ -16,8 +16,8 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from hami_guard.node.netunix import (
@@ -76,55 +76,104 @@ DIAG_DEADLINE = 2.0  # seconds for a whole dump (the kernel answers a host's tho
 def diag_dump(files: Collection[tuple[int, int]] | None = None) -> list[UnixSocket]:
     """Every listening and connected Unix socket of this network namespace; with `files`, only those
     bound to one of these (st_dev, st_ino) (a host's namespace holds thousands: keep what matters),
-    and the peers of those (the other end of each connection, unbound)."""
+    and the peers of those (the other end of each connection, unbound).
+
+    With `files`, the dump asks for the bound file alone, so that the message of an unbound socket
+    (nearly all of a busy host's) is passed over undecoded; the sockets kept, and their peers, are then
+    asked for one by one with everything (`diag_get`). A socket gone in between is not in the answer.
+    """
     try:
         s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
     except OSError as e:
         raise DiagUnavailable(f"netlink sock_diag: {e.strerror}") from None
-    out: list[UnixSocket] = []
-    unbound: dict[int, UnixSocket] = {}  # ends without a file, kept until their peers are known
     deadline = time.monotonic() + DIAG_DEADLINE
     with s:
-        try:
-            s.send(diag_request())
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DiagUnavailable(f"sock_diag: no complete answer within {DIAG_DEADLINE:g}s")
-                s.settimeout(left)
-                reply = decode_reply(s.recv(1 << 16))
-                for sock in reply.sockets:
-                    if files is None or sock.vfs in files:
-                        out.append(sock)
-                    elif sock.vfs is None and sock.state == ESTABLISHED and sock.peer:
-                        unbound[sock.ino] = sock
-                if reply.error:
-                    raise DiagUnavailable(f"sock_diag: {reply.error}")
-                if reply.done:
-                    break
-        except OSError as e:
-            raise DiagUnavailable(f"sock_diag: {e.strerror or e}") from None
-    if files is not None:
-        out += [unbound[p] for p in {s.peer for s in out} if p in unbound]
-    return out
+        if files is None:
+            return _dump(s, diag_request(), deadline)
+        wanted = set(files)
+        bound = [
+            x for x in _dump(s, diag_request(UDIAG_SHOW_VFS), deadline, bound_only=True) if x.vfs in wanted
+        ]
+        out = [x for x in (diag_get(s, b.ino, deadline) for b in bound) if x is not None and x.vfs in wanted]
+        peers = {x.peer for x in out if x.state == ESTABLISHED and x.peer} - {x.ino for x in out}
+        out += [
+            x for x in (diag_get(s, p, deadline) for p in sorted(peers)) if x is not None and x.vfs is None
+        ]
+        return out
 
 
-def diag_request() -> bytes:
-    """The dump request: listening and connected Unix sockets, with name, bound file and peer."""
+def _dump(s: socket.socket, request: bytes, deadline: float, *, bound_only: bool = False) -> list[UnixSocket]:
+    """The sockets of one dump on `s`; with `bound_only`, only those with a bound file."""
+    out: list[UnixSocket] = []
+    try:
+        s.send(request)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DiagUnavailable(f"sock_diag: no complete answer within {DIAG_DEADLINE:g}s")
+            s.settimeout(left)
+            reply = decode_reply(s.recv(1 << 16), bound_only=bound_only)
+            out += reply.sockets
+            if reply.error:
+                raise DiagUnavailable(f"sock_diag: {reply.error}")
+            if reply.done:
+                return out
+    except OSError as e:
+        raise DiagUnavailable(f"sock_diag: {e.strerror or e}") from None
+
+
+def diag_get(s: socket.socket, ino: int, deadline: float) -> UnixSocket | None:
+    """One socket of this namespace by its inode, with name, bound file, peer and shutdown state; None
+    when it is gone (man 7 sock_diag: a request without NLM_F_DUMP, naming udiag_ino)."""
+    show = UDIAG_SHOW_NAME | UDIAG_SHOW_VFS | UDIAG_SHOW_PEER  # the shutdown state comes always
+    body = _REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, ino, show, 0xFFFFFFFF, 0xFFFFFFFF)
+    header = _NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 2, 0)
+    try:
+        s.send(header + body)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DiagUnavailable(f"sock_diag: no complete answer within {DIAG_DEADLINE:g}s")
+        s.settimeout(left)
+        reply = decode_reply(s.recv(1 << 16))
+    except OSError as e:
+        raise DiagUnavailable(f"sock_diag: {e.strerror or e}") from None
+    found = [x for x in reply.sockets if x.ino == ino]
+    return found[0] if found else None  # an error (ENOENT: closed since the dump) is no socket
+
+
+def diag_request(show: int = UDIAG_SHOW_NAME | UDIAG_SHOW_VFS | UDIAG_SHOW_PEER) -> bytes:
+    """The dump request: listening and connected Unix sockets, with (by default) name, bound file and
+    peer."""
     states = (1 << ESTABLISHED) | (1 << LISTEN)
-    show = UDIAG_SHOW_NAME | UDIAG_SHOW_VFS | UDIAG_SHOW_PEER
     body = _REQ.pack(socket.AF_UNIX, 0, 0, states, 0, show, 0xFFFFFFFF, 0xFFFFFFFF)
     header = _NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
     return header + body
 
 
-def decode_reply(data: bytes) -> Reply:
-    """Decode one datagram of a dump. Total: a message that does not decode is skipped and counted."""
+def decode_reply(data: bytes, *, bound_only: bool = False) -> Reply:
+    """Decode one datagram of a dump. Total: a message that does not decode is skipped and counted.
+    With `bound_only`, a socket's message without a bound file (`UNIX_DIAG_VFS`) is passed over
+    undecoded, uncounted: at 100,000 sockets, decoding each costs a quarter of a second."""
     sockets: list[UnixSocket] = []
     skipped = 0
     off = 0
+    unpack, attribute = _NLMSG.unpack_from, _RTA.unpack_from
     while off + _NLMSG.size <= len(data):
-        length, kind, _flags, _seq, _pid = _NLMSG.unpack_from(data, off)
+        length, kind, _flags, _seq, _pid = unpack(data, off)
+        if (
+            bound_only
+            and kind == SOCK_DIAG_BY_FAMILY
+            and _NLMSG.size + _MSG.size <= length <= len(data) - off
+        ):
+            at, end = off + _NLMSG.size + _MSG.size, off + length
+            while at + _RTA.size <= end:
+                size, name = attribute(data, at)
+                if name == UNIX_DIAG_VFS or size < _RTA.size:
+                    break
+                at += (size + 3) & ~3
+            else:
+                off += (length + 3) & ~3  # no bound file: not one of the sockets asked for
+                continue
         if length < _NLMSG.size or off + length > len(data):
             return Reply(tuple(sockets), error=f"a netlink message of {length} bytes in {len(data) - off}")
         payload = data[off + _NLMSG.size : off + length]
@@ -198,6 +247,11 @@ class Connections:
     exact: bool  # by the bound file's inode (sock_diag), else by path
     doubtful: tuple[UnixSocket, ...] = ()  # /proc lines that may be a part of another socket's name
     owned: frozenset[int] | None = None  # the kubelet's own sockets (its descriptors), where readable
+    # /proc: by socket file (normalised path, as this process sees it), the sockets held by the process
+    # that listens on it (its descriptors), or why they cannot be read: an accepted end counts only there.
+    vouched: Mapping[str, frozenset[int] | str] = field(default_factory=dict, compare=False)
+    # Processes that bear a kubelet's name and are not the kubelet: "pid N (name): why".
+    ignored: tuple[str, ...] = ()
 
     def to(self, path: str, bound_as: tuple[str, ...] = ()) -> int:
         """Open connections accepted on the listener that owns the socket file at `path` now (0 where
@@ -219,10 +273,13 @@ class Connections:
         sock_diag: an accepted end bound to that very file (device and inode: no name can forge it),
         not shut down, whose peer is in this namespace and names it back; where the kubelet's
         descriptors can be read, that peer must be one of them. /proc: lines the kernel printed as
-        lines whose path is `path` (or `bound_as`); none, while a line that may be a part of another
-        socket's name claims one, or while a listener is bound at that path in the kubelet's own
-        namespace (not this pod's plugin: whose connection is whose cannot be told by path), is no
-        count at all.
+        lines whose path is `path` (or `bound_as`), each among the descriptors of the process that
+        listens on the file at `path` (it accepted them: a neighbour's look-alike pair, bound at that
+        path in a mount namespace of its own, is its own); where those cannot be read, none is a
+        count of 0 and some are no count at all (a neighbour can add a line, never hide the
+        kubelet's). None, while a line that may be a part of another socket's name claims one, or
+        while a listener is bound at that path in the kubelet's own namespace (not this pod's plugin:
+        whose connection is whose cannot be told by path), is no count either.
         """
         if self.exact:
             try:
@@ -255,7 +312,15 @@ class Connections:
                 f"a line of the kubelet's net/unix that may be a part of another socket's name shows a "
                 f"connection to {name}: it is not counted, and none other is seen"
             )
-        return found
+        if not found:
+            return found
+        held = self.vouched.get(normalise(path), f"the process that listens on {name} was not asked")
+        if isinstance(held, str):
+            return (
+                f"the kubelet's net/unix shows {len(found)} connection(s) to {name} by path only, and "
+                f"whose they are cannot be told: {held}"
+            )
+        return found & held
 
 
 def kubelet_connections(
@@ -264,15 +329,20 @@ def kubelet_connections(
     names: Collection[str] = KUBELET_PROCESS_NAMES,
     mine: Sequence[UnixSocket] | str | None = None,
     paths: Collection[str] | None = None,
+    *,
+    served: Collection[str] = (),
+    kubelets: KubeletProcesses | None = None,
 ) -> Connections | str:
     """The Unix sockets of the kubelet's network namespace, or why they cannot be seen.
 
     This process's namespace when the kubelet's listener on `kubelet_path` is in it (a pod
-    with the host network, or a test); else the namespace of a visible kubelet process
-    (`hostPID`; its process named one of `names`, run by root and not in a pod's cgroup), read
-    from its `/proc/<pid>/net/unix`; else none can be seen. `mine` is this namespace's
-    `diag_dump()` (or why it failed) when the caller has one; `paths`, the plugin sockets' paths
-    as bound, keeps only their entries of a kubelet's `/proc/<pid>/net/unix`.
+    with the host network, or a test); else the namespace of the visible kubelet process
+    (`hostPID`; see `kubelet_processes`), read from its `/proc/<pid>/net/unix`; else none can be
+    seen. `mine` is this namespace's `diag_dump()` (or why it failed) when the caller has one;
+    `paths`, the plugin sockets' paths as bound, keeps only their entries of a kubelet's
+    `/proc/<pid>/net/unix`; `served`, the plugin sockets' paths as this process sees them, whose
+    listening processes' descriptors are read (/proc) to tell their accepted ends from a neighbour's;
+    `kubelets`, the caller's `kubelet_processes()`.
     """
     try:
         st = os.stat(kubelet_path)
@@ -283,31 +353,44 @@ def kubelet_connections(
             mine = diag_dump()
         except DiagUnavailable as e:
             mine = str(e)
+    if kubelets is None:
+        kubelets = kubelet_processes(kubelet_path, proc, names)
     why, own = (mine, ()) if isinstance(mine, str) else ("", mine)
     vfs = (st.st_dev, st.st_ino)
     listener = next((s.ino for s in own if s.state == LISTEN and s.vfs == vfs), None)
     if listener is not None:
         owned = next(
-            (
-                fds
-                for pid in _kubelet_pids(proc, names)
-                if (fds := socket_inodes(proc, pid)) and listener in fds
-            ),
+            (fds for pid in kubelets.trusted if (fds := socket_inodes(proc, pid)) and listener in fds),
             None,
         )
-        return Connections("this network namespace (sock_diag)", tuple(own), exact=True, owned=owned)
-    # Every namespace where a kubelet process listens on the kubelet's path counts: on a node that is
-    # one, but the path is the same in every mount namespace, so a path cannot pick one out (several
-    # kubelets run side by side in tests), and connections to this plugin's socket are only in the
-    # namespace of the kubelet that holds it. A namespace is taken once, by its listener; where the
-    # process's descriptors can be read, only when that listener is one of them.
+        return Connections(
+            "this network namespace (sock_diag)",
+            tuple(own),
+            exact=True,
+            owned=owned,
+            ignored=kubelets.ignored,
+        )
+    # The namespace of the process that listens on this very kubelet.sock (several kubelets run side by
+    # side in tests, each on its own file), taken by its listener; where the process's descriptors can
+    # be read, only when that listener is one of them. With no process of a kubelet's name that is
+    # the kubelet, the namespace of the process that listens on kubelet.sock if it runs as root outside
+    # any pod (the kubelet under another name); else, with no process of a kubelet's name at all, pid
+    # 1's (the host's, under hostPID), by path; else none.
+    listening = kubelets.listener
+    if kubelets.trusted:
+        pids = kubelets.trusted
+    elif isinstance(listening, int) and listening and _trusted(proc, str(listening)):
+        pids = (str(listening),)
+    elif kubelets.ignored:
+        return f"no kubelet process is known: {'; '.join(kubelets.ignored)}"
+    else:
+        pids = ("1",)
     bound = {KUBELET_BOUND_PATH, normalise(kubelet_path)}
     listeners: set[int] = set()
     found: list[UnixSocket] = []
     doubtful: list[UnixSocket] = []
-    pids: list[str] = []
-    kubelets = _kubelet_pids(proc, names)
-    for pid in kubelets or ["1"]:
+    read: list[str] = []
+    for pid in pids:
         try:
             table = read_proc_net_unix(os.path.join(proc, pid), None if paths is None else {*paths, *bound})
         except OSError:
@@ -315,22 +398,104 @@ def kubelet_connections(
         theirs = next((s.ino for s in table.sockets if s.state == LISTEN and s.path in bound), None)
         if theirs is None or theirs in listeners:
             continue
-        fds = socket_inodes(proc, pid) if kubelets else None
+        fds = socket_inodes(proc, pid) if pid != "1" else None
         if fds is not None and theirs not in fds:
             continue
         listeners.add(theirs)
         found += table.sockets
         doubtful += table.doubtful
-        pids.append(pid)
-    if pids:
-        where = ", ".join(f"{proc}/{pid}/net/unix" for pid in pids)
+        read.append(pid)
+    if read:
+        where = ", ".join(f"{proc}/{pid}/net/unix" for pid in read)
+        # Read after the table: an accepted end it shows is counted only if still held then.
+        vouched = {normalise(p): _listener_sockets(p, proc) for p in served}
         return Connections(
-            f"the kubelet's network namespace ({where})", tuple(found), exact=False, doubtful=tuple(doubtful)
+            f"the kubelet's network namespace ({where})",
+            tuple(found),
+            exact=False,
+            doubtful=tuple(doubtful),
+            vouched=vouched,
+            ignored=kubelets.ignored,
         )
     return why or (
         "the kubelet's network namespace is not visible from this pod (neither hostNetwork nor a "
         "kubelet process under hostPID)"
     )
+
+
+def _listener_sockets(path: str, proc: str) -> frozenset[int] | str:
+    """The sockets held by the process that listens on the socket file at `path`, or why they cannot be
+    read."""
+    pid = listener_pid(path)
+    if isinstance(pid, str):
+        return pid
+    if pid == 0:
+        return f"the process that listens on {os.path.basename(path)} is not visible from this pod"
+    fds = socket_inodes(proc, str(pid))
+    if fds is None:
+        return (
+            f"the descriptors of pid {pid}, which listens on {os.path.basename(path)}, cannot be read "
+            "(that needs CAP_SYS_PTRACE)"
+        )
+    return fds
+
+
+_PEERCRED = struct.Struct("=iII")  # struct ucred: pid, uid, gid
+
+
+def listener_pid(path: str, timeout: float = 0.2) -> int | str:
+    """The process that listens on the socket file at `path` (its pid in this reader's pid namespace,
+    0 where it is not visible there), or why it cannot be told.
+
+    The kernel's word, for any user: a connection's SO_PEERCRED on the connecting side is the
+    process that called listen() (man 7 unix). The connection is closed at once, unused.
+    """
+    name = os.path.basename(path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(path)
+            raw = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        except (TimeoutError, BlockingIOError):
+            return f"{name} accepts no connection now (its backlog is full): who listens cannot be told"
+        except OSError as e:
+            return f"{name} refuses a connection ({e.strerror or e}): nothing listens on it"
+    pid: int = _PEERCRED.unpack(raw)[0]
+    return pid
+
+
+@dataclass(frozen=True)
+class KubeletProcesses:
+    """The visible processes that bear a kubelet's name and run as root outside any pod: the one that
+    listens on the kubelet.sock this process sees, and the others, ignored, with why."""
+
+    trusted: tuple[str, ...] = ()
+    ignored: tuple[str, ...] = ()  # "pid N (name): why"
+    listener: int | str = 0  # the pid that listens on kubelet.sock (0: not visible), or why not known
+
+
+def kubelet_processes(
+    kubelet_path: str, proc: str = "/proc", names: Collection[str] = KUBELET_PROCESS_NAMES
+) -> KubeletProcesses:
+    """The kubelet's process: of the processes `_kubelet_pids` finds, the one that listens on the
+    socket file at `kubelet_path` (`listener_pid`). A name, root and a cgroup outside the pods' are no
+    proof: a root process named kubelet in a container another runtime runs listens on a kubelet.sock
+    of its own mount namespace, not the host's."""
+    candidates = _kubelet_pids(proc, names)
+    listening = listener_pid(kubelet_path)
+    if not candidates:
+        return KubeletProcesses(listener=listening)
+    trusted = tuple(
+        pid for pid in candidates if isinstance(listening, int) and listening and int(pid) == listening
+    )
+    if isinstance(listening, str):
+        why = f"which process listens on kubelet.sock cannot be told: {listening}"
+    elif listening == 0:
+        why = "the process that listens on kubelet.sock is not visible from this pod"
+    else:
+        why = f"it does not listen on kubelet.sock as this pod sees it (pid {listening} does)"
+    ignored = tuple(f"pid {pid} ({_comm(proc, pid)}): {why}" for pid in candidates if pid not in trusted)
+    return KubeletProcesses(trusted, ignored, listening)
 
 
 _PID_CACHE: dict[tuple[str, frozenset[str]], list[str]] = {}

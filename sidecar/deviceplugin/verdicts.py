@@ -373,6 +373,7 @@ class _PluginState:
     # (pod-resources lists it healthy): since when (monotonic), under rules that refuse a second Register.
     shadowed: tuple[_Pair, float] | None = None
     trap: str = ""  # this round: why the kubelet no longer keeps this plugin's client ("": it does)
+    records_held: _Pair | None = None  # the pair pod-resources or the checkpoint last said is held
     # The last verdict of not held that the kubelet's connections gave (trustworthy), with its pair: an
     # unknown count keeps it, never upgrades it on the checkpoint alone.
     not_held: tuple[_Pair, _Held] | None = None
@@ -985,7 +986,11 @@ class DevicePluginJudge:
         # No view of the kubelet's connections: pod-resources is live, the checkpoint is history.
         p.lost_at = None
         kept = self._unknown_keeps(plugin.resource, p, obs, seen, pair)
-        return kept if kept is not None else self._held_by_records(plugin.resource, obs, seen)
+        verdict = kept if kept is not None else self._held_by_records(plugin.resource, obs, seen)
+        # A reader that trusts only a count of 0 (a positive one could be a look-alike's): held by the
+        # records, the pair's connections falling to 0 is still a lost connection to confirm.
+        p.records_held = pair if verdict.held else None
+        return verdict
 
     @staticmethod
     def _remember(
@@ -1074,6 +1079,14 @@ class DevicePluginJudge:
             return _Held(True, f"the kubelet holds a connection to {sock}{self._device_note(r, seen)}")
         if held_before and obs.probe.ok:
             return self._dropped(sock, p, pair, self._endpoint_alive(r, seen))
+        if conns == 0 and p.records_held == pair and obs.probe.ok:
+            # Held by pod-resources or the checkpoint while only a count of 0 is trusted: confirmed once
+            # `drop_confirm` later like any lost connection (a stopping kubelet closes its connections a
+            # moment before its socket goes), then the drop.
+            verdict = self._dropped(sock, p, pair, self._endpoint_alive(r, seen))
+            if verdict.held is not None:
+                p.records_held = None
+            return verdict
         p.lost_at = None
         return _Held(False, f"the kubelet holds no connection to {sock}: {self._not_held(r, seen, obs)}")
 

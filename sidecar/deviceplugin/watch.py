@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import logging
 import os
+import queue
+import sys
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, TypeVar
@@ -25,6 +29,7 @@ from hami_guard.flags import Expect
 from hami_guard.node import release
 from hami_guard.node.netunix import LISTEN
 from hami_guard.node.unixdiag import (
+    DIAG_DEADLINE,
     KUBELET_BOUND_PATH,
     KUBELET_PROCESS_NAMES,
     Connections,
@@ -33,6 +38,7 @@ from hami_guard.node.unixdiag import (
     UnixSocket,
     diag_dump,
     kubelet_connections,
+    kubelet_processes,
     socket_owner,
 )
 from sidecar.config import PluginSpec, Settings
@@ -63,6 +69,8 @@ from sidecar.deviceplugin.verdicts import (
 )
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+SWITCH = 0.0002  # seconds: the GIL's switch interval while the socket table is read
 
 # Where the kubelet binds its plugins' sockets: a plugin whose folder is mounted elsewhere bound there.
 BOUND_DIR = os.path.dirname(KUBELET_BOUND_PATH)
@@ -87,6 +95,74 @@ class _SocketTable:
     mine: list[UnixSocket] | str  # this namespace's, or why they cannot be read
     listed: set[tuple[int, int]]  # the files (st_dev, st_ino) whose sockets were read
     connections: Connections | str  # the kubelet's, or why they cannot be seen
+    ignored: tuple[str, ...] = ()  # processes named as the kubelet that are not it, and why
+
+
+class TableThread:
+    """The kernel's socket table, read on a thread of its own, one read at a time.
+
+    A host's namespace may hold 100,000 sockets: a read then takes a few hundred ms, which on the
+    event loop would hold every /healthz answer that long. A read that does not end (a stuck file
+    read) holds this thread only: a round waits for it within its timeout, the next rounds start
+    none while it runs, and shutdown does not wait for it (a daemon thread).
+    """
+
+    def __init__(self, name: str = "hami-sidecar-socket-table") -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[object]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._running: Future[object] | None = None
+        self._since = 0.0
+        self.last_read = 0.0  # seconds the last read that ended took
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, wait: float = 0.5) -> None:
+        """End the thread once its read (if any) is over; wait for that `wait` seconds at most."""
+        self._jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join(wait)
+            if self._thread.is_alive():
+                logger.warning("the socket table's read has not ended: the sidecar stops without it")
+
+    async def read(self, read: Callable[[], T], timeout: float) -> T | str:
+        """`read()` on the thread, within `timeout`; or why it gave nothing (never an older read's answer:
+        while one runs past its round, later rounds read nothing)."""
+        if self._running is not None and not self._running.done():
+            return (
+                f"the kernel's socket table is still being read (for {time.monotonic() - self._since:.1f}s): "
+                "the kubelet's connections are not known this round"
+            )
+        if not self._thread.is_alive():
+            return "the socket table's reader is not running"
+        job: Future[object] = Future()
+        self._running, self._since = job, time.monotonic()
+        self._jobs.put((read, job))
+        try:
+            async with asyncio.timeout(timeout):
+                result = await asyncio.shield(asyncio.wrap_future(job))
+        except TimeoutError:
+            return f"the kernel's socket table could not be read within {timeout:g}s"
+        return result  # type: ignore[return-value]  # what `read` returned
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            read, done = job
+            # While it reads, the loop thread waits for the GIL at most SWITCH seconds at a time, not
+            # the default 5 ms: an HTTP answer takes the GIL a few times, and a table read holds it
+            # for hundreds of ms in all.
+            switch = sys.getswitchinterval()
+            sys.setswitchinterval(min(switch, SWITCH))
+            started = time.monotonic()
+            try:
+                done.set_result(read())
+            except BaseException as e:  # handed to the round, which logs it
+                done.set_exception(e)
+            finally:
+                sys.setswitchinterval(switch)
+                self.last_read = time.monotonic() - started
 
 
 class DevicePluginWatch:
@@ -115,6 +191,9 @@ class DevicePluginWatch:
         self.judge = DevicePluginJudge(rules, publish, clock, wall)
         self.names = {*KUBELET_PROCESS_NAMES, s.kubelet_process_name}
         self.connections_source = ""  # where the last round read the kubelet's connections
+        self.kubelets_ignored: tuple[str, ...] = ()  # processes named as the kubelet that are not it
+        self.table_read_seconds = 0.0  # how long the last read of the socket table took
+        self._table = TableThread()
         self.expectation: hamiconfig.Expectation | None = None  # auto's, as last read
         self._others: tuple[tuple[str, SocketId], ...] = ()
         self._reader: ThreadPoolExecutor | None = None
@@ -132,11 +211,14 @@ class DevicePluginWatch:
     def start(self) -> None:
         """The thread that reads files (the checkpoint, HAMi's configuration, the folder) off the loop."""
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hami-sidecar-checkpoint")
+        self._table.start()
 
     def close(self) -> None:
-        """Stop the reading thread, dropping the reads not begun."""
+        """Stop the reading threads, dropping the reads not begun (a socket table's read under way is not
+        waited for past a moment)."""
         if self._reader is not None:
             self._reader.shutdown(wait=True, cancel_futures=True)
+        self._table.close()
 
     async def round(self) -> list[PluginSpec]:
         """Read every plugin's evidence and judge it; the plugins whose socket the judge saw vanish, for
@@ -148,7 +230,7 @@ class DevicePluginWatch:
         # first is newer than it (docs/design.md#registration, rule 1.1).
         checkpoint_before = _mtime_ns(os.path.join(s.device_plugin_dir, CHECKPOINT_NAME))
         # The kubelet's connections before the probes: a probe's own connection lingers a few ms.
-        table = self._socket_table()
+        table = await self._socket_table()
         kubelet, *plugins = await asyncio.gather(
             probe_kubelet(s.kubelet_path, s.probe_timeout),
             *(probe_plugin(s.plugin_path(p), s.probe_timeout) for p in s.plugins),
@@ -195,7 +277,9 @@ class DevicePluginWatch:
         s = self.settings
         try:
             await asyncio.sleep(s.vanish_settle)
-            listening = _still_listening(self._bound.get(plugin.resource))
+            # A sock_diag dump: off the loop (a host's namespace may hold 100,000 sockets).
+            look = partial(_still_listening, self._bound.get(plugin.resource))
+            listening = await self._off_loop(look, None)
             for window_over in (False, True):
                 seen = AfterDeletion(
                     plugin=socket_identity(s.plugin_path(plugin)),
@@ -241,11 +325,22 @@ class DevicePluginWatch:
         source = f"the Node's status.nodeInfo.kubeletVersion (the binary: {binary.source})"
         return kubelet_rules(release.Release(reported, minor, source))
 
-    def _socket_table(self) -> _SocketTable:
+    async def _socket_table(self) -> _SocketTable:
+        """The kubelet's connections, read on the table's thread within the probe timeout or the dump's
+        deadline (2 s), the longer."""
+        # Not the probe timeout alone, which may be 50 ms: a read of 100,000 sockets takes a few hundred.
+        got = await self._table.read(self._read_socket_table, max(self.settings.probe_timeout, DIAG_DEADLINE))
+        table = _SocketTable(got, set(), got) if isinstance(got, str) else got
+        self.kubelets_ignored = table.ignored
+        self.table_read_seconds = self._table.last_read
+        return table
+
+    def _read_socket_table(self) -> _SocketTable:
         """The kubelet's connections, from the sockets bound to the files that matter only (a host
         namespace holds thousands)."""
         s = self.settings
-        files = [s.kubelet_path, *(s.plugin_path(p) for p in s.plugins)]
+        plugins = [s.plugin_path(p) for p in s.plugins]
+        files = [s.kubelet_path, *plugins]
         bound = {os.path.join(BOUND_DIR, p.socket) for p in s.plugins}
         listed = {i for f in files if (i := _file_id(f))}
         try:
@@ -253,8 +348,11 @@ class DevicePluginWatch:
         except DiagUnavailable as e:
             mine = str(e)
         paths = {*files, *bound}
-        connections = kubelet_connections(s.kubelet_path, names=self.names, mine=mine, paths=paths)
-        return _SocketTable(mine, listed, connections)
+        kubelets = kubelet_processes(s.kubelet_path, names=self.names)
+        connections = kubelet_connections(
+            s.kubelet_path, names=self.names, mine=mine, paths=paths, served=plugins, kubelets=kubelets
+        )
+        return _SocketTable(mine, listed, connections, kubelets.ignored)
 
     def _evidence(self, plugin: PluginSpec, result: ProbeResult, table: _SocketTable) -> PluginEvidence:
         """One plugin's probe, the kubelet's connections to its socket and who serves it."""

@@ -161,7 +161,9 @@ class DraWatch:
             mine: list[UnixSocket] | str = diag_dump(files)
         except DiagUnavailable as e:
             mine = str(e)
-        connections = kubelet_connections(self.kubelet_socket, self.proc, self.names, mine=mine, paths=paths)
+        connections = kubelet_connections(
+            self.kubelet_socket, self.proc, self.names, mine=mine, paths=paths, served=paths
+        )
         if not isinstance(connections, str) and connections.exact and own:
             # This process's own service calls are connections to the service socket too, in the
             # kubelet's namespace when the sidecar shares it: never the kubelet's (where the
@@ -185,8 +187,9 @@ class DraWatch:
                 why = connections
             elif not service:
                 count, why = None, "the service socket is not known until GetInfo answers"
-            else:
-                count, why = connections.to(service), ""
+            else:  # a count that cannot be told (/proc, by path) is no count, never 0
+                held = connections.held(service)
+                count, why = (None, held) if isinstance(held, str) else (held, "")
             ev = Evidence(
                 info=info,
                 registration_id=socket_file(spec.registration),

@@ -55,6 +55,9 @@ def status_document(sidecar: Sidecar) -> dict[str, Any]:
             "pod-resources": _socket_info(s.pod_resources_socket),
         },
         "kubelet_connections_from": sidecar.device_plugins.connections_source,
+        # Processes named as the kubelet that do not listen on the kubelet.sock this pod sees: not read.
+        "kubelet_processes_ignored": list(sidecar.device_plugins.kubelets_ignored),
+        "socket_table_read_seconds": round(sidecar.device_plugins.table_read_seconds, 4),
         **({"dra": _dra_document(sidecar.dra, sidecar.clock())} if sidecar.dra is not None else {}),
         "hami_registration": _hami_document(sidecar),
         "kubelet_restarts": judge.kubelet_restarts,

@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -25,12 +24,27 @@ from typing import Any
 import pytest
 
 from sidecar.config import PluginSpec
+from sidecar.server.status import status_document
 from testing import free_port, netns
 from testing.netns import Netns
 from testing.realkubelet import RealKubelet, RealPlugin, Release
 from tests.conftest import wait_for
+from tests.e2e.conftest import Watch
 from tests.e2e.realnode import SETTINGS
-from tests.forged import LOOPBACK_UP, ROOT_NO_CAPS, Holder, forged_names, names, nsenter, pair
+from tests.forged import (
+    LOOPBACK_UP,
+    PTRACE_ONLY,
+    ROOT_NO_CAPS,
+    Holder,
+    comm,
+    forged_names,
+    in_a_mount_namespace,
+    listen,
+    names,
+    nsenter,
+    pair,
+    unprivileged,
+)
 from tests.test_doctor import Doctor, row, verdicts
 
 GPU = "nvidia.com/gpu"  # its plugin serves and never registers: the name lies about it
@@ -56,18 +70,20 @@ STATUS = (
 
 class Entered(Netns):
     """An existing network namespace (by its handle), entered as the manifests run the sidecar: uid 0,
-    every capability dropped (so the kubelet's descriptors cannot be read)."""
+    every capability dropped (so the descriptors of the kubelet and of the plugin cannot be read), or
+    with `privileges` (PTRACE_ONLY: they can)."""
 
-    def __init__(self, handle: str) -> None:
+    def __init__(self, handle: str, privileges: Sequence[str] = ROOT_NO_CAPS) -> None:
         super().__init__()
         self.handle = handle
+        self.privileges = list(privileges)
 
     @property
     def path(self) -> str:
         return self.handle
 
     def command(self, argv: Sequence[str]) -> list[str]:
-        return ["nsenter", f"--net={self.handle}", "--", *ROOT_NO_CAPS, *argv]
+        return ["nsenter", f"--net={self.handle}", "--", *self.privileges, *argv]
 
 
 @asynccontextmanager
@@ -216,13 +232,19 @@ async def judged(route: str, release: Release, dp_dir: str, short_tmp: str, pod:
 
 
 @pytest.mark.parametrize("release", ["new"], indirect=True)
+@pytest.mark.parametrize("privileges", ["none", "ptrace"])
 async def test_forged_names_after_a_drop_without_pod_resources_do_not_register_it(
-    release: Release, dp_dir: str, short_tmp: str
+    release: Release, dp_dir: str, short_tmp: str, privileges: str
 ) -> None:
     """The kubelet drops a held plugin (its stream ends: the kubelet closes the connection, writes no
     checkpoint); the sidecar, reading /proc from a pod's namespace with no pod-resources, fails it. A
     neighbour's made-up lines then make the count unknown: the checkpoint still lists the plugin, and
-    must not make it registered again."""
+    must not make it registered again.
+
+    With CAP_SYS_PTRACE the plugin's descriptors say the kubelet's connection is the plugin's: the
+    drop is one (confirmed, "no longer connected"). Without it (HAMi's default: no capability) a
+    connection by path is no count, so the plugin was never seen held: the drop reads as "holds no
+    connection", unconfirmed but failing all the same."""
     netns.require()
     pod = Netns().start()
     try:
@@ -244,16 +266,21 @@ async def test_forged_names_after_a_drop_without_pod_resources_do_not_register_i
                 mark = plugin.mark()
                 await plugin.start()
                 await plugin.wait_event("stream-open", after=mark)
-                async with sidecar_in(
-                    Entered(pod.path), settings, os.path.join(short_tmp, "s.log")
-                ) as status:
+                entered = Entered(pod.path, PTRACE_ONLY if privileges == "ptrace" else ROOT_NO_CAPS)
+                async with sidecar_in(entered, settings, os.path.join(short_tmp, "s.log")) as status:
                     await wait_for(
                         lambda: check(status(), GPU)[0] == "ok", timeout=20, what="registered, held"
                     )
                     assert status()["kubelet_connections_from"].startswith("the kubelet's network namespace")
+                    held = check(status(), GPU)[1]
+                    if privileges == "ptrace":
+                        assert held.startswith("the kubelet holds a connection to nvidia-gpu.sock"), held
+                    else:
+                        assert held.startswith("the kubelet accepted the plugin"), held  # the checkpoint
                     await plugin.end_stream("oldest")
+                    dropped = "no longer connected" if privileges == "ptrace" else "holds no connection"
                     await wait_for(
-                        lambda: "no longer connected" in check(status(), GPU)[1],
+                        lambda: dropped in check(status(), GPU)[1],
                         timeout=20,
                         what="the drop",
                     )
@@ -275,30 +302,80 @@ async def test_forged_names_after_a_drop_without_pod_resources_do_not_register_i
 
 
 @pytest.mark.parametrize("release", ["new"], indirect=True)
-async def test_a_look_alike_connection_to_a_dropped_plugin_leaves_no_lasting_refusal(
-    node_factory: Any,
+@pytest.mark.parametrize("route", ["proc", "sock_diag"])
+async def test_a_look_alike_connection_to_a_dropped_plugin_changes_no_verdict(
+    node_factory: Any, route: str, short_tmp: str
 ) -> None:
     """A neighbour in the kubelet's network namespace with user and mount namespaces of its own (as an
     unprivileged user may: `unshare -U -r -m`) mounts a tmpfs over the folder, binds the plugin's path
-    there, connects, accepts and closes the listener: by path, the sidecar (reading /proc, the kubelet
-    in a network namespace of its own) counts a later connection to the dropped plugin and reads a
-    refused second Register. pod-resources shows the kubelet dropped the plugin: the drop stands, liveness,
-    before, while and after the neighbour's connection stays (past the refusal's bound), and nothing it
-    did outlives it."""
+    there, connects, accepts and closes the listener: an accepted end at the plugin's path. The sidecar
+    (as root: it reads the descriptors of the plugin's process) counts it neither through /proc (the
+    kubelet in a network namespace of its own: the plugin's process does not hold that end) nor with
+    sock_diag (the kubelet in the sidecar's: the end is bound to another file). pod-resources is gone
+    (its socket removed), so the connections alone decide: counted, the look-alike would read as a
+    refused second Register, which restarts nothing. The dropped plugin stays dropped, failing liveness,
+    before, while the neighbour stays (past the refusal's bound) and after: nothing it did outlives it."""
     netns.require()
-    async with node_factory(kubelet_netns=True, refusal_confirm=1.0) as node:
+    async with node_factory(kubelet_netns=route == "proc", refusal_confirm=1.0) as node:
         plugin = await node.plugin(watch_kubelet=False)
         await node.until("/readyz", 200)
         await plugin.end_stream("oldest")
         await node.until("/healthz?verbose", 503, contains="it dropped the plugin")
         kpid = node.kubelet.process.pid or 0
-        enter = [*nsenter(kpid), "unshare", "-U", "-r", "-m", "sh", "-c"]
-        enter += [f'mount -t tmpfs none {node.dir} && exec "$@"', "sh"]
-        with Holder([pair(plugin.socket_path)], enter):
-            deadline = time.monotonic() + 2.5  # past the refusal's bound
-            while time.monotonic() < deadline:
-                code, body = await node.get("/healthz?verbose")
-                assert code == 503 and "dropped the plugin" in body, body
-                assert f"[+]kubelet-client:{GPU} ok" in (await node.get("/readyz?verbose"))[1]
-                await asyncio.sleep(0.1)
+        os.chmod(short_tmp, 0o755)  # the neighbour, unprivileged, reaches the folder
+        *user, python = unprivileged()
+        enter = [*nsenter(kpid), *user, *in_a_mount_namespace(node.dir, user=True, python=python)]
+        os.unlink(os.path.join(short_tmp, "pod-resources", "kubelet.sock"))  # the connections alone decide
+        with Holder([pair(plugin.socket_path)], enter) as neighbour:
+            with open(f"/proc/{neighbour.pid}/net/unix", "rb") as f:  # its end, by path, in the table
+                lines = f.read().decode(errors="replace").splitlines()
+            assert any(" 03 " in line and line.endswith(plugin.socket_path) for line in lines)
+            watch = Watch(node)
+            await watch.started()
+            # Past the refusal's bound (1 s), as long as a counted look-alike took to read as a refused
+            # Register (5 s at most), and rounds.
+            await asyncio.gather(node.rounds(3), asyncio.sleep(5))
+            answers = watch.seen[:]
+            await watch.stop()
+        assert {code for _, code, _ in answers} == {503}
+        assert all("it dropped the plugin" in body for _, _, body in answers), answers[-1][2]
+        await node.rounds(2)  # and once it has gone
         await node.until("/healthz?verbose", 503, contains="it dropped the plugin")
+
+
+async def test_a_process_named_as_the_kubelet_that_is_not_it_is_named_in_status(
+    make_node: Any, short_tmp: str
+) -> None:
+    """A root process bearing the kubelet's name, outside any pod's cgroup, in network and mount
+    namespaces of its own (a container another runtime runs), listening on a kubelet.sock of its own
+    tmpfs: /status names it as ignored, and the verdicts stay; once it goes, nothing of it is left."""
+    netns.require()
+    name = f"kubelet-{os.path.basename(short_tmp)[-6:]}"
+    async with make_node(kubelet_process_name=name) as node:
+        await node.until("/healthz", 200)
+        await node.wait_rounds()
+
+        # Another process of a kubelet's name elsewhere on the machine may be named: only ours counts.
+        def ignored() -> list[str]:
+            return [i for i in status_document(node.sidecar)["kubelet_processes_ignored"] if f"({name})" in i]
+
+        assert ignored() == []
+        before = (await node.get("/readyz?verbose"))[0]
+        kubelet_sock = os.path.join(node.dir, "kubelet.sock")
+        enter = Netns().start()
+        try:
+            ops = [
+                comm(name),
+                listen(kubelet_sock),
+                *names(os.path.join(node.dir, "nvidia-gpu.sock").encode()),
+            ]
+            with Holder(ops, enter.command(in_a_mount_namespace(node.dir, user=False))) as fake:
+                await node.wait_rounds()
+                why = f"it does not listen on kubelet.sock as this pod sees it (pid {os.getpid()} does)"
+                assert ignored() == [f"pid {fake.pid} ({name}): {why}"]
+                assert (await node.get("/readyz?verbose"))[0] == before
+                assert (await node.get("/healthz"))[0] == 200
+        finally:
+            enter.close()
+        await node.wait_rounds()
+        assert ignored() == []
