@@ -183,7 +183,8 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
         errors=tuple(g.errors),
         **(await _dra_evidence(s, g, names) if s.dra_drivers else {}),
         **(await _hami_evidence(s, g, pod_resources, plugins) if s.hami_api is not None else {}),
-        recovery=await gather_recovery(s.sidecar_status, s.probe_timeout),
+        # Not for node-problem-detector: its condition is the plugin's registration, not a GPU's health.
+        recovery=await gather_recovery("" if s.npd else s.sidecar_status, s.probe_timeout),
     )
 
 
