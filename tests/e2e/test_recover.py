@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from sidecar.server.status import status_document
 from testing.realkubelet import RealPlugin
 from tests.e2e.conftest import Watch
 from tests.e2e.realnode import GPU, UUIDS, RealNode
-from tests.e2e.test_real_kubelet import NO_PROCESS_LOOKUP, applied
+from tests.e2e.test_real_kubelet import NO_PROCESS_LOOKUP
 from tests.test_doctor import Doctor, row
 
 RECOVER = f"recover:{GPU}"
@@ -41,10 +42,15 @@ def driver(tmp_path: Path) -> dict[str, Any]:
 
 
 async def unhealthy(node: RealNode, plugin: RealPlugin, device: str) -> None:
-    """An XID: the plugin reports `device` Unhealthy, and the kubelet has applied it."""
+    """An XID: the plugin reports `device` Unhealthy, and the kubelet has applied it (its own view,
+    polled: `applied` counts the lists of one stream since the kubelet's start, and a restarted
+    plugin's is the second)."""
     generation = await plugin.set_health(device, False)
-    await applied(node, plugin, generation)
-    assert device not in await node.kubelet.healthy_devices(GPU)
+    await plugin.wait_event("sent", lambda e: e["generation"] == generation, timeout=30)
+    deadline = time.monotonic() + 30
+    while device in await node.kubelet.healthy_devices(GPU):
+        assert time.monotonic() < deadline, f"the kubelet still lists {device} healthy"
+        await asyncio.sleep(0.02)
 
 
 async def restarted(node: RealNode, plugin: RealPlugin) -> RealPlugin:
