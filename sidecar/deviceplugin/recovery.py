@@ -220,8 +220,9 @@ class DeviceRecovery:
                 f"{self._since(waiting)}: a plugin restart is asked for if they stay so {self.after:g}s "
                 f"({left:.0f}s left)"
             )
-        if self.recovered:
-            notes.append(f"brought back by a plugin restart: {_names(self.recovered)}")
+        back = set(self.recovered) - set(self.given_up)  # a GPU brought back and lost again is not
+        if back:
+            notes.append(f"brought back by a plugin restart: {_names(back)}")
         if candidates:
             why = blocked
             host = self._host_says(candidates, ev)
