@@ -101,6 +101,9 @@ class Settings(flags.DeviceFolder):
     # 30 s later): a plugin that served none this long after a new kubelet answered missed the restart
     # and fails at once instead of at the end of the grace. 0: the plugin does not behave so.
     missed_restart_after: float = 5.0
+    # Seconds between reads of the kubelet's connections between rounds (the socket table alone): a drop
+    # is judged within about this long. 0: only at the rounds.
+    connection_interval: float = 1.0
     # HAMi never marks a device healthy again: devices not listed healthy this long (while the host still
     # shows them and no pod holds one) get one plugin restart (sidecar.deviceplugin.recovery). 0: off.
     recover_unhealthy_after: float = 0.0
@@ -178,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds after a kubelet restart within which a plugin must serve a new socket, as HAMi does "
         f"at once, or it missed the restart and fails liveness (default {d.missed_restart_after:g}; 0: a "
         "plugin that does not, the grace alone decides)",
+    )
+    p.add_argument(
+        "--connection-interval",
+        type=flags.seconds(0.0, flags.DAY),
+        default=d.connection_interval,
+        help="seconds between reads of the kubelet's connections to the plugins between probe rounds, so "
+        f"that a drop is judged within about this long (default {d.connection_interval:g}; 0: at the "
+        "probe rounds only)",
     )
     p.add_argument(
         "--recover-unhealthy-after",
@@ -413,6 +424,7 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
         kubelet_process_name=args.kubelet_process_name,
         kubelet_version=args.kubelet_version,
         missed_restart_after=args.missed_restart_after,
+        connection_interval=args.connection_interval,
         recover_unhealthy_after=args.recover_unhealthy_after,
         dra_drivers=dra,
         dra_grace=args.dra_grace,

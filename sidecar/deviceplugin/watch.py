@@ -201,6 +201,10 @@ class DevicePluginWatch:
         # The kubelet's version as this node's Node reports it (sidecar.hami reads the Node), "": unknown.
         self.node_kubelet_version = ""
         self.pod_resources: Reading[dict[str, frozenset[str]]] | None = None  # the last round's
+        # Each plugin's kubelet connections as the last round read them (None: not known), and one read
+        # of the table at a time: between rounds it is read again to see a drop within a second.
+        self.last_ids: dict[str, frozenset[int] | None] = {}
+        self._table_lock = asyncio.Lock()
         self._rules_read: tuple[int, float] = (-1, 0.0)  # (judge generation, monotonic) of that read
         self._clock = clock
         # Each plugin socket's file (st_dev, st_ino) as the last round saw it: its listener outlives it.
@@ -250,6 +254,7 @@ class DevicePluginWatch:
         for plugin, result in zip(s.plugins, plugins, strict=True):
             self.publish.probed(plugin.socket, result.latency)
             observed[plugin.resource] = self._evidence(plugin, result, table)
+            self.last_ids[plugin.resource] = observed[plugin.resource].connection_ids
             self._bound[plugin.resource] = _file_id(s.plugin_path(plugin))
         connections = table.connections
         self.connections_source = connections if isinstance(connections, str) else connections.source
@@ -329,11 +334,31 @@ class DevicePluginWatch:
         """The kubelet's connections, read on the table's thread within the probe timeout or the dump's
         deadline (2 s), the longer."""
         # Not the probe timeout alone, which may be 50 ms: a read of 100,000 sockets takes a few hundred.
-        got = await self._table.read(self._read_socket_table, max(self.settings.probe_timeout, DIAG_DEADLINE))
+        wait = max(self.settings.probe_timeout, DIAG_DEADLINE)
+        async with self._table_lock:  # a read between rounds is waited for, not taken as this round's
+            got = await self._table.read(self._read_socket_table, wait)
         table = _SocketTable(got, set(), got) if isinstance(got, str) else got
         self.kubelets_ignored = table.ignored
         self.table_read_seconds = self._table.last_read
         return table
+
+    async def connections_moved(self, held: set[str]) -> bool:
+        """Between rounds, the socket table alone (no gRPC call): have the kubelet's connections to a plugin
+        it holds (`held`: resources) changed since the last round? A drop, a second Register: the round
+        that judges it is due now, not at the next interval. Only what the reader trusts counts: a set
+        of connections, or 0 where a positive count is not trusted."""
+        watched = [p for p in self.settings.plugins if p.resource in held]
+        if not watched:
+            return False
+        table = await self._socket_table()
+        if isinstance(table.connections, str):
+            return False
+        for plugin in watched:
+            path = self.settings.plugin_path(plugin)
+            found = table.connections.accepted(path, (os.path.join(BOUND_DIR, plugin.socket),))
+            if not isinstance(found, str) and found != self.last_ids.get(plugin.resource):
+                return True
+        return False
 
     def _read_socket_table(self) -> _SocketTable:
         """The kubelet's connections, from the sockets bound to the files that matter only (a host
