@@ -104,6 +104,9 @@ class Settings(flags.DeviceFolder):
     # Seconds between reads of the kubelet's connections between rounds (the socket table alone): a drop
     # is judged within about this long. 0: only at the rounds.
     connection_interval: float = 1.0
+    # HAMi never marks a device healthy again: devices not listed healthy this long (while the host still
+    # shows them and no pod holds one) get one plugin restart (sidecar.deviceplugin.recovery). 0: off.
+    recover_unhealthy_after: float = 0.0
     # DRA drivers (sidecar.dra.verdicts): judged besides, or instead of, the device plugins.
     dra_drivers: tuple[DraSpec, ...] = ()
     dra_grace: float = DEFAULT_DRA_GRACE
@@ -186,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between reads of the kubelet's connections to the plugins between probe rounds, so "
         f"that a drop is judged within about this long (default {d.connection_interval:g}; 0: at the "
         "probe rounds only)",
+    )
+    p.add_argument(
+        "--recover-unhealthy-after",
+        type=flags.duration(0.0, 30 * flags.DAY),
+        default=d.recover_unhealthy_after,
+        help="a duration (90s, 10m, 1h): devices HAMi marked unhealthy (it never marks them healthy again), "
+        "not listed healthy this long while the host still shows them and no running pod holds one, get "
+        "one plugin restart, which re-reads them (default 0: off)",
     )
     p.add_argument(
         "--kubelet-version",
@@ -414,6 +425,7 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
         kubelet_version=args.kubelet_version,
         missed_restart_after=args.missed_restart_after,
         connection_interval=args.connection_interval,
+        recover_unhealthy_after=args.recover_unhealthy_after,
         dra_drivers=dra,
         dra_grace=args.dra_grace,
         dra_api=dra_api(parser, args, environ),

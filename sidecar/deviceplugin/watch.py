@@ -50,12 +50,14 @@ from sidecar.deviceplugin.probes import (
     Reading,
     SocketId,
     pod_resources_devices,
+    pod_resources_held,
     probe_kubelet,
     probe_plugin,
     read_checkpoint_async,
     socket_identity,
     socket_refuses,
 )
+from sidecar.deviceplugin.recovery import NOT_READ, RecoveryEvidence
 from sidecar.deviceplugin.verdicts import (
     AfterDeletion,
     DevicePluginJudge,
@@ -81,7 +83,7 @@ FULL_READ_EVERY = 5  # between rounds, the whole socket table at most every 5 co
 class Publisher(Listener, Protocol):
     """What the sidecar publishes of the plugins' verdicts (`sidecar.server.metrics.MetricsPublisher`)."""
 
-    def series(self, resource: str, *, registrations: bool = True) -> None:
+    def series(self, resource: str, *, registrations: bool = True, recovery: bool = False) -> None:
         """Every series of a plugin's resource, from the start."""
 
     def probed(self, socket: str, latency: float) -> None:
@@ -185,6 +187,7 @@ class DevicePluginWatch:
             drop_confirm=s.drop_confirm,
             refusal_confirm=s.refusal_confirm,
             missed_restart_after=s.missed_restart_after,
+            recover_unhealthy_after=s.recover_unhealthy_after,
         )
         self.publish = publish
         self.judge = DevicePluginJudge(rules, publish, clock, wall)
@@ -210,7 +213,7 @@ class DevicePluginWatch:
         # Each plugin socket's file (st_dev, st_ino) as the last round saw it: its listener outlives it.
         self._bound: dict[str, tuple[int, int] | None] = {}
         for p in s.plugins:
-            publish.series(p.resource)
+            publish.series(p.resource, recovery=s.recover_unhealthy_after > 0)
 
     def start(self) -> None:
         """The thread that reads files (the checkpoint, HAMi's configuration, the folder) off the loop."""
@@ -249,6 +252,7 @@ class DevicePluginWatch:
         host_devices = len(glob.glob(s.device_glob)) if auto else None
         self.expectation = await self._off_loop(self._expected, self.expectation) if auto else None
         others = await self._served_elsewhere(plugins)
+        recovery = await self._recovery_evidence() if s.recover_unhealthy_after else NOT_READ
         observed = {}
         for plugin, result in zip(s.plugins, plugins, strict=True):
             self.publish.probed(plugin.socket, result.latency)
@@ -268,6 +272,7 @@ class DevicePluginWatch:
             others=others,
             checkpoint_before=checkpoint_before,
             kubelet_rules=rules,
+            recovery=recovery,
         )
         return [self.judge.plugin_for(resource) for resource in self.judge.round(seen)]
 
@@ -434,6 +439,15 @@ class DevicePluginWatch:
         self._others = await self._off_loop(read, self._others)
         return self._others
 
+    async def _recovery_evidence(self) -> RecoveryEvidence:
+        """For --recover-unhealthy-after: who holds which device (pod-resources List), and the host's
+        GPUs (the driver's UUIDs, the device nodes), read off the loop."""
+        s = self.settings
+        held = await pod_resources_held(s.pod_resources_socket, s.probe_timeout)
+        late: tuple[Reading[frozenset[str]], int | None] = (Reading.failed("not read in time"), None)
+        uuids, nodes = await self._off_loop(partial(_host_gpus, s.nvidia_gpus_dir, s.device_glob), late)
+        return RecoveryEvidence(held, uuids, nodes)
+
     def _expected(self) -> hamiconfig.Expectation:
         s = self.settings
         return hamiconfig.expectation(
@@ -472,6 +486,18 @@ def _alive(ids: frozenset[int]) -> frozenset[int] | None:
         return frozenset(diag_alive(ids))
     except DiagUnavailable:
         return None
+
+
+def _host_gpus(gpus_dir: str, device_glob: str) -> tuple[Reading[frozenset[str]], int | None]:
+    """The GPUs' UUIDs the NVIDIA driver lists (or why none), and the `device_glob` matches."""
+    gpus, unread = hamiconfig.read_gpus(gpus_dir)
+    uuids = frozenset(g.uuid for g in gpus if g.uuid)
+    reading = Reading(uuids) if uuids or not unread else Reading[frozenset[str]].failed(unread)
+    try:
+        nodes: int | None = len(glob.glob(device_glob))
+    except Exception:  # a hostile pattern never costs the round
+        nodes = None
+    return reading, nodes
 
 
 def _still_listening(bound: tuple[int, int] | None) -> bool | None:
