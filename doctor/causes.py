@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from doctor.dra.causes import dra_causes
 from doctor.hami import hami_causes
 from doctor.patterns import ALREADY_CONNECTED, DRIVER_FIX, RESTART_PLUGIN, RUNTIME_FIX
+from doctor.recovery import recovery_cause
 from doctor.shell import command
 from doctor.types import (
     CAUSES,
     DRA_CAUSES,
     HAMI_CAUSES,
+    RECOVERY_CAUSES,
     Cause,
     DriverNodes,
     KubeletProcess,
@@ -41,7 +43,7 @@ from sidecar.deviceplugin.verdicts import (
 )
 
 ORDER = {cause: i for i, (cause, _) in enumerate(CAUSES)}
-RANK = {cause: i for i, (cause, _) in enumerate(CAUSES + DRA_CAUSES + HAMI_CAUSES)}
+RANK = {cause: i for i, (cause, _) in enumerate(CAUSES + DRA_CAUSES + HAMI_CAUSES + RECOVERY_CAUSES)}
 # initcheck's checks that are about permission; the others are about the socket's path.
 PERMISSION_CHECKS = frozenset(
     ("PERMISSION_DENIED", "OWNER_MISMATCH", "GROUP_MISMATCH", "MODE_MISMATCH", "MODE_TOO_OPEN")
@@ -106,6 +108,8 @@ def diagnose(e: NodeEvidence) -> list[Cause]:
         causes += dra_causes(e.dra, e.dra_logs, e.kubelet.version)
     if e.hami is not None:
         causes += hami_causes(e.hami, e.plugin_logs)
+    if e.recovery is not None:
+        causes.append(recovery_cause(e.recovery))
     causes.sort(key=lambda c: (c.verdict != "problem", RANK[c.id]))
     return causes
 

@@ -29,6 +29,7 @@ from doctor.dra.evidence import dra_kubelet_logs, gather_dra
 from doctor.hami import gather_hami
 from doctor.logscan import kubelet_logs, plugin_logs
 from doctor.patterns import KUBELET_PATTERNS, PLUGIN_PATTERNS
+from doctor.recovery import gather_recovery
 from doctor.settings import DoctorSettings
 from doctor.types import (
     DriverNodes,
@@ -182,6 +183,8 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
         errors=tuple(g.errors),
         **(await _dra_evidence(s, g, names) if s.dra_drivers else {}),
         **(await _hami_evidence(s, g, pod_resources, plugins) if s.hami_api is not None else {}),
+        # Not for node-problem-detector: its condition is the plugin's registration, not a GPU's health.
+        recovery=await gather_recovery("" if s.npd else s.sidecar_status, s.probe_timeout),
     )
 
 

@@ -63,6 +63,8 @@ class DoctorSettings(flags.DeviceFolder):
     hami_keys: tuple[tuple[str, str], ...] = SIDECAR.hami_keys()
     hami_handshake: str = SIDECAR.hami_handshake_annotation
     node_name: str = ""
+    # hami-sidecar's /status, for what it did for GPUs HAMi marked unhealthy; "": not asked.
+    sidecar_status: str = "http://127.0.0.1:9395/status"
 
 
 DEFAULTS = DoctorSettings()
@@ -129,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the Pod's ServiceAccount; on a node, the kubelet's own (/etc/kubernetes/kubelet.conf) may read it",
     )
     p.add_argument("--kube-context", default="", help="the kubeconfig's context (default its current one)")
+    p.add_argument(
+        "--sidecar-status",
+        default=d.sidecar_status,
+        help="hami-sidecar's /status (http://), read for what it did for GPUs HAMi marked unhealthy "
+        f'(default {d.sidecar_status}: the sidecar in this pod\'s network namespace; "": not read)',
+    )
     return p
 
 
@@ -178,4 +186,5 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
         hami_keys=keys,
         hami_handshake=hami.handshake,
         node_name=node if hami_api and keys else "",
+        sidecar_status=args.sidecar_status,
     )

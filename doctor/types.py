@@ -59,7 +59,9 @@ HAMI_CAUSES = (
     ("hami-registration", "HAMi scheduler's view of the GPUs"),
     ("hami-handshake", "HAMi scheduler handshake"),
 )
-TITLES = dict(CAUSES + DRA_CAUSES + HAMI_CAUSES)
+# What hami-sidecar did for GPUs HAMi marked unhealthy (doctor/recovery.py), where its /status answers.
+RECOVERY_CAUSES = (("unhealthy-devices", "GPUs HAMi marked unhealthy"),)
+TITLES = dict(CAUSES + DRA_CAUSES + HAMI_CAUSES + RECOVERY_CAUSES)
 
 
 # -- the evidence ----------------------------------------------------------------------------------------
@@ -297,6 +299,9 @@ class NodeEvidence:
     dra_logs: tuple[LogFindings, ...] = ()
     # HAMi's own registration (doctor/hami.py): None when no API server is known or it is turned off.
     hami: tuple[HamiReading, ...] | None = None
+    # hami-sidecar's recovery of unhealthy devices, from its /status (doctor/recovery.py): None when no
+    # sidecar answers at --sidecar-status.
+    recovery: Reading[Any] | None = None
 
 
 # -- the verdicts, the repairs and the report --------------------------------------------------------------

@@ -101,6 +101,12 @@ class Settings(flags.DeviceFolder):
     # 30 s later): a plugin that served none this long after a new kubelet answered missed the restart
     # and fails at once instead of at the end of the grace. 0: the plugin does not behave so.
     missed_restart_after: float = 5.0
+    # Seconds between reads of the kubelet's connections between rounds (the socket table alone): a drop
+    # is judged within about this long. 0: only at the rounds.
+    connection_interval: float = 1.0
+    # HAMi never marks a device healthy again: devices not listed healthy this long (while the host still
+    # shows them and no pod holds one) get one plugin restart (sidecar.deviceplugin.recovery). 0: off.
+    recover_unhealthy_after: float = 0.0
     # DRA drivers (sidecar.dra.verdicts): judged besides, or instead of, the device plugins.
     dra_drivers: tuple[DraSpec, ...] = ()
     dra_grace: float = DEFAULT_DRA_GRACE
@@ -175,6 +181,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds after a kubelet restart within which a plugin must serve a new socket, as HAMi does "
         f"at once, or it missed the restart and fails liveness (default {d.missed_restart_after:g}; 0: a "
         "plugin that does not, the grace alone decides)",
+    )
+    p.add_argument(
+        "--connection-interval",
+        type=flags.seconds(0.0, flags.DAY),
+        default=d.connection_interval,
+        help="seconds between reads of the kubelet's connections to the plugins between probe rounds, so "
+        f"that a drop is judged within about this long (default {d.connection_interval:g}; 0: at the "
+        "probe rounds only)",
+    )
+    p.add_argument(
+        "--recover-unhealthy-after",
+        type=flags.duration(0.0, 30 * flags.DAY),
+        default=d.recover_unhealthy_after,
+        help="a duration (90s, 10m, 1h): devices HAMi marked unhealthy (it never marks them healthy again), "
+        "not listed healthy this long while the host still shows them and no running pod holds one, get "
+        "one plugin restart, which re-reads them (default 0: off)",
     )
     p.add_argument(
         "--kubelet-version",
@@ -402,6 +424,8 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
         kubelet_process_name=args.kubelet_process_name,
         kubelet_version=args.kubelet_version,
         missed_restart_after=args.missed_restart_after,
+        connection_interval=args.connection_interval,
+        recover_unhealthy_after=args.recover_unhealthy_after,
         dra_drivers=dra,
         dra_grace=args.dra_grace,
         dra_api=dra_api(parser, args, environ),

@@ -25,6 +25,7 @@ class Kind(enum.Enum):
     REGISTERED = "registered"
     KUBELET_CLIENT = "kubelet-client"  # the kubelet keeps the plugin's client (1.37 forgets it on a refusal)
     DEVICES = "devices"
+    RECOVER = "recover"  # devices HAMi can never mark healthy again, re-read by a plugin restart (opt-in)
     DRA_PLUGIN = "dra-plugin"  # a DRA driver answers GetInfo (sidecar.dra.verdicts)
     DRA_REGISTERED = "dra-registered"  # the kubelet holds the DRA driver's service connection
     HAMI = "hami"  # HAMi's scheduler sees the GPUs the kubelet lists (sidecar.hami.verdicts)

@@ -133,6 +133,7 @@ class Doctor:
             "--plugin-process-name", "no-such-plugin",
             "--sample-interval", "0.2",
             "--probe-timeout", "0.5",
+            "--sidecar-status", "",
             *extra,
         ]  # fmt: skip
 

@@ -257,6 +257,7 @@ def check_patched(ds: Obj, plugin: str, registry: str = REGISTRY) -> None:
     resource = plugin.split("=", 1)[0]
     assert plugin_container["readinessProbe"]["httpGet"]["path"] == (
         f"/readyz?exclude=kubelet&exclude=checkpoint&exclude=devices:{resource}&exclude=hami:{resource}"
+        f"&exclude=recover:{resource}"
     )
     # Every mount of hami-guard's containers names a volume of the pod (the validator does not check).
     volumes = by_name(pod["volumes"])

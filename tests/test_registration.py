@@ -52,6 +52,7 @@ class Published:
     budgets: list[bool] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     connections: int | None = None
+    recoveries: list[tuple[str, int]] = field(default_factory=list)
 
     def attempt_opened(self, resource: str) -> None:
         self.attempts += 1
@@ -77,6 +78,9 @@ class Published:
 
     def connected(self, resource: str, count: int | None) -> None:
         self.connections = count
+
+    def recovery(self, resource: str, event: str, count: int) -> None:
+        self.recoveries.append((event, count))
 
 
 def alive(identity: SocketId, verified: bool = True) -> ProbeResult:
@@ -1076,7 +1080,10 @@ def _renamed(restarts: int) -> Callable[[DevicePluginJudge, Clock], None]:
 
 PLUGIN_ASKS = f"the plugin does not answer: plugin:{GPU} judges that, and the plugin restart it asks for"
 OTHER_OWNER = "another device plugin owns the socket: a restart of this one would only fight it"
-DEVICES = {f"devices:{GPU}": "readiness only: a plugin restart does not bring devices back"}
+DEVICES = {
+    f"devices:{GPU}": "readiness only: a lost or broken GPU is the node's; a device HAMi marked unhealthy "
+    "on a transient fault comes back with a plugin restart: --recover-unhealthy-after"
+}
 STATES = {
     # state: ({the check: what its [!] line says after "no restart: "}, the checks failing liveness)
     "missed kubelet restart": ({f"registered:{GPU}": PLUGIN_ASKS, **DEVICES}, {f"plugin:{GPU}"}),

@@ -160,8 +160,10 @@ def chart_plugins(ds: Mapping[str, Any], objects: Sequence[Mapping[str, Any]]) -
 
 def readiness_path(plugins: str) -> str:
     resources = [p.split("=", 1)[0] for p in plugins.split(",")]
-    # The rollout gate: serving and registration only; devices and HAMi's scheduler view are the node's.
-    excluded = ["kubelet", "checkpoint"] + [f"{kind}:{r}" for r in resources for kind in ("devices", "hami")]
+    # The rollout gate: serving and registration only; devices (and their recovery, a GPU really
+    # unhealthy) and HAMi's scheduler view are the node's.
+    kinds = ("devices", "hami", "recover")
+    excluded = ["kubelet", "checkpoint"] + [f"{kind}:{r}" for r in resources for kind in kinds]
     return "/readyz?" + "&".join(f"exclude={e}" for e in excluded)
 
 

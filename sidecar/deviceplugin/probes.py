@@ -190,6 +190,42 @@ async def pod_resources_devices(path: str, timeout: float) -> Reading[dict[str, 
     return Reading({r: frozenset(v) for r, v in ids.items()})
 
 
+# Bounds on pod-resources List's answer, generous for the largest node HAMi serves (checkpoint.py's
+# figures: 1,024 containers with devices, 25,600 device IDs): gRPC's 4 MiB receive limit bounds the
+# bytes; these bound what is kept of a kubelet (or something else on the socket) that answers more.
+MAX_LISTED_PODS = 4096
+MAX_HELD_DEVICES = 65_536
+
+
+async def pod_resources_held(path: str, timeout: float) -> Reading[dict[str, dict[str, str]]]:
+    """pod-resources `List`: each device ID a running pod's container holds, per resource, and the pod
+    (`namespace/name`). Read-only, like `GetAllocatableResources`; an answer over the bounds is no
+    answer (who holds what cannot then be told)."""
+    if socket_identity(path) is None:
+        return Reading.failed("pod-resources socket not mounted")
+    async with insecure_channel(path) as channel:
+        call = unary(channel, POD_RESOURCES, "List", pr.ListPodResourcesResponse)
+        try:
+            answer = await call(pr.ListPodResourcesRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            return Reading.failed(f"pod-resources List: {e.code().name}: {e.details()}")
+    if len(answer.pod_resources) > MAX_LISTED_PODS:
+        return Reading.failed(f"pod-resources List: over {MAX_LISTED_PODS} pods")
+    held: dict[str, dict[str, str]] = {}
+    count = 0
+    for pod in answer.pod_resources:
+        who = f"{pod.namespace}/{pod.name}"
+        for container in pod.containers:
+            for d in container.devices:
+                count += len(d.device_ids)
+                if count > MAX_HELD_DEVICES:
+                    return Reading.failed(f"pod-resources List: over {MAX_HELD_DEVICES} devices held")
+                mine = held.setdefault(d.resource_name, {})
+                for device in d.device_ids:
+                    mine.setdefault(device, who)
+    return Reading(held)
+
+
 async def read_checkpoint_async(path: str, executor: Executor) -> Reading[Checkpoint]:
     """Off the loop: a checkpoint can be megabytes of JSON, and /healthz must not wait for it."""
     try:

@@ -23,6 +23,7 @@ from hami_guard.node.unixdiag import Owner
 from sidecar.deviceplugin.checkpoint import Checkpoint
 from sidecar.deviceplugin.hamiconfig import Expectation
 from sidecar.deviceplugin.probes import ProbeResult, Reading, SocketId
+from sidecar.deviceplugin.recovery import NOT_READ, DeviceRecovery, RecoveryEvidence
 from sidecar.health import Check, CheckKey, HealthState, Kind, Status
 
 logger = logging.getLogger(__name__)
@@ -43,11 +44,13 @@ def physical_devices(ids: Iterable[str]) -> set[str]:
 
     Only those two forms are folded: other vendors' IDs may end in `-<n>` for distinct devices.
     """
-    out = set()
-    for device in ids:
-        m = _HAMI_SPLIT.match(device) or _REPLICA.match(device)
-        out.add(m.group(1) if m else device)
-    return out
+    return {physical_device(device) for device in ids}
+
+
+def physical_device(device: str) -> str:
+    """The physical device of one ID: a HAMi split ID's GPU, a time-slicing replica's device."""
+    m = _HAMI_SPLIT.match(device) or _REPLICA.match(device)
+    return m.group(1) if m else device
 
 
 def accepted_devices(
@@ -189,6 +192,9 @@ class Rules:
     # HAMi serves a new socket at once when kubelet.sock is created: a plugin that served none this long
     # after a new kubelet answered missed the restart. 0: not HAMi's behaviour, the grace alone decides.
     missed_restart_after: float = 5.0
+    # Devices not listed healthy this long while held are re-read by one plugin restart (recovery.py);
+    # 0: off, no `recover:` check.
+    recover_unhealthy_after: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -225,6 +231,8 @@ class RoundEvidence:
     # connection the next round sees first came after it, and so does any record of it.
     checkpoint_before: int | None = None
     kubelet_rules: KubeletRules = NEWEST
+    # What the recovery of unhealthy devices reads besides (pod-resources List, the host's GPUs).
+    recovery: RecoveryEvidence = NOT_READ
 
 
 @dataclass(frozen=True)
@@ -266,6 +274,11 @@ class Listener(Protocol):
 
     def connected(self, resource: str, count: int | None) -> None:
         """The kubelet's open connections to the plugin's socket; None: not known."""
+
+    def recovery(self, resource: str, event: str, count: int) -> None:
+        """The recovery of unhealthy devices: `restart` (a plugin restart asked for `count` devices),
+        `recovered` (`count` devices listed healthy again after it), `unrecoverable` (now `count`
+        devices unhealthy again after their restart, not listed healthy)."""
 
 
 @dataclass
@@ -427,6 +440,12 @@ class DevicePluginJudge:
         # seen this round came after it.
         self._checkpoint_mtime: int | None = None
         self.kubelet_rules = NEWEST  # the rules of the kubelet's release, as the last round read it
+        # Per resource, where --recover-unhealthy-after is on: its devices' recovery (recovery.py).
+        self._recovery = {
+            p.resource: DeviceRecovery(p.resource, rules.recover_unhealthy_after, RESTART_BUDGET, iso)
+            for p in rules.plugins
+            if rules.recover_unhealthy_after > 0
+        }
 
     # -- what the views read ------------------------------------------------------------
     def plugin(self, socket: str) -> PluginSpec | None:
@@ -454,6 +473,10 @@ class DevicePluginJudge:
             }
         return out
 
+    def recovery(self) -> dict[str, dict[str, Any]]:
+        """Per resource: the devices not listed healthy, the restarts asked for them, their outcome."""
+        return {r: rec.as_dict() for r, rec in self._recovery.items()}
+
     def wake_at(self) -> float | None:
         """When a round must run to confirm a lost connection, a failed probe, newer evidence against a
         held plugin or a refusal (monotonic), if one must."""
@@ -473,6 +496,8 @@ class DevicePluginJudge:
         kinds = [Kind.PLUGIN, Kind.REGISTERED, Kind.KUBELET_CLIENT]
         if self.rules.expect_devices.kind is not Expect.OFF:  # an explicit 0 opts out
             kinds.append(Kind.DEVICES)
+        if self.rules.recover_unhealthy_after > 0:
+            kinds.append(Kind.RECOVER)
         return [CheckKey(k, resource) for k in kinds]
 
     def _names(self, resource: str) -> list[str]:
@@ -515,6 +540,11 @@ class DevicePluginJudge:
         if p.episode:  # the plugin restarted after liveness failed for "not registered"
             p.episode = False
             p.restarts_in_vain += 1
+        if resource in self._recovery:  # it re-reads every device: a restart asked for them, or not
+            self._recovery[resource].restarted(self.wall())
+            # The restart asked for is under way: no longer asked, whatever the round before said.
+            why = "the plugin serves a new socket: its devices are judged against its new list"
+            self.state.report(CheckKey(Kind.RECOVER, resource).name, True, why, restarts=False)
         self.state.reset(self._names(resource))
         self._open_attempt(resource, "new plugin socket")
 
@@ -695,6 +725,7 @@ class DevicePluginJudge:
             if self._judge_plugin(plugin, obs):
                 vanished.append(plugin.resource)
             self._judge_registration(plugin, obs, seen)
+            self._judge_recovery(plugin, obs, seen)
             self._count_devices(plugin, seen)
         cp = seen.checkpoint.value
         self._checkpoint_mtime = (
@@ -1442,8 +1473,9 @@ class DevicePluginJudge:
         want = wanted.minimum
         source = "pod-resources" if "pod_resources" in counts else "checkpoint"
         have = counts.get("pod_resources", counts.get("checkpoint"))
-        # Devices are a readiness question: a plugin restart does not make a GPU healthy.
-        quiet = "readiness only: a plugin restart does not bring devices back"
+        # Devices are a readiness question: a GPU lost or broken is the node's. HAMi never marks a device
+        # healthy again, which a plugin restart does after a transient fault: that restart is `recover:`'s.
+        quiet = self._devices_quiet(r)
         if have is None:
             why = "the kubelet is restarting" if self._kubelet_down else "no current count"
             self.state.report(
@@ -1461,6 +1493,56 @@ class DevicePluginJudge:
                 restarts=False,
                 quiet=quiet,
             )
+
+    def _devices_quiet(self, r: str) -> str:
+        """Why `devices:` restarts nothing, true for the state at hand."""
+        if r not in self._recovery:
+            return (
+                "readiness only: a lost or broken GPU is the node's; a device HAMi marked unhealthy on a "
+                "transient fault comes back with a plugin restart: --recover-unhealthy-after"
+            )
+        recover = self.state.checks[CheckKey(Kind.RECOVER, r).name]
+        if recover.live_failed:
+            return f"readiness only: {recover.name} asks for the plugin restart that re-reads the devices"
+        return f"readiness only: {recover.name} says whether a plugin restart would bring the devices back"
+
+    def _judge_recovery(self, plugin: PluginSpec, obs: PluginEvidence, seen: RoundEvidence) -> None:
+        """`recover:`: devices HAMi can never mark healthy again, re-read by one plugin restart while
+        the host still shows them and no running pod holds one (recovery.py)."""
+        r = plugin.resource
+        rec = self._recovery.get(r)
+        if rec is None:
+            return
+        live = seen.pod_resources.value
+        why = ""
+        if self._kubelet_down:
+            why = "the kubelet is restarting"
+        elif not obs.probe.ok:
+            why = "the plugin does not answer"
+        elif self.state.checks[CheckKey(Kind.REGISTERED, r).name].status is not Status.OK:
+            why = "the kubelet does not hold the plugin"
+        elif self._plugins[r].lost_at is not None or self._plugins[r].contradicted_at is not None:
+            why = "a lost hold of the plugin awaits its confirmation"
+        elif live is None:
+            why = f"pod-resources cannot be read ({seen.pod_resources.error})"
+        listed = frozenset(physical_devices(live.get(r, ()))) if live is not None else None
+        pods = seen.recovery.pod_devices.value
+        held: dict[str, str] | None = None
+        if pods is not None:
+            held = {}
+            for device, pod in sorted(pods.get(r, {}).items()):
+                held.setdefault(physical_device(device), pod)
+        verdict = rec.judge(listed, why, seen.recovery, held, now=self.clock(), wall=self.wall())
+        for event, count in verdict.events:
+            self.listener.recovery(r, event, count)
+        self.state.report(
+            CheckKey(Kind.RECOVER, r).name,
+            verdict.ok,
+            verdict.reason,
+            definitive=True,
+            restarts=verdict.restarts,
+            quiet=verdict.quiet,
+        )
 
     def _wanted(self, expect: DeviceExpectation, seen: RoundEvidence) -> _Wanted:
         """The minimum of healthy devices, and where it comes from."""

@@ -36,6 +36,7 @@ from hami_guard.node.unixdiag import (
     DiagUnavailable,
     SocketOwner,
     UnixSocket,
+    diag_alive,
     diag_dump,
     kubelet_connections,
     kubelet_processes,
@@ -49,12 +50,14 @@ from sidecar.deviceplugin.probes import (
     Reading,
     SocketId,
     pod_resources_devices,
+    pod_resources_held,
     probe_kubelet,
     probe_plugin,
     read_checkpoint_async,
     socket_identity,
     socket_refuses,
 )
+from sidecar.deviceplugin.recovery import NOT_READ, RecoveryEvidence
 from sidecar.deviceplugin.verdicts import (
     AfterDeletion,
     DevicePluginJudge,
@@ -74,12 +77,13 @@ SWITCH = 0.0002  # seconds: the GIL's switch interval while the socket table is 
 BOUND_DIR = os.path.dirname(KUBELET_BOUND_PATH)
 MAX_FOLDER_SOCKETS = 32  # other sockets tried in the folder per round
 RELEASE_RETRY = 60.0  # seconds between reads of an unknown kubelet release
+FULL_READ_EVERY = 5  # between rounds, the whole socket table at most every 5 connection intervals
 
 
 class Publisher(Listener, Protocol):
     """What the sidecar publishes of the plugins' verdicts (`sidecar.server.metrics.MetricsPublisher`)."""
 
-    def series(self, resource: str, *, registrations: bool = True) -> None:
+    def series(self, resource: str, *, registrations: bool = True, recovery: bool = False) -> None:
         """Every series of a plugin's resource, from the start."""
 
     def probed(self, socket: str, latency: float) -> None:
@@ -183,6 +187,7 @@ class DevicePluginWatch:
             drop_confirm=s.drop_confirm,
             refusal_confirm=s.refusal_confirm,
             missed_restart_after=s.missed_restart_after,
+            recover_unhealthy_after=s.recover_unhealthy_after,
         )
         self.publish = publish
         self.judge = DevicePluginJudge(rules, publish, clock, wall)
@@ -198,12 +203,17 @@ class DevicePluginWatch:
         # The kubelet's version as this node's Node reports it (sidecar.hami reads the Node), "": unknown.
         self.node_kubelet_version = ""
         self.pod_resources: Reading[dict[str, frozenset[str]]] | None = None  # the last round's
+        # Each plugin's kubelet connections as the last round read them (None: not known), and one read
+        # of the table at a time: between rounds it is read again to see a drop within a second.
+        self.last_ids: dict[str, frozenset[int] | None] = {}
+        self._table_lock = asyncio.Lock()
+        self._full_read_at = 0.0  # monotonic: the last whole read of the table between rounds
         self._rules_read: tuple[int, float] = (-1, 0.0)  # (judge generation, monotonic) of that read
         self._clock = clock
         # Each plugin socket's file (st_dev, st_ino) as the last round saw it: its listener outlives it.
         self._bound: dict[str, tuple[int, int] | None] = {}
         for p in s.plugins:
-            publish.series(p.resource)
+            publish.series(p.resource, recovery=s.recover_unhealthy_after > 0)
 
     def start(self) -> None:
         """The thread that reads files (the checkpoint, HAMi's configuration, the folder) off the loop."""
@@ -242,10 +252,12 @@ class DevicePluginWatch:
         host_devices = len(glob.glob(s.device_glob)) if auto else None
         self.expectation = await self._off_loop(self._expected, self.expectation) if auto else None
         others = await self._served_elsewhere(plugins)
+        recovery = await self._recovery_evidence() if s.recover_unhealthy_after else NOT_READ
         observed = {}
         for plugin, result in zip(s.plugins, plugins, strict=True):
             self.publish.probed(plugin.socket, result.latency)
             observed[plugin.resource] = self._evidence(plugin, result, table)
+            self.last_ids[plugin.resource] = observed[plugin.resource].connection_ids
             self._bound[plugin.resource] = _file_id(s.plugin_path(plugin))
         connections = table.connections
         self.connections_source = connections if isinstance(connections, str) else connections.source
@@ -260,6 +272,7 @@ class DevicePluginWatch:
             others=others,
             checkpoint_before=checkpoint_before,
             kubelet_rules=rules,
+            recovery=recovery,
         )
         return [self.judge.plugin_for(resource) for resource in self.judge.round(seen)]
 
@@ -324,11 +337,43 @@ class DevicePluginWatch:
         """The kubelet's connections, read on the table's thread within the probe timeout or the dump's
         deadline (2 s), the longer."""
         # Not the probe timeout alone, which may be 50 ms: a read of 100,000 sockets takes a few hundred.
-        got = await self._table.read(self._read_socket_table, max(self.settings.probe_timeout, DIAG_DEADLINE))
+        wait = max(self.settings.probe_timeout, DIAG_DEADLINE)
+        async with self._table_lock:  # a read between rounds is waited for, not taken as this round's
+            got = await self._table.read(self._read_socket_table, wait)
         table = _SocketTable(got, set(), got) if isinstance(got, str) else got
         self.kubelets_ignored = table.ignored
         self.table_read_seconds = self._table.last_read
         return table
+
+    async def connections_moved(self, held: set[str]) -> bool:
+        """Between rounds, the socket table alone (no gRPC call): have the kubelet's connections to a plugin
+        it holds (`held`: resources) changed since the last round? A drop, a second Register: the round
+        that judges it is due now, not at the next interval. Only what the reader trusts counts: a set
+        of connections, or 0 where a positive count is not trusted."""
+        watched = [p for p in self.settings.plugins if p.resource in held]
+        if not watched:
+            return False
+        known = [self.last_ids.get(p.resource) for p in watched]
+        if self.connections_source.startswith("this network namespace") and all(known):
+            # Read by sock_diag in this namespace, each connection known: asked for one by one, which
+            # costs microseconds however many sockets the namespace holds.
+            ids = frozenset().union(*(k for k in known if k))
+            alive = await self._off_loop(partial(_alive, ids), None)
+            if alive is not None:
+                return alive != ids
+        now = self._clock()
+        if now - self._full_read_at < FULL_READ_EVERY * self.settings.connection_interval:
+            return False  # the whole table, less often: a /proc read is a file of the whole namespace
+        self._full_read_at = now
+        table = await self._socket_table()
+        if isinstance(table.connections, str):
+            return False
+        for plugin in watched:
+            path = self.settings.plugin_path(plugin)
+            found = table.connections.accepted(path, (os.path.join(BOUND_DIR, plugin.socket),))
+            if not isinstance(found, str) and found != self.last_ids.get(plugin.resource):
+                return True
+        return False
 
     def _read_socket_table(self) -> _SocketTable:
         """The kubelet's connections, from the sockets bound to the files that matter only (a host
@@ -394,6 +439,15 @@ class DevicePluginWatch:
         self._others = await self._off_loop(read, self._others)
         return self._others
 
+    async def _recovery_evidence(self) -> RecoveryEvidence:
+        """For --recover-unhealthy-after: who holds which device (pod-resources List), and the host's
+        GPUs (the driver's UUIDs, the device nodes), read off the loop."""
+        s = self.settings
+        held = await pod_resources_held(s.pod_resources_socket, s.probe_timeout)
+        late: tuple[Reading[frozenset[str]], int | None] = (Reading.failed("not read in time"), None)
+        uuids, nodes = await self._off_loop(partial(_host_gpus, s.nvidia_gpus_dir, s.device_glob), late)
+        return RecoveryEvidence(held, uuids, nodes)
+
     def _expected(self) -> hamiconfig.Expectation:
         s = self.settings
         return hamiconfig.expectation(
@@ -424,6 +478,26 @@ def _served_elsewhere(folder: str, mine: set[str]) -> tuple[tuple[str, SocketId]
         if identity is not None and not socket_refuses(path):
             out.append((name, identity))
     return tuple(out)
+
+
+def _alive(ids: frozenset[int]) -> frozenset[int] | None:
+    """The connections among `ids` still open (sock_diag, one request each); None: cannot be told."""
+    try:
+        return frozenset(diag_alive(ids))
+    except DiagUnavailable:
+        return None
+
+
+def _host_gpus(gpus_dir: str, device_glob: str) -> tuple[Reading[frozenset[str]], int | None]:
+    """The GPUs' UUIDs the NVIDIA driver lists (or why none), and the `device_glob` matches."""
+    gpus, unread = hamiconfig.read_gpus(gpus_dir)
+    uuids = frozenset(g.uuid for g in gpus if g.uuid)
+    reading = Reading(uuids) if uuids or not unread else Reading[frozenset[str]].failed(unread)
+    try:
+        nodes: int | None = len(glob.glob(device_glob))
+    except Exception:  # a hostile pattern never costs the round
+        nodes = None
+    return reading, nodes
 
 
 def _still_listening(bound: tuple[int, int] | None) -> bool | None:

@@ -116,6 +116,27 @@ class Metrics:
             ["plugin", "resource"],
             registry=r,
         )
+        # Devices HAMi can never mark healthy again, re-read by a plugin restart (--recover-unhealthy-after).
+        self.recovery_restarts = Counter(
+            "device_plugin_unhealthy_recovery_restarts",
+            "Plugin restarts liveness asked for to re-read devices HAMi marked unhealthy (it never marks "
+            "them healthy again)",
+            ["plugin", "resource"],
+            registry=r,
+        )
+        self.recovered_devices = Counter(
+            "device_plugin_unhealthy_devices_recovered",
+            "Devices listed healthy again after the plugin restart asked for them",
+            ["plugin", "resource"],
+            registry=r,
+        )
+        self.unrecoverable_devices = Gauge(
+            "device_plugin_unhealthy_devices_unrecoverable",
+            "Devices unhealthy again after the plugin restart that re-read them, not listed healthy: "
+            "really unhealthy, no more restarts for them",
+            ["plugin", "resource"],
+            registry=r,
+        )
         # HAMi's own registration (sidecar.hami): the `hami` check's reason, and what HAMi's scheduler sees.
         self.hami_reason = Gauge(
             "device_plugin_hami_registration",
@@ -150,9 +171,14 @@ class MetricsPublisher:
         self.m = metrics
         self.label = label
 
-    def series(self, resource: str, *, registrations: bool = True) -> None:
+    def series(self, resource: str, *, registrations: bool = True, recovery: bool = False) -> None:
         """Every series of `resource` from the start: a series first seen at 1 hides that increase from
-        increase(). `registrations` False: no registration cycles (a DRA driver's)."""
+        increase(). `registrations` False: no registration cycles (a DRA driver's); `recovery`: the
+        recovery of unhealthy devices is on."""
+        if recovery:
+            self.m.recovery_restarts.labels(self.label, resource)
+            self.m.recovered_devices.labels(self.label, resource)
+            self.m.unrecoverable_devices.labels(self.label, resource).set(0)
         if registrations:
             self.m.attempts.labels(self.label, resource)
             self.m.successes.labels(self.label, resource)
@@ -195,6 +221,15 @@ class MetricsPublisher:
             else:  # a count that is not current (a stale checkpoint) is no count
                 with contextlib.suppress(KeyError):
                     self.m.devices.remove(self.label, resource, source)
+
+    def recovery(self, resource: str, event: str, count: int) -> None:
+        """The recovery of unhealthy devices: a restart asked for, devices recovered, or unrecoverable."""
+        if event == "restart":
+            self.m.recovery_restarts.labels(self.label, resource).inc()
+        elif event == "recovered":
+            self.m.recovered_devices.labels(self.label, resource).inc(count)
+        elif event == "unrecoverable":
+            self.m.unrecoverable_devices.labels(self.label, resource).set(count)
 
     def connected(self, resource: str, count: int | None) -> None:
         """The kubelet's connections to `resource`'s socket; None (cannot be seen) removes the series."""

@@ -67,6 +67,7 @@ def status_document(sidecar: Sidecar) -> dict[str, Any]:
         "registration": judge.registration(),
         "registration_history": [a.as_dict() for a in judge.history],
         "devices": judge.devices(),
+        "unhealthy_recovery": judge.recovery() or "off (--recover-unhealthy-after 0)",
         "expected_devices": _expected_devices(s.expect_devices, sidecar.device_plugins.expectation),
         "settings": {
             "device_plugin_dir": s.device_plugin_dir,

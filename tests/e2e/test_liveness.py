@@ -13,6 +13,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+import pytest
 import yaml
 
 from hami_guard.flags import DeviceExpectation, Expect
@@ -247,3 +248,24 @@ async def test_a_dropped_plugin_fails_liveness_within_an_interval_and_a_plugin_r
         assert "never registered" not in body
         await node.plugin.restart()  # what the kubelet does after failureThreshold 503s in a row
         await node.until(READY, 200, timeout=3)
+
+
+@pytest.mark.parametrize("between_rounds", [True, False], ids=["connection watch", "rounds only"])
+async def test_a_drop_is_judged_between_rounds_from_the_socket_table_alone(
+    make_node: NodeFactory, between_rounds: bool
+) -> None:
+    """With a probe interval of a minute, a drop fails liveness within about the connection interval: the
+    kubelet's connections are read between rounds (the socket table alone, no gRPC call). Without that
+    read (--connection-interval 0) nothing tells before the next round."""
+    async with make_node(probe_interval=60.0, connection_interval=0.5 if between_rounds else 0.0) as node:
+        await node.until(READY, 200, timeout=5)
+        rounds = node.sidecar.rounds
+        dropped = time.monotonic()
+        await node.kubelet.drop(GPU)
+        if between_rounds:
+            await node.until(f"{LIVE}?verbose", 503, timeout=5, contains="no longer connected")
+            print(f"drop judged {time.monotonic() - dropped:.2f} s after it happened")
+        else:
+            await asyncio.sleep(3)
+            assert (await node.get(LIVE))[0] == 200
+            assert node.sidecar.rounds == rounds

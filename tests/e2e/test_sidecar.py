@@ -587,8 +587,9 @@ async def test_expected_devices_check_counts_what_the_kubelet_lists(
     async with make_node(expect_devices=AUTO_DEVICES, device_glob=os.path.join(host, "nvidia[0-9]*")) as node:
         body = await node.until("/readyz?verbose", 503, timeout=3, contains=f"devices:{GPU} failed")
         assert (
-            f"[!]devices:{GPU} failed (no restart: readiness only: a plugin restart does not bring devices "
-            "back): the kubelet lists 2 healthy device(s) by pod-resources, 3 expected "
+            f"[!]devices:{GPU} failed (no restart: readiness only: a lost or broken GPU is the node's; a "
+            "device HAMi marked unhealthy on a transient fault comes back with a plugin restart: "
+            "--recover-unhealthy-after): the kubelet lists 2 healthy device(s) by pod-resources, 3 expected "
             "(--expect-devices auto: 3 device node(s) on the host; no HAMi node configuration at "
         ) in body
         assert await node.get("/healthz") == (200, "ok")  # a device shortfall restarts nothing
