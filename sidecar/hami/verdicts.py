@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from sidecar.hami.annotation import NodeView, Register, gpu_of, parse_handshake, parse_register
 from sidecar.health import Status
@@ -53,17 +53,7 @@ Code = Literal[
     "handshake_deleted",
     "handshake_expired",
 ]
-CODES: tuple[Code, ...] = (
-    "ok",
-    "repairing",
-    "no_evidence",
-    "missing",
-    "unparsable",
-    "mismatched",
-    "wrong_node",
-    "handshake_deleted",
-    "handshake_expired",
-)
+CODES: tuple[Code, ...] = get_args(Code)
 # The codes under which HAMi's scheduler does not see the GPUs the kubelet has (the alert's).
 UNSEEN: frozenset[Code] = frozenset(
     {"missing", "unparsable", "mismatched", "handshake_deleted", "handshake_expired"}
