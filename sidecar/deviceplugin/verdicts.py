@@ -335,6 +335,16 @@ class _Held:
     mends: bool = True  # a plugin restart can register it again
 
 
+# After a refusal, once the stream the kubelet kept is gone: what pod-resources then shows, and the trap.
+_PHANTOM = (
+    ": pod-resources still lists its devices healthy with no stream behind them (Pods admitted to them "
+    "fail in Allocate)"
+)
+_FORGOTTEN = (
+    "the kubelet refused a second Register and dropped this plugin's client: the next plugin restart will "
+    "not register until the kubelet restarts"
+)
+
 _UNCONFIRMED = _Held(None)  # judged again once the confirmation is due (`wake_at`)
 
 
@@ -1166,16 +1176,8 @@ class DevicePluginJudge:
             # Where pod-resources shows the devices unhealthy the kubelet dropped the plugin, whatever a
             # look-alike connection (a neighbour's, at the plugin's path in namespaces of its own) made
             # of it before: that is a drop, and it fails liveness below.
-            phantom = (
-                ": pod-resources still lists its devices healthy with no stream behind them (Pods "
-                "admitted to them fail in Allocate)"
-                if endpoint
-                else ""
-            )
-            p.trap = (
-                "the kubelet refused a second Register and dropped this plugin's client: the next plugin "
-                "restart will not register until the kubelet restarts"
-            )
+            phantom = _PHANTOM if endpoint else ""
+            p.trap = _FORGOTTEN
             return _Held(
                 False,
                 f"the kubelet is no longer connected to {sock} (held it from {since}) and refused "
@@ -1349,16 +1351,8 @@ class DevicePluginJudge:
         endpoint = self._endpoint_alive(plugin.resource, seen)
         if endpoint is False:
             return None
-        phantom = (
-            ": pod-resources still lists its devices healthy with no stream behind them (Pods admitted to "
-            "them fail in Allocate)"
-            if endpoint
-            else ""
-        )
-        p.trap = (
-            "the kubelet refused a second Register and dropped this plugin's client: the next plugin "
-            "restart will not register until the kubelet restarts"
-        )
+        phantom = _PHANTOM if endpoint else ""
+        p.trap = _FORGOTTEN
         return _Held(
             False,
             f"the connection to {plugin.socket} that carried the stream the kubelet kept closed, and the "
