@@ -1453,3 +1453,16 @@ def test_where_only_a_count_of_zero_is_trusted_a_lost_connection_is_still_confir
     reg.round(node.round())
     assert status(reg, f"registered:{GPU}")[1] is not kubelet_stops
     assert seen.restart_requests == (0 if kubelet_stops else 1)
+
+
+def test_a_listener_that_closes_within_the_restart_window_is_a_plugin_that_stopped() -> None:
+    """A stopping gRPC server unlinks its socket file a moment before it closes its listener: the listener
+    is looked at again when the restart window is over, and gone by then, the plugin stopped."""
+    reg, _, _ = make()
+    reg.round(Node().round())
+    reg.plugin_socket_deleted(GPU)
+    first = AfterDeletion(plugin=None, kubelet=K1, kubelet_refuses=False, listening=True)
+    assert reg.judge_vanished(GPU, first, restart_window_over=False)
+    then = AfterDeletion(plugin=None, kubelet=K1, kubelet_refuses=False, listening=False)
+    reg.judge_vanished(GPU, then, restart_window_over=True)
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)

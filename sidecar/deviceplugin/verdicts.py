@@ -582,6 +582,8 @@ class DevicePluginJudge:
             return False
         plugin = self.plugin_for(resource)
         restart = self._restart_removed(p, seen)
+        if not restart and seen.listening and not restart_window_over:
+            return True  # looked at again after the window: a stopping server unlinks before it closes
         if not restart and seen.listening:
             # The plugin did not stop: its listener is there, unlinked. Something else removed the file:
             # a kubelet restart's cleanup (kubelet.sock may still be the old one on a loaded node), or

@@ -287,8 +287,8 @@ class DevicePluginWatch:
             await asyncio.sleep(s.vanish_settle)
             # A sock_diag dump: off the loop (a host's namespace may hold 100,000 sockets).
             look = partial(_still_listening, self._bound.get(plugin.resource))
-            listening = await self._off_loop(look, None)
             for window_over in (False, True):
+                listening = await self._off_loop(look, None)
                 seen = AfterDeletion(
                     plugin=socket_identity(s.plugin_path(plugin)),
                     kubelet=socket_identity(s.kubelet_path),
