@@ -141,6 +141,16 @@ def diag_get(s: socket.socket, ino: int, deadline: float) -> UnixSocket | None:
     return found[0] if found else None  # an error (ENOENT: closed since the dump) is no socket
 
 
+def diag_one(ino: int) -> UnixSocket | None:
+    """One socket of this network namespace by its inode (None: it is closed). Raises DiagUnavailable."""
+    try:
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
+    except OSError as e:
+        raise DiagUnavailable(f"netlink sock_diag: {e.strerror}") from None
+    with s:
+        return diag_get(s, ino, time.monotonic() + DIAG_DEADLINE)
+
+
 def diag_alive(inodes: Collection[int]) -> set[int]:
     """Which of these sockets of this network namespace are still open and not shut down: one request
     each, microseconds however many sockets the namespace holds. Raises DiagUnavailable."""

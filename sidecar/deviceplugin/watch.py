@@ -38,6 +38,7 @@ from hami_guard.node.unixdiag import (
     UnixSocket,
     diag_alive,
     diag_dump,
+    diag_one,
     kubelet_connections,
     kubelet_processes,
     socket_owner,
@@ -210,8 +211,9 @@ class DevicePluginWatch:
         self._full_read_at = 0.0  # monotonic: the last whole read of the table between rounds
         self._rules_read: tuple[int, float] = (-1, 0.0)  # (judge generation, monotonic) of that read
         self._clock = clock
-        # Each plugin socket's file (st_dev, st_ino) as the last round saw it: its listener outlives it.
-        self._bound: dict[str, tuple[int, int] | None] = {}
+        # Each plugin socket's listener as the last round saw it: its bound file (st_dev, st_ino), which
+        # it outlives, and its own socket inode (None: not found in this namespace).
+        self._listeners: dict[str, PluginListener] = {}
         for p in s.plugins:
             publish.series(p.resource, recovery=s.recover_unhealthy_after > 0)
 
@@ -258,7 +260,7 @@ class DevicePluginWatch:
             self.publish.probed(plugin.socket, result.latency)
             observed[plugin.resource] = self._evidence(plugin, result, table)
             self.last_ids[plugin.resource] = observed[plugin.resource].connection_ids
-            self._bound[plugin.resource] = _file_id(s.plugin_path(plugin))
+        await self._find_listeners()
         connections = table.connections
         self.connections_source = connections if isinstance(connections, str) else connections.source
         seen = RoundEvidence(
@@ -286,7 +288,7 @@ class DevicePluginWatch:
         try:
             await asyncio.sleep(s.vanish_settle)
             # A sock_diag dump: off the loop (a host's namespace may hold 100,000 sockets).
-            look = partial(_still_listening, self._bound.get(plugin.resource))
+            look = partial(_still_listening, self._listeners.get(plugin.resource))
             for window_over in (False, True):
                 listening = await self._off_loop(look, None)
                 seen = AfterDeletion(
@@ -301,6 +303,17 @@ class DevicePluginWatch:
         finally:
             # Never left waiting for a verdict that will not come: the next round judges the socket.
             self.judge.end_judgement(plugin.resource)
+
+    async def _find_listeners(self) -> None:
+        """Each plugin socket's listener, looked up (off the loop) only when its file is a new one."""
+        for plugin in self.settings.plugins:
+            bound = _file_id(self.settings.plugin_path(plugin))
+            known = self._listeners.get(plugin.resource)
+            if bound is None:
+                self._listeners.pop(plugin.resource, None)
+            elif known is None or known.bound != bound:
+                ino = await self._off_loop(partial(_listener_of, bound), None)
+                self._listeners[plugin.resource] = PluginListener(bound, ino)
 
     async def _kubelet_rules(self, generation: int) -> KubeletRules:
         """The rules of the kubelet's release: the setting, else its binary, read again after each kubelet
@@ -500,17 +513,36 @@ def _host_gpus(gpus_dir: str, device_glob: str) -> tuple[Reading[frozenset[str]]
     return reading, nodes
 
 
-def _still_listening(bound: tuple[int, int] | None) -> bool | None:
-    """Does a listener bound to the file `bound` (st_dev, st_ino) still exist in this network namespace
-    (the pod's, which the plugin shares)? The kernel keeps a socket's bound file identity after the file
-    is unlinked (UNIX_DIAG_VFS), and no one binds another socket to an unlinked file. None: unknown."""
-    if bound is None:
-        return None
+@dataclass(frozen=True)
+class PluginListener:
+    """A plugin socket's listener: the file it bound (st_dev, st_ino) and its own socket inode."""
+
+    bound: tuple[int, int]
+    ino: int | None  # None: no listener bound to that file in this network namespace
+
+
+def _listener_of(bound: tuple[int, int]) -> int | None:
+    """The socket inode of the listener bound to the file `bound` in this network namespace (the pod's,
+    which the plugin shares), or None."""
     try:
         found = diag_dump({bound})
     except DiagUnavailable:
         return None
-    return any(u.state == LISTEN and u.vfs == bound for u in found)
+    return next((u.ino for u in found if u.state == LISTEN and u.vfs == bound), None)
+
+
+def _still_listening(listener: PluginListener | None) -> bool | None:
+    """Is this listener still open? The kernel keeps a socket's bound file identity after the file is
+    unlinked (UNIX_DIAG_VFS). Asked by the socket's own inode, never by the file's: a file's inode number
+    is free for another file the moment the listener closes (ext4 hands it out again at once), and the
+    next socket bound to that file would pass for this one. None: unknown."""
+    if listener is None or listener.ino is None:
+        return None
+    try:
+        found = diag_one(listener.ino)
+    except DiagUnavailable:
+        return None
+    return found is not None and found.state == LISTEN and found.vfs == listener.bound
 
 
 def _mtime_ns(path: str) -> int | None:

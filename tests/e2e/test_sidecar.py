@@ -357,6 +357,7 @@ async def test_polling_fallback_detects_a_removed_socket_within_its_period(
         finally:
             proc.terminate()
             _, err = proc.communicate(timeout=10)
+            print(err, file=sys.stderr)
         assert "inotify unavailable" in err
         assert "Traceback" not in err
 
