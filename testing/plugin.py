@@ -84,6 +84,9 @@ class FakeDevicePlugin:
         # 5*time.Second) in nvinternal/plugin/server.go Register): kubelet.sock can exist before it listens.
         self.dial_timeout = dial_timeout
         self.retry_interval = retry_interval  # HAMi and NVIDIA retry a failed Register after 30 s
+        # HAMi's failed start: a refused Register stops the plugin (its socket goes) and the whole start
+        # (serve, Register) is tried again `retry_interval` later; False: Register alone is retried.
+        self.stop_on_register_failure = False
         self._devices: dict[str, str] = dict.fromkeys(devices, "Healthy")
         self.numa: dict[str, list[int]] = {d: list(n) for d, n in (numa or {}).items()}
         # Fault switches.
@@ -153,6 +156,9 @@ class FakeDevicePlugin:
 
     async def restart(self) -> None:
         """What HAMi does when `kubelet.sock` is created: restart the server, register again."""
+        if self._retry is not None:
+            self._retry.cancel()  # HAMi's restart replaces a failed start's pending retry
+            self._retry = None
         await self._stop_serving(unlink=True)
         await self._serve()
         await self.register()
@@ -247,7 +253,11 @@ class FakeDevicePlugin:
         if self._retry is not None:
             self._retry.cancel()
         loop = asyncio.get_running_loop()
-        self._retry = loop.call_later(self.retry_interval, lambda: self._tasks.spawn(self.register()))
+        if self.stop_on_register_failure:
+            self._tasks.spawn(self._stop_serving(unlink=True))
+            self._retry = loop.call_later(self.retry_interval, lambda: self._tasks.spawn(self.restart()))
+        else:
+            self._retry = loop.call_later(self.retry_interval, lambda: self._tasks.spawn(self.register()))
 
     def _on_event(self, event: FsEvent) -> None:
         if event.kind == "created" and event.name == os.path.basename(self.kubelet_socket) and self.serving:

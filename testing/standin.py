@@ -3,14 +3,21 @@
 The node end-to-end tests (tests/node) run it in place of HAMi's plugin, which needs a GPU: it serves
 `nvidia-gpu.sock` in the kubelet's real device-plugins folder with HAMi's split device IDs
 (`<GPU-UUID>-<n>`), registers `nvidia.com/gpu`, and serves and registers again when `kubelet.sock` is
-created, as HAMi does. Faults are files in `--control` (a hostPath the tests write), read twice a
-second (the lasting ones applied are then written to `.applied` in the folder), so they outlive a
-container restart the way a plugin's bug does:
+created, as HAMi does. Like HAMi, a refused `Register` stops the plugin (its socket goes) and the whole
+start is tried again 30 s later ("Failed to start one or more plugins. Retrying in 30s..." in HAMi's
+cmd/device-plugin/nvidia/main.go), and a device once reported Unhealthy on an XID event stays so for the
+life of the process (the FIXME in HAMi's nvinternal/plugin/server.go). Faults are files in `--control`
+(a hostPath the tests write), read twice a second (the lasting ones applied are then written to
+`.applied` in the folder), so they outlive a container restart the way a plugin's bug does:
 
 - `ignore-kubelet-restart`: `kubelet.sock` re-created is ignored (the plugin stays unregistered after
   a kubelet restart until its container restarts);
 - `noregister`: the plugin never registers (a plugin version that cannot register);
 - `drop`: every open ListAndWatch stream ends once while the plugin keeps serving (the file is removed);
+- `fail-register`: the next `Register` is refused by the kubelet (it names an API version no kubelet
+  supports), once (the file is removed): HAMi's failed start, retried 30 s later;
+- `xid`: an XID event on the first GPU: its devices Unhealthy for the rest of the process's life, as HAMi
+  never marks a device Healthy again (the file is removed; a restart of the plugin lists them Healthy);
 - `dead-gpu`: the first GPU's devices (its split IDs) are reported Unhealthy, healthy again once the file
   is removed.
 
@@ -38,6 +45,10 @@ IGNORE_KUBELET_RESTART = "ignore-kubelet-restart"
 NOREGISTER = "noregister"
 DROP = "drop"
 DEAD_GPU = "dead-gpu"
+FAIL_REGISTER = "fail-register"
+XID = "xid"
+ONE_SHOT = frozenset({DROP, FAIL_REGISTER, XID})
+UNSUPPORTED_VERSION = "v1alpha0"  # no kubelet supports it: its Register is refused
 LASTING = frozenset({IGNORE_KUBELET_RESTART, NOREGISTER, DEAD_GPU})
 CONTROL_INTERVAL = 0.5
 # The lasting fault files last applied, comma-separated: a test that must know the plugin acts on a
@@ -49,9 +60,24 @@ class StandInPlugin(FakeDevicePlugin):
     """FakeDevicePlugin whose reaction to `kubelet.sock` re-creation can be switched off."""
 
     ignore_kubelet_restart = False
-    first_gpu: tuple[str, ...] = ()  # the devices `dead-gpu` reports Unhealthy
+    first_gpu: tuple[str, ...] = ()  # the devices `dead-gpu` and `xid` report Unhealthy
     gpu_dead = False
+    xid = False  # an XID event was seen on the first GPU: Unhealthy for the life of the process
+    fail_next_register = False
     applied: str | None = None  # what APPLIED says, once written
+
+    async def register(self) -> bool:
+        if not self.fail_next_register or not self.register_enabled:
+            return await super().register()
+        self.fail_next_register = False
+        logger.info(
+            "Register with version %s, which the kubelet refuses (%s)", UNSUPPORTED_VERSION, FAIL_REGISTER
+        )
+        version, self.api_version = self.api_version, UNSUPPORTED_VERSION
+        try:
+            return await super().register()
+        finally:
+            self.api_version = version
 
     def set_gpu_dead(self, dead: bool) -> None:
         """The first GPU's devices Unhealthy (or Healthy again), pushed on the streams on a change only."""
@@ -63,9 +89,15 @@ class StandInPlugin(FakeDevicePlugin):
             self.set_health(device, not dead)
 
     def _on_event(self, event: FsEvent) -> None:
+        created = event.kind == "created" and event.name == os.path.basename(self.kubelet_socket)
         if self.ignore_kubelet_restart:
-            if event.kind == "created" and event.name == os.path.basename(self.kubelet_socket):
+            if created:
                 logger.info("kubelet.sock created: ignored (%s)", IGNORE_KUBELET_RESTART)
+            return
+        if created and not self.serving and self.stop_on_register_failure:
+            # HAMi restarts its plugins on kubelet.sock's creation, a failed start's too.
+            logger.info("kubelet.sock created, restarting (a failed start's retry replaced)")
+            self._tasks.spawn(self.restart())
             return
         super()._on_event(event)
 
@@ -91,7 +123,20 @@ def apply_control(plugin: StandInPlugin, control: str, held: frozenset[str] = fr
     names = files | held
     plugin.ignore_kubelet_restart = IGNORE_KUBELET_RESTART in names
     plugin.register_enabled = NOREGISTER not in names
-    plugin.set_gpu_dead(DEAD_GPU in names)
+    if FAIL_REGISTER in names:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(control, FAIL_REGISTER))
+        plugin.fail_next_register = True
+        logger.info("the next Register will be refused (%s)", FAIL_REGISTER)
+    if XID in names:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(control, XID))
+        if not plugin.xid:
+            logger.info(
+                "XID event on the first GPU: its devices Unhealthy until the plugin restarts (%s)", XID
+            )
+        plugin.xid = True
+    plugin.set_gpu_dead(DEAD_GPU in names or plugin.xid)
     applied = ",".join(sorted(files & LASTING))
     if APPLIED not in files or applied != plugin.applied:
         with contextlib.suppress(OSError):
@@ -112,6 +157,8 @@ async def serve(args: argparse.Namespace) -> None:
     devices = hami_device_ids((f"GPU-{args.uuid_prefix}{n:04d}" for n in range(args.gpus)), args.split)
     plugin = StandInPlugin(args.device_plugin_dir, args.resource, args.socket, devices)
     plugin.first_gpu = tuple(devices[: args.split])
+    plugin.stop_on_register_failure = True
+    plugin.retry_interval = args.retry_interval
     held = parse_faults(args.faults)
     if held:
         logger.info("faults held on: %s", ", ".join(sorted(held)))
@@ -137,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", type=int, default=HAMI_SPLIT_COUNT)
     parser.add_argument("--uuid-prefix", default="e2e0000-0000-0000-0000-00000000")
     parser.add_argument("--control", default="/run/hami-standin", help="folder of fault files")
+    parser.add_argument(
+        "--retry-interval", type=float, default=30.0, help="seconds before a failed start is tried again"
+    )
     parser.add_argument(
         "--faults",
         default=os.environ.get("HAMI_STANDIN_FAULTS", ""),

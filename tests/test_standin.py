@@ -14,8 +14,10 @@ from testing.standin import (
     APPLIED,
     DEAD_GPU,
     DROP,
+    FAIL_REGISTER,
     IGNORE_KUBELET_RESTART,
     NOREGISTER,
+    XID,
     StandInPlugin,
     apply_control,
     main,
@@ -106,6 +108,48 @@ async def test_standin_dead_gpu_and_held_faults(kubelet: FakeKubelet, dp_dir: st
 def applied(control: str) -> str:
     with open(os.path.join(control, APPLIED)) as f:
         return f.read()
+
+
+async def test_standin_failed_start_and_xid_as_hami(kubelet: FakeKubelet, dp_dir: str, short_tmp: str) -> None:
+    """fail-register: the next Register is refused, the plugin stops (its socket goes) and starts again
+    after its retry interval; a kubelet.sock created meanwhile starts it at once. xid: the first GPU's
+    devices Unhealthy until the plugin restarts, whatever the folder says after."""
+    control = os.path.join(short_tmp, "control")
+    os.mkdir(control)
+    devices = hami_device_ids(["GPU-a", "GPU-b"])
+    plugin = StandInPlugin(dp_dir, RESOURCE, devices=devices, register_timeout=5, retry_interval=1.0)
+    plugin.first_gpu = tuple(devices[:10])
+    plugin.stop_on_register_failure = True
+    async with plugin:
+        await wait_for(lambda: sorted(kubelet.healthy_devices(RESOURCE)) == sorted(devices))
+
+        open(os.path.join(control, FAIL_REGISTER), "w").close()
+        apply_control(plugin, control)
+        assert not os.path.exists(os.path.join(control, FAIL_REGISTER))  # one-shot
+        await kubelet.restart()
+        await wait_for(lambda: "not supported" in (plugin.last_register_error or ""), what="the refusal")
+        assert plugin.register_attempts == 2
+        await wait_for(lambda: not plugin.serving, what="the plugin stopped")
+        assert not os.path.exists(plugin.socket_path)
+        await wait_for(lambda: plugin.registrations == 2, timeout=5, what="the start tried again")
+        assert plugin.register_attempts == 3 and plugin.serving
+
+        # A failed start again, and kubelet.sock created before its retry: started at once.
+        plugin.retry_interval = 60.0
+        plugin.fail_next_register = True
+        await kubelet.restart()
+        await wait_for(lambda: not plugin.serving, what="the plugin stopped")
+        await kubelet.restart()
+        await wait_for(lambda: plugin.registrations == 3, timeout=5, what="started on kubelet.sock")
+        await wait_for(lambda: sorted(kubelet.healthy_devices(RESOURCE)) == sorted(devices))
+
+        open(os.path.join(control, XID), "w").close()
+        apply_control(plugin, control)
+        assert not os.path.exists(os.path.join(control, XID))
+        await wait_for(lambda: sorted(kubelet.healthy_devices(RESOURCE)) == sorted(devices[10:]))
+        apply_control(plugin, control)  # the file is gone; the device stays Unhealthy
+        await asyncio.sleep(0.2)
+        assert sorted(kubelet.healthy_devices(RESOURCE)) == sorted(devices[10:])
 
 
 def test_standin_faults_flag() -> None:
