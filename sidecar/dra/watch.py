@@ -21,6 +21,7 @@ from typing import Protocol
 from hami_guard.node.netunix import socket_inodes
 from hami_guard.node.unixdiag import (
     KUBELET_PROCESS_NAMES,
+    Connections,
     DiagUnavailable,
     UnixSocket,
     diag_dump,
@@ -30,7 +31,7 @@ from hami_guard.node.unixdiag import (
 from sidecar.dra.probes import ServiceProbe, get_info, kubelet_alive, prepare_path, socket_file
 from sidecar.dra.slices import ApiAccess, Slices, read_slices
 from sidecar.dra.spec import DEFAULT_GRACE, DraSpec
-from sidecar.dra.verdicts import RESTART_BUDGET, DraJudge, Evidence, Info, Judgement
+from sidecar.dra.verdicts import RESTART_BUDGET, DraJudge, Evidence, FileId, Info, Judgement
 from sidecar.health import CheckKey, HealthState, Kind
 
 # The ResourceSlices are read at most this often: the kubelet's wiping delay.
@@ -145,13 +146,9 @@ class DraWatch:
         for probe in self.services.values():
             probe.close()
 
-    async def round(self) -> dict[str, tuple[Evidence, Judgement]]:
-        """Every driver's evidence and the judge's verdict on it, by driver name (also kept in `last`, and
-        published when attached)."""
-        infos = await asyncio.gather(*(self._info(s) for s in self.specs))
-        services = [s.service or self.endpoints.get(s.name, "") for s in self.specs]
+    def _table(self, paths: set[str]) -> tuple[bool | None, FileId | None, Connections | str]:
+        """kubelet.sock's state and the kubelet's connections to the service sockets `paths` (blocking)."""
         up, kubelet_id = kubelet_alive(self.kubelet_socket)
-        paths = {normalise(p) for p in services if p}
         # Only the sockets bound to the files that matter: a host's namespace holds thousands.
         files = {(i[0], i[1]) for p in (self.kubelet_socket, *paths) if (i := socket_file(p))}
         # This process's own sockets, read before the kernel's table: a service call's connection that
@@ -171,6 +168,16 @@ class DraWatch:
             connections = replace(
                 connections, sockets=tuple(s for s in connections.sockets if s.ino not in own)
             )
+        return up, kubelet_id, connections
+
+    async def round(self) -> dict[str, tuple[Evidence, Judgement]]:
+        """Every driver's evidence and the judge's verdict on it, by driver name (also kept in `last`, and
+        published when attached)."""
+        infos = await asyncio.gather(*(self._info(s) for s in self.specs))
+        services = [s.service or self.endpoints.get(s.name, "") for s in self.specs]
+        paths = {normalise(p) for p in services if p}
+        # Off the loop: a host's namespace may hold 100,000 sockets, a read of a few hundred ms.
+        up, kubelet_id, connections = await asyncio.to_thread(self._table, paths)
         self.connections_source = connections if isinstance(connections, str) else connections.source
         # The DRA services after the kubelet's connections are read: a round's reading of the kubelet
         # is as quick as without them (a restart's short gap stays visible).
