@@ -78,7 +78,10 @@ SWITCH = 0.0002  # seconds: the GIL's switch interval while the socket table is 
 BOUND_DIR = os.path.dirname(KUBELET_BOUND_PATH)
 MAX_FOLDER_SOCKETS = 32  # other sockets tried in the folder per round
 RELEASE_RETRY = 60.0  # seconds between reads of an unknown kubelet release
-FULL_READ_EVERY = 5  # between rounds, the whole socket table at most every 5 connection intervals
+# Between rounds, the whole socket table (a /proc file of the whole namespace) is read at most this share
+# of a core's time: every connection interval where a read costs 1 ms or less (a node's few hundred
+# sockets), less often where it costs more (100,000 sockets: a few hundred ms, every few minutes).
+FULL_READ_SHARE = 0.001
 
 
 class Publisher(Listener, Protocol):
@@ -375,8 +378,10 @@ class DevicePluginWatch:
             if alive is not None:
                 return alive != ids
         now = self._clock()
-        if now - self._full_read_at < FULL_READ_EVERY * self.settings.connection_interval:
-            return False  # the whole table, less often: a /proc read is a file of the whole namespace
+        if now - self._full_read_at < max(
+            self.settings.connection_interval, self.table_read_seconds / FULL_READ_SHARE
+        ):
+            return False  # the whole table, less often where it is large
         self._full_read_at = now
         table = await self._socket_table()
         if isinstance(table.connections, str):

@@ -312,6 +312,20 @@ async def test_from_a_pod_network_namespace_the_kubelets_connections_and_a_compe
                 theirs.stop()
 
 
+async def test_from_a_pod_network_namespace_a_drop_is_judged_between_rounds(node_factory: Any) -> None:
+    """HAMi's layout (the kubelet's namespace another, read through /proc/<pid>/net/unix): the kubelet's
+    connection closing is seen by the read between rounds, long before the next probe round (60 s)."""
+    netns.require()
+    async with node_factory(kubelet_netns=True, probe_interval=60.0) as node:
+        plugin = await node.plugin(watch_kubelet=False)
+        await node.until("/readyz", 200)
+        source = status_document(node.sidecar)["kubelet_connections_from"]
+        assert source.startswith("the kubelet's network namespace (/proc/"), source
+        await plugin.end_stream("oldest")
+        took = await node.until("/healthz?verbose", 503, contains="no longer connected", timeout=30)
+        print(f"drop read through /proc on {node.kubelet.version}: 503 after {took:.3f} s (rounds every 60 s)")
+
+
 async def test_a_second_register_on_its_own_socket_then_the_first_stream_ends(node_factory: Any) -> None:
     """A connection is not a stream. The plugin registers twice on its own socket, then ends its first
     ListAndWatch stream while its server keeps serving; the kubelet keeps a connection with no stream.
