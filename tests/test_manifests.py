@@ -727,7 +727,7 @@ def test_promtool_checks_the_rules(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(shipped_rules())} rules found" in result.stdout
-    assert len(shipped_rules()) == 13
+    assert len(shipped_rules()) == 14
 
 
 def test_every_alert_names_its_node_and_links_its_fix_in_the_runbook() -> None:
@@ -911,7 +911,8 @@ def test_every_checkov_skip_is_justified() -> None:
 
 
 def test_metrics_the_rules_use_exist_and_pass_promtool(tmp_path: Path) -> None:
-    """A running sidecar's /metrics passes `promtool check metrics` and has every series the rules use."""
+    """A running sidecar's /metrics passes `promtool check metrics` and has every series the rules use
+    (the recovery's, which exist only with --recover-unhealthy-after, too)."""
 
     script = (
         "import asyncio, aiohttp, os, socket, sys, tempfile\n"
@@ -923,7 +924,7 @@ def test_metrics_the_rules_use_exist_and_pass_promtool(tmp_path: Path) -> None:
         "    s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
         "    st = Settings(device_plugin_dir=dp, pod_resources_socket=d+'/pr.sock', host='127.0.0.1',\n"
         "                  port=port, expect_devices=AUTO_DEVICES, device_glob=d + '/nvidia[0-9]*',\n"
-        "                  probe_interval=1, probe_timeout=0.5, node_name='n',\n"
+        "                  probe_interval=1, probe_timeout=0.5, node_name='n', recover_unhealthy_after=600,\n"
         "                  hami_api=ApiAccess(f'https://127.0.0.1:{free_port()}'))  # nobody: no evidence\n"
         "    stop = asyncio.Event()\n"
         "    async with FakeKubelet(dp, d+'/pr.sock', dial_timeout=1) as k, FakeDevicePlugin(dp) as p:\n"

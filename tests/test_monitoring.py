@@ -53,6 +53,9 @@ FAULTY = NODES[0]
 # else of the expressions changes (test_rules_keep_the_shipped_expressions).
 FOR = "1s"
 WINDOW = "6s"
+# --recover-unhealthy-after on every node, as a DaemonSet would set it: a GPU not listed healthy this long
+# gets the one plugin restart that re-reads it.
+RECOVER_AFTER = 1.0
 # With a 1 s scrape interval Grafana's $__rate_interval is 4 x 1 s.
 RATE_INTERVAL = "4s"
 # Each wait's bound; the whole test takes about 31 s, 33-37 s with both cores of a 2-core machine busy.
@@ -206,6 +209,8 @@ async def sim_node(name: str) -> AsyncIterator[SimNode]:
             probe_interval=1.0,
             probe_timeout=0.8,
             registration_grace=1.0,
+            recover_unhealthy_after=RECOVER_AFTER,
+            nvidia_gpus_dir=os.path.join(root, "no-driver"),  # the device nodes say the GPUs are there
         )
         async with (
             FakeKubelet(folder, pod_resources, dial_timeout=0.5) as kubelet,
@@ -339,6 +344,7 @@ NOT_ALLOCATABLE = "HamiNodeGPUsNotAllocatable"
 SLO = "HamiDevicePluginRegistrationSLOBreach"
 BUDGET = "HamiDevicePluginRestartBudgetSpent"
 KUBELET = "HamiNodeKubeletFault"
+UNRECOVERABLE = "HamiNodeGPUUnrecoverable"
 
 
 async def test_live_prometheus_scrapes_three_sidecars_and_alerts_for_the_faulty_node_only(
@@ -425,7 +431,8 @@ async def test_live_prometheus_scrapes_three_sidecars_and_alerts_for_the_faulty_
         await a.plugin.restart()
         await resolved("a kubelet that drops the plugin")
 
-        # 2. A lost GPU (one of two unhealthy): nothing restarts, the devices check names it.
+        # 2. A lost GPU (one of two unhealthy): the devices check names it. The recovery asks for a plugin
+        #    restart after RECOVER_AFTER, which nothing does here: the GPU is healthy again first.
         lost = {(CHECK_FAILING, FAULTY, "devices")}
         forget(*lost)
         a.plugin.set_health("GPU-1", False)
@@ -469,6 +476,23 @@ async def test_live_prometheus_scrapes_three_sidecars_and_alerts_for_the_faulty_
         await a.kubelet.start()
         await resolved("a missing kubelet")
 
+        # 5. A broken GPU: unhealthy, the recovery's plugin restart re-reads it (the test restarts the plugin,
+        #    as the kubelet does on the liveness failure), and the plugin lists it unhealthy again. The
+        #    devices check names the lost GPU first; the unrecoverable alert then takes its place. The fix:
+        #    the GPU listed healthy again (a replaced GPU, re-read).
+        broken = {(UNRECOVERABLE, FAULTY, "")}
+        forget(*broken)
+        asked = "device_plugin_unhealthy_recovery_restarts_total"
+        before = await prom.values(asked)  # step 2's restart was asked for too
+        a.plugin.set_health("GPU-1", False)
+        await until(lambda: a.healthz(http, 503), "the recovery to ask for the plugin restart")
+        await a.plugin.restart()
+        await expect("a GPU unhealthy again after the restart that re-read it", broken)
+        assert await prom.values("device_plugin_unhealthy_devices_unrecoverable > 0") == {FAULTY: 1.0}
+        assert await prom.values(asked) == {n: v + 1 if n == FAULTY else v for n, v in before.items()}
+        a.plugin.set_health("GPU-1", True)
+        await resolved("a GPU unhealthy again after the restart that re-read it")
+
         # Every alert that went off named the faulty node, its summary too, and linked its fix.
         fired = [x for x in prom.alerts_seen if x["state"] == "firing"]
         assert {x["labels"]["alertname"] for x in fired} == {
@@ -477,6 +501,7 @@ async def test_live_prometheus_scrapes_three_sidecars_and_alerts_for_the_faulty_
             SLO,
             BUDGET,
             KUBELET,
+            UNRECOVERABLE,
         }
         for x in fired:
             assert x["labels"]["node"] == FAULTY
