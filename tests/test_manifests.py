@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from bench.stress import MEMORY_LIMIT_MIB
+from sidecar.config import parse_settings
 from tests.conftest import require_tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -344,6 +345,19 @@ def test_a_render_the_patch_does_not_match_fails_with_one_line(helm: Helm) -> No
         (["registry=Bad Registry"], "registry='Bad Registry' is not valid"),
         ([f"registry={REGISTRY}", "expect-devices=many"], "expect-devices='many' is not valid"),
         ([f"registry={REGISTRY}", "colour=blue"], "unknown setting 'colour=blue'"),
+        (
+            [f"registry={REGISTRY}", "recover-unhealthy-after=10 min"],
+            "recover-unhealthy-after='10 min' is not valid",
+        ),
+        (
+            [f"registry={REGISTRY}", "recover-unhealthy-after=-1m"],
+            "recover-unhealthy-after='-1m' is not valid",
+        ),
+        # Above the sidecar's own bound, which it would refuse (not ready, judging nothing).
+        (
+            [f"registry={REGISTRY}", "recover-unhealthy-after=31d"],
+            "recover-unhealthy-after='31d' is not valid",
+        ),
     ],
 )
 def test_a_bad_setting_fails_with_one_line(args: list[str], message: str) -> None:
@@ -372,6 +386,7 @@ def test_every_setting_reaches_the_sidecar_and_the_probes() -> None:
         "liveness-period=10",
         "liveness-failures=4",
         "tag=0.1.1",
+        "recover-unhealthy-after=10m",
     ]
     # An argument wins over the environment; the environment sets what the arguments do not.
     env = clean_env(HAMI_GUARD_REGISTRY=REGISTRY, HAMI_GUARD_EXPECT_DEVICES="2")
@@ -387,6 +402,7 @@ def test_every_setting_reaches_the_sidecar_and_the_probes() -> None:
     assert env_of["HAMI_GUARD_REGISTRATION_GRACE"] == "60"
     assert env_of["HAMI_GUARD_PROBE_INTERVAL"] == "5"
     assert env_of["HAMI_GUARD_PROBE_TIMEOUT"] == "1"
+    assert env_of["HAMI_GUARD_RECOVER_UNHEALTHY_AFTER"] == "10m"
     assert sidecar["image"] == f"{REGISTRY}/hami-sidecar:0.1.1"
     live = by_name(pod["containers"])["device-plugin"]["livenessProbe"]
     assert (live["periodSeconds"], live["failureThreshold"]) == (10, 4)
@@ -408,6 +424,61 @@ def test_every_setting_reaches_the_sidecar_and_the_probes() -> None:
     live = by_name(pod["containers"])["device-plugin"]["livenessProbe"]
     assert live["httpGet"] == {"path": "/healthz", "port": 9395}
     assert "exec" not in live
+
+
+def post_rendered(*args: str, **env: str) -> Obj:
+    """The example chart's DaemonSet through the post-renderer, with the registry and `args`."""
+    rendered = (MANIFESTS / "example-hami" / "hami.yaml").read_text()
+    argv = [str(PATCH / "post-renderer.sh"), f"registry={REGISTRY}", *args]
+    result = run(argv, input=rendered, env=clean_env(**env))
+    assert result.returncode == 0, result.stderr
+    (ds,) = [o for o in docs(result.stdout) if o["kind"] == "DaemonSet"]
+    return ds
+
+
+def sidecar_env(ds: Obj) -> dict[str, Any]:
+    sidecar = by_name(ds["spec"]["template"]["spec"]["initContainers"])["hami-sidecar"]
+    return {e["name"]: e.get("value") for e in sidecar["env"]}
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"), [("90", 90.0), ("10m", 600.0), ("1.5h", 5400.0), ("30d", 2592000.0)]
+)
+def test_recover_unhealthy_after_reaches_the_sidecar_and_nothing_else_changes(
+    value: str, seconds: float
+) -> None:
+    """The setting adds HAMI_GUARD_RECOVER_UNHEALTHY_AFTER to the sidecar, which reads it as that
+    duration; the rest of the render is the default's (the probes already leave `recover:` to liveness)."""
+    on = post_rendered(f"recover-unhealthy-after={value}")
+    env = sidecar_env(on)
+    assert env["HAMI_GUARD_RECOVER_UNHEALTHY_AFTER"] == value
+    read = parse_settings([], environ={"HAMI_GUARD_RECOVER_UNHEALTHY_AFTER": value})
+    assert read.recover_unhealthy_after == seconds
+    sidecar = by_name(on["spec"]["template"]["spec"]["initContainers"])["hami-sidecar"]
+    sidecar["env"] = [e for e in sidecar["env"] if e["name"] != "HAMI_GUARD_RECOVER_UNHEALTHY_AFTER"]
+    assert on == post_rendered()
+
+
+def test_recover_unhealthy_after_is_off_by_default_and_at_zero() -> None:
+    """Off, the sidecar's default, adds nothing; the environment sets it too, and an argument wins."""
+    default = post_rendered()
+    assert "HAMI_GUARD_RECOVER_UNHEALTHY_AFTER" not in sidecar_env(default)
+    for off in ("0", "0s", "0.0m"):
+        assert post_rendered(f"recover-unhealthy-after={off}") == default
+    from_env = post_rendered(HAMI_GUARD_RECOVER_UNHEALTHY_AFTER="15m")
+    assert sidecar_env(from_env)["HAMI_GUARD_RECOVER_UNHEALTHY_AFTER"] == "15m"
+    assert post_rendered("recover-unhealthy-after=0", HAMI_GUARD_RECOVER_UNHEALTHY_AFTER="15m") == default
+
+
+def test_every_post_renderer_setting_is_documented() -> None:
+    """Each key the post-renderer takes is in docs/deploy.md's table of settings."""
+    result = run([str(PATCH / "post-renderer.sh"), "no-such-setting=1"], input="", env=clean_env())
+    assert result.returncode == 2
+    keys = result.stderr.strip().split("KEY one of ", 1)[1].split(", ")
+    assert "recover-unhealthy-after" in keys
+    table = doc_section("docs/deploy.md", "Settings")
+    for key in keys:
+        assert f"`{key}`" in table, key
 
 
 def test_an_upgrade_render_carries_the_patch_only_with_the_post_renderer(helm: Helm) -> None:
@@ -727,7 +798,7 @@ def test_promtool_checks_the_rules(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(shipped_rules())} rules found" in result.stdout
-    assert len(shipped_rules()) == 13
+    assert len(shipped_rules()) == 14
 
 
 def test_every_alert_names_its_node_and_links_its_fix_in_the_runbook() -> None:
@@ -911,7 +982,8 @@ def test_every_checkov_skip_is_justified() -> None:
 
 
 def test_metrics_the_rules_use_exist_and_pass_promtool(tmp_path: Path) -> None:
-    """A running sidecar's /metrics passes `promtool check metrics` and has every series the rules use."""
+    """A running sidecar's /metrics passes `promtool check metrics` and has every series the rules use
+    (the recovery's, which exist only with --recover-unhealthy-after, too)."""
 
     script = (
         "import asyncio, aiohttp, os, socket, sys, tempfile\n"
@@ -923,7 +995,7 @@ def test_metrics_the_rules_use_exist_and_pass_promtool(tmp_path: Path) -> None:
         "    s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
         "    st = Settings(device_plugin_dir=dp, pod_resources_socket=d+'/pr.sock', host='127.0.0.1',\n"
         "                  port=port, expect_devices=AUTO_DEVICES, device_glob=d + '/nvidia[0-9]*',\n"
-        "                  probe_interval=1, probe_timeout=0.5, node_name='n',\n"
+        "                  probe_interval=1, probe_timeout=0.5, node_name='n', recover_unhealthy_after=600,\n"
         "                  hami_api=ApiAccess(f'https://127.0.0.1:{free_port()}'))  # nobody: no evidence\n"
         "    stop = asyncio.Event()\n"
         "    async with FakeKubelet(dp, d+'/pr.sock', dial_timeout=1) as k, FakeDevicePlugin(dp) as p:\n"

@@ -2,7 +2,8 @@
 
 Prometheus (Debian's `prometheus`) runs on 127.0.0.1 with the PodMonitor's scrape, as the Prometheus
 Operator generates it (its relabelings and the PodMonitor's own, over the meta labels Kubernetes
-discovery would give each pod of the shipped DaemonSet), and the PrometheusRule's groups. The rules'
+discovery would give each pod of the shipped DaemonSet), and the PrometheusRule's groups. The sidecars
+read their Nodes (HAMi's annotations) from a stand-in of the API server's nodes endpoint. The rules'
 expressions are the shipped ones; only the test-time copy's `for:` and 1 h windows are shortened
 (see `rules_for_the_test`). Faults are driven on one node, and Prometheus' HTTP API must show the recording
 rules' values, the expected alerts pending then firing for that node only, and every alert resolved
@@ -31,6 +32,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from aiohttp import web
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models.dashboard import Dashboard
@@ -39,8 +41,11 @@ from manifests.monitoring import dashboard
 from sidecar.app import Sidecar
 from sidecar.cli import serve
 from sidecar.config import AUTO_DEVICES, Settings
+from sidecar.kube.access import ApiAccess
+from sidecar.server.metrics import HAMI_CODES
 from testing import FakeDevicePlugin, FakeKubelet, free_port
 from tests.conftest import require_tool
+from tests.hamifixture import HANDSHAKE, REGISTER, Gpu, marshal
 
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "manifests" / "monitoring"
@@ -53,9 +58,14 @@ FAULTY = NODES[0]
 # else of the expressions changes (test_rules_keep_the_shipped_expressions).
 FOR = "1s"
 WINDOW = "6s"
+# --recover-unhealthy-after on every node, as a DaemonSet would set it: a GPU not listed healthy this long
+# gets the one plugin restart that re-reads it.
+RECOVER_AFTER = 1.0
+# How long HAMi's annotation may differ from the kubelet before the hami check fails (HAMi's loop: 30 s).
+HAMI_REPAIR = 1.0
 # With a 1 s scrape interval Grafana's $__rate_interval is 4 x 1 s.
 RATE_INTERVAL = "4s"
-# Each wait's bound; the whole test takes about 31 s, 33-37 s with both cores of a 2-core machine busy.
+# Each wait's bound; the whole test takes about 45 s (42-48 s on a 2-core machine, alone or two at once).
 STEP_TIMEOUT = 15.0
 
 
@@ -168,6 +178,44 @@ def scrape_config(targets: dict[str, tuple[str, int]]) -> dict[str, Any]:
     }
 
 
+# -- the API server's Nodes, as the sidecars' hami check reads them ---------------------------------
+class Nodes:
+    """GET /api/v1/nodes/<name> on 127.0.0.1, plain HTTP: each node's HAMi annotations (the register
+    annotation listing its two GPUs, as HAMi's plugin writes it, and a scheduler's handshake) and its
+    allocatable GPUs. `annotations` is the test's to change. The fake plugin's device IDs (GPU-0, GPU-1)
+    are no GPU UUIDs: the hami check judges the annotation's presence and form, not its list."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        gpus = marshal([Gpu("GPU-0"), Gpu("GPU-1")])
+        self.annotations = {n: {REGISTER: gpus, HANDSHAKE: f"Requesting_{stamp}"} for n in names}
+        self.port = free_port()
+
+    def access(self) -> ApiAccess:
+        return ApiAccess(f"http://127.0.0.1:{self.port}", token="test")
+
+    async def node(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in self.annotations:
+            return web.json_response({"kind": "Status", "code": 404}, status=404)
+        meta = {"name": name, "annotations": dict(self.annotations[name])}
+        return web.json_response({"kind": "Node", "metadata": meta, "status": {"allocatable": {GPU: "2"}}})
+
+
+@contextlib.asynccontextmanager
+async def node_api(names: tuple[str, ...]) -> AsyncIterator[Nodes]:
+    nodes = Nodes(names)
+    app = web.Application()
+    app.router.add_get("/api/v1/nodes/{name}", nodes.node)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", nodes.port).start()
+        yield nodes
+    finally:
+        await runner.cleanup()
+
+
 # -- a simulated node with its sidecar ------------------------------------------------------------
 @dataclass
 class SimNode:
@@ -185,8 +233,9 @@ class SimNode:
 
 
 @contextlib.asynccontextmanager
-async def sim_node(name: str) -> AsyncIterator[SimNode]:
-    """FakeKubelet, FakeDevicePlugin (two GPUs, two device nodes on the 'host') and the real sidecar."""
+async def sim_node(name: str, api: Nodes) -> AsyncIterator[SimNode]:
+    """FakeKubelet, FakeDevicePlugin (two GPUs, two device nodes on the 'host') and the real sidecar,
+    which reads its Node from `api`."""
     root = tempfile.mkdtemp(prefix="hg-mon-")
     try:
         folder = os.path.join(root, "device-plugins")
@@ -206,6 +255,12 @@ async def sim_node(name: str) -> AsyncIterator[SimNode]:
             probe_interval=1.0,
             probe_timeout=0.8,
             registration_grace=1.0,
+            recover_unhealthy_after=RECOVER_AFTER,
+            nvidia_gpus_dir=os.path.join(root, "no-driver"),  # the device nodes say the GPUs are there
+            node_name=name,
+            hami_api=api.access(),
+            hami_interval=0.5,
+            hami_repair=HAMI_REPAIR,
         )
         async with (
             FakeKubelet(folder, pod_resources, dial_timeout=0.5) as kubelet,
@@ -339,6 +394,8 @@ NOT_ALLOCATABLE = "HamiNodeGPUsNotAllocatable"
 SLO = "HamiDevicePluginRegistrationSLOBreach"
 BUDGET = "HamiDevicePluginRestartBudgetSpent"
 KUBELET = "HamiNodeKubeletFault"
+UNRECOVERABLE = "HamiNodeGPUUnrecoverable"
+SCHEDULER = "HamiSchedulerCannotSeeGPUs"
 
 
 async def test_live_prometheus_scrapes_three_sidecars_and_alerts_for_the_faulty_node_only(
@@ -346,7 +403,8 @@ async def test_live_prometheus_scrapes_three_sidecars_and_alerts_for_the_faulty_
 ) -> None:
     started = time.time()
     async with contextlib.AsyncExitStack() as stack:
-        nodes = {name: await stack.enter_async_context(sim_node(name)) for name in NODES}
+        api = await stack.enter_async_context(node_api(NODES))
+        nodes = {name: await stack.enter_async_context(sim_node(name, api)) for name in NODES}
         prom = await stack.enter_async_context(
             prometheus(tmp_path, {n.name: (n.pod, n.port) for n in nodes.values()})
         )
@@ -425,7 +483,8 @@ async def test_live_prometheus_scrapes_three_sidecars_and_alerts_for_the_faulty_
         await a.plugin.restart()
         await resolved("a kubelet that drops the plugin")
 
-        # 2. A lost GPU (one of two unhealthy): nothing restarts, the devices check names it.
+        # 2. A lost GPU (one of two unhealthy): the devices check names it. The recovery asks for a plugin
+        #    restart after RECOVER_AFTER, which nothing does here: the GPU is healthy again first.
         lost = {(CHECK_FAILING, FAULTY, "devices")}
         forget(*lost)
         a.plugin.set_health("GPU-1", False)
@@ -469,6 +528,35 @@ async def test_live_prometheus_scrapes_three_sidecars_and_alerts_for_the_faulty_
         await a.kubelet.start()
         await resolved("a missing kubelet")
 
+        # 5. A broken GPU: unhealthy, the recovery's plugin restart re-reads it (the test restarts the plugin,
+        #    as the kubelet does on the liveness failure), and the plugin lists it unhealthy again. The
+        #    devices check names the lost GPU first; the unrecoverable alert then takes its place. The fix:
+        #    the GPU listed healthy again (a replaced GPU, re-read).
+        broken = {(UNRECOVERABLE, FAULTY, "")}
+        forget(*broken)
+        asked = "device_plugin_unhealthy_recovery_restarts_total"
+        before = await prom.values(asked)  # step 2's restart was asked for too
+        a.plugin.set_health("GPU-1", False)
+        await until(lambda: a.healthz(http, 503), "the recovery to ask for the plugin restart")
+        await a.plugin.restart()
+        await expect("a GPU unhealthy again after the restart that re-read it", broken)
+        assert await prom.values("device_plugin_unhealthy_devices_unrecoverable > 0") == {FAULTY: 1.0}
+        assert await prom.values(asked) == {n: v + 1 if n == FAULTY else v for n, v in before.items()}
+        a.plugin.set_health("GPU-1", True)
+        await resolved("a GPU unhealthy again after the restart that re-read it")
+
+        # 6. HAMi's register annotation gone from the Node (its plugin's patch failed, and it skips every
+        #    later one): the kubelet lists the GPUs, HAMi's scheduler does not see them. After HAMI_REPAIR
+        #    the hami check fails liveness, which no one acts on here. The fix: the annotation written again.
+        unseen = {(SCHEDULER, FAULTY, "")}
+        forget(*unseen)
+        register = api.annotations[FAULTY].pop(REGISTER)
+        await expect("HAMi's register annotation missing", unseen)
+        assert await prom.values('device_plugin_hami_registration{reason="missing"} == 1') == {FAULTY: 1.0}
+        assert await prom.values("device_plugin_hami_gpus") == {FAULTY: 0.0} | {n: 2.0 for n in NODES[1:]}
+        api.annotations[FAULTY][REGISTER] = register
+        await resolved("HAMi's register annotation missing")
+
         # Every alert that went off named the faulty node, its summary too, and linked its fix.
         fired = [x for x in prom.alerts_seen if x["state"] == "firing"]
         assert {x["labels"]["alertname"] for x in fired} == {
@@ -477,6 +565,8 @@ async def test_live_prometheus_scrapes_three_sidecars_and_alerts_for_the_faulty_
             SLO,
             BUDGET,
             KUBELET,
+            UNRECOVERABLE,
+            SCHEDULER,
         }
         for x in fired:
             assert x["labels"]["node"] == FAULTY
@@ -502,7 +592,7 @@ async def dashboard_queries_return_data(prom: Prometheus, start: float, end: flo
                 result = data["result"]
             assert result, f"panel {panel['title']!r}: {target['expr']} returned no data"
             checked += 1
-    assert checked >= 14
+    assert checked >= 21
 
 
 def grafana_expr(expr: str, seconds: float) -> str:
@@ -577,8 +667,16 @@ def test_the_dashboard_is_laid_out_and_queries_through_its_variables() -> None:
         "Liveness restarts asked for, kubelet restarts",
         "Restart budgets spent",
         "GPUs per node: on the host vs listed by the kubelet",
+        "HAMi's registration per node",
+        "HAMi's registration by reason",
+        "Unhealthy GPUs: plugin restarts asked for, GPUs brought back",
+        "GPUs unrecoverable",
     ):
         assert wanted in titles
+
+
+def test_the_dashboard_colours_every_reason_code_of_the_hami_check() -> None:
+    assert tuple(dashboard.HAMI_REASON_COLOURS) == HAMI_CODES
 
 
 def test_kustomize_ships_the_dashboard_as_a_grafana_sidecar_configmap() -> None:

@@ -70,7 +70,15 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
         "socket; default: the drivers of the kubelet plugins the containers run",
     ),
     "dra-grace": ("150", "seconds a DRA driver may stay unregistered"),
+    "recover-unhealthy-after": (
+        "0",
+        "a duration (90s, 10m, 1h; at most 30d): GPUs HAMi marked unhealthy that long get one plugin "
+        "restart, which re-reads them; 0: off",
+    ),
 }
+# The sidecar's --recover-unhealthy-after: its units and its bound (sidecar/config.py).
+DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+MAX_RECOVER_AFTER = 30 * 86400.0
 
 
 class Refused(Exception):
@@ -119,7 +127,17 @@ def settings(argv: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
     for key, pattern in checks.items():
         if not re.fullmatch(pattern, values[key]):
             raise Refused(f"{key}={values[key]!r} is not valid: {SETTINGS[key][1]}", 2)
+    after = duration(values["recover-unhealthy-after"])
+    if after is None or after > MAX_RECOVER_AFTER:
+        key = "recover-unhealthy-after"
+        raise Refused(f"{key}={values[key]!r} is not valid: {SETTINGS[key][1]}", 2)
     return values
+
+
+def duration(value: str) -> float | None:
+    """Seconds of a duration as the sidecar reads it (90, 90s, 10m, 1h, 1d); None for any other form."""
+    found = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([smhd]?)", value)
+    return float(found.group(1)) * DURATION_UNITS[found.group(2)] if found else None
 
 
 def load(text: str) -> list[dict[str, Any]]:
@@ -199,6 +217,8 @@ def adapt(ds: dict[str, Any], original: Mapping[str, Any], s: Mapping[str, str],
             none = e["name"] == "HAMI_GUARD_EXPECT_DEVICES" and env[e["name"]] == "none"
             e["value"] = "0" if none else env[e["name"]]
         kept.append(e)
+    if duration(s["recover-unhealthy-after"]):  # off (0) is the sidecar's default: no variable then
+        kept.append({"name": "HAMI_GUARD_RECOVER_UNHEALTHY_AFTER", "value": s["recover-unhealthy-after"]})
     sidecar["env"] = kept
 
     containers = by_name(pod["containers"])

@@ -194,6 +194,90 @@ def gpus_per_node() -> table.Panel:
     )
 
 
+# The hami check's reason codes, device_plugin_hami_registration's `reason` label
+# (docs/runbook.md#hamischedulercannotseegpus), coloured as the verdict they carry.
+HAMI_REASON_COLOURS = {
+    "ok": "green",
+    "repairing": "yellow",
+    "no_evidence": "blue",
+    "missing": "red",
+    "unparsable": "red",
+    "mismatched": "red",
+    "wrong_node": "red",
+    "handshake_deleted": "red",
+    "handshake_expired": "red",
+}
+
+
+def hami_registration() -> table.Panel:
+    """Per node and resource: the hami check's reason code, and the GPUs on each side of it."""
+    mappings = [
+        {
+            "type": "value",
+            "options": {
+                code: {"text": code, "color": colour, "index": i}
+                for i, (code, colour) in enumerate(HAMI_REASON_COLOURS.items())
+            },
+        }
+    ]
+    columns = {"Value #B": "in HAMi's annotation", "Value #C": "listed healthy by the kubelet"}
+    order = {"node": 0, "resource": 1, "reason": 2, "Value #B": 3, "Value #C": 4}
+    return (
+        table.Panel()
+        .id(15)
+        .title("HAMi's registration per node")
+        .description(
+            "What HAMi's scheduler sees of each node: the sidecar's hami check reads the Node's "
+            "hami.io/node-nvidia-register annotation (HAMi's device plugin writes it) and "
+            "hami.io/node-handshake (the scheduler stamps it), and compares the annotation with the GPUs "
+            "the kubelet lists healthy. reason: ok; repairing (a difference within HAMi's own 30 s loop); "
+            "no_evidence (the Node cannot be read, no scheduler handshake, or the plugin does not serve or "
+            "register); missing, unparsable, mismatched (a stale annotation: liveness restarts the plugin "
+            "after --hami-repair); wrong_node (NODE_NAME); handshake_deleted, handshake_expired (the "
+            "scheduler keeps the node out). Alert HamiSchedulerCannotSeeGPUs. Empty where the sidecar has "
+            "no API access or --no-hami-registration."
+        )
+        .datasource(DATASOURCE)
+        .targets(
+            [
+                query(
+                    f"max by (node, resource, reason) (device_plugin_hami_registration{{{NODE}}}) == 1",
+                    "A",
+                    instant=True,
+                ),
+                query(f"max by (node, resource) (device_plugin_hami_gpus{{{NODE}}})", "B", instant=True),
+                query(
+                    f'max by (node, resource) (device_plugin_devices{{{NODE}, source="pod_resources"}})',
+                    "C",
+                    instant=True,
+                ),
+            ]
+        )
+        .with_transformation(dm.DataTransformerConfig(id_val="merge", options={}))
+        .with_transformation(
+            dm.DataTransformerConfig(
+                id_val="organize",
+                options={
+                    "excludeByName": {"Time": True, "Value #A": True},
+                    "indexByName": order,
+                    "renameByName": columns,
+                },
+            )
+        )
+        .override_by_name(
+            "reason",
+            [
+                dm.DynamicConfigValue(id_val="mappings", value=mappings),
+                dm.DynamicConfigValue(id_val="custom.cellOptions", value={"type": "color-background"}),
+            ],
+        )
+        .align(cm.FieldTextAlignment.AUTO)
+        .sort_by([cb.TableSortByFieldState().display_name("node")])
+        .height(8)
+        .span(14)
+    )
+
+
 Targets = list[cogbuilder.Builder[cogvariants.Dataquery]]
 
 
@@ -240,7 +324,10 @@ def build() -> db.Dashboard:
     d = (
         db.Dashboard("hami-guard: GPU device plugin registration")
         .uid(UID)
-        .description("Which nodes have their GPUs registered with the kubelet, the runbook's SLIs, restarts")
+        .description(
+            "Which nodes have their GPUs registered with the kubelet and seen by HAMi's scheduler, the "
+            "runbook's SLIs, restarts, GPUs HAMi marked unhealthy"
+        )
         .tags(["hami-guard", "gpu", "kubelet"])
         .editable()
         .time("now-6h", "now")
@@ -343,7 +430,7 @@ def build() -> db.Dashboard:
         .no_value("none spent")
         .line_interpolation(cm.LineInterpolation.STEP_AFTER)
     )
-    return d.with_panel(
+    d = d.with_panel(
         series(
             14,
             "GPUs fleet-wide: on the hosts vs listed by the kubelets",
@@ -358,6 +445,67 @@ def build() -> db.Dashboard:
             ],
             "short",
         ).fill_opacity(10)
+    )
+    d = d.with_row(db.Row("HAMi's scheduler: the Node's annotations").id(103))
+    d = d.with_panel(hami_registration())
+    d = d.with_panel(
+        series(
+            16,
+            "HAMi's registration by reason",
+            "How many plugins (a node and a resource each) have each hami check reason over time: ok, "
+            "or why HAMi's scheduler does not see the GPUs the kubelet lists (the table beside it names "
+            "the nodes).",
+            [
+                query(
+                    f"count by (reason) (device_plugin_hami_registration{{{NODE}}} == 1)",
+                    legend="{{reason}}",
+                )
+            ],
+            "short",
+        )
+        .span(10)
+        .draw_style(cm.GraphDrawStyle.BARS)
+        .stacking(cb.StackingConfig().mode(cm.StackingMode.NORMAL))
+        .min(0)
+    )
+    d = d.with_row(db.Row("GPUs HAMi marked unhealthy (--recover-unhealthy-after)").id(104))
+    d = d.with_panel(
+        series(
+            17,
+            "Unhealthy GPUs: plugin restarts asked for, GPUs brought back",
+            "HAMi never marks a GPU healthy again after an XID. With --recover-unhealthy-after the sidecar "
+            "asks for one plugin restart when a GPU stayed unhealthy that long (never while a pod holds "
+            "it), and counts the GPUs the restart brought back. Empty without the option.",
+            [
+                query(
+                    increase("device_plugin_unhealthy_recovery_restarts_total"), "A", "{{node}} restart asked"
+                ),
+                query(
+                    increase("device_plugin_unhealthy_devices_recovered_total"), "B", "{{node}} brought back"
+                ),
+            ],
+            "short",
+        ).draw_style(cm.GraphDrawStyle.BARS)
+    )
+    return d.with_panel(
+        series(
+            18,
+            "GPUs unrecoverable",
+            "GPUs unhealthy again after the plugin restart that re-read them: the GPU or its driver, not "
+            "a transient XID. No more restarts are asked for them; drain the node and read the XID (alert "
+            "HamiNodeGPUUnrecoverable). Only nodes with such a GPU are drawn.",
+            [
+                query(
+                    f"max by (node, resource) (device_plugin_unhealthy_devices_unrecoverable{{{NODE}}}) > 0",
+                    "A",
+                    "{{node}} {{resource}}",
+                )
+            ],
+            "short",
+        )
+        .min(0)
+        .no_value("none")
+        .line_interpolation(cm.LineInterpolation.STEP_AFTER)
     )
 
 
