@@ -182,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", default="nvidia-gpu.sock")
     parser.add_argument("--gpus", type=int, default=2, help="physical GPUs (each advertised --split times)")
     parser.add_argument("--split", type=int, default=HAMI_SPLIT_COUNT)
-    parser.add_argument("--uuid-prefix", default="e2e0000-0000-0000-0000-00000000")
+    parser.add_argument(
+        "--uuid-prefix",
+        default="e2e00000-0000-0000-0000-00000000",
+        help="GPU UUIDs: GPU-<prefix><4 digits>, the NVIDIA driver's shape (HAMi's split IDs map to them)",
+    )
     parser.add_argument("--control", default="/run/hami-standin", help="folder of fault files")
     parser.add_argument(
         "--retry-interval", type=float, default=30.0, help="seconds before a failed start is tried again"

@@ -57,8 +57,8 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "registration-grace": ("45", "seconds a plugin may take to register"),
     "probe-interval": ("10", "seconds between the sidecar's probe rounds"),
     "probe-timeout": ("2", "seconds one gRPC probe may take"),
-    "liveness-period": ("5", "the plugin's livenessProbe periodSeconds"),
-    "liveness-failures": ("3", "the plugin's livenessProbe failureThreshold"),
+    "liveness-period": ("2", "the plugin's livenessProbe periodSeconds"),
+    "liveness-failures": ("2", "the plugin's livenessProbe failureThreshold"),
     "sidecar": (
         "native",
         "native (an init container with restartPolicy Always, Kubernetes >= 1.29) or container",

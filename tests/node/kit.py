@@ -5,6 +5,7 @@ namespaces (tests/node/node.sh, `make node-e2e`); NODE_E2E_DIR is the run's fold
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from sidecar.deviceplugin.probes import pod_resources_devices
 from testing.standin import APPLIED, LASTING
 
 RUN = os.environ.get("NODE_E2E_DIR", "")
@@ -27,6 +29,9 @@ DEVICES = "20"  # the stand-in's 2 GPUs, each split 10 times as HAMi advertises 
 CONTROL = Path("/run/hami-standin")
 PLUGIN_SOCKET = Path("/var/lib/kubelet/device-plugins/nvidia-gpu.sock")
 KUBELET_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")
+POD_RESOURCES = "/var/lib/kubelet/pod-resources/kubelet.sock"
+# NODE_E2E_RUNS: how many times each recovery scenario is measured (BENCHMARKS.md gives three).
+RUNS = int(os.environ.get("NODE_E2E_RUNS", "1"))
 SELECTOR = "app.kubernetes.io/component=hami-device-plugin"
 SIDECAR_IMAGE = "registry.invalid/hami-sidecar:0.1.0"  # as manifests/hami-patch names it
 
@@ -75,6 +80,14 @@ def node_resources(node: str = NODE) -> tuple[str, str]:
 
 def allocatable(node: str = NODE) -> str:
     return node_resources(node)[1]
+
+
+def kubelet_devices() -> int:
+    """How many healthy devices of the resource the kubelet itself lists now (pod-resources
+    `GetAllocatableResources`): registration, seen before the Node's status carries it (the kubelet
+    posts its status every nodeStatusUpdateFrequency, 10 s)."""
+    reading = asyncio.run(pod_resources_devices(POD_RESOURCES, 2))
+    return len((reading.value or {}).get(RESOURCE, ()))
 
 
 def plugin_pod(node: str = NODE) -> dict[str, Any]:
