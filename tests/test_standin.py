@@ -110,7 +110,7 @@ def applied(control: str) -> str:
         return f.read()
 
 
-async def test_standin_failed_start_and_xid_as_hami(kubelet: FakeKubelet, dp_dir: str, short_tmp: str) -> None:
+async def test_standin_failed_start_and_xid(kubelet: FakeKubelet, dp_dir: str, short_tmp: str) -> None:
     """fail-register: the next Register is refused, the plugin stops (its socket goes) and starts again
     after its retry interval; a kubelet.sock created meanwhile starts it at once. xid: the first GPU's
     devices Unhealthy until the plugin restarts, whatever the folder says after."""

@@ -323,7 +323,7 @@ async def test_from_a_pod_network_namespace_a_drop_is_judged_between_rounds(node
         assert source.startswith("the kubelet's network namespace (/proc/"), source
         await plugin.end_stream("oldest")
         took = await node.until("/healthz?verbose", 503, contains="no longer connected", timeout=30)
-        print(f"drop read through /proc on {node.kubelet.version}: 503 after {took:.3f} s (rounds every 60 s)")
+        print(f"drop read through /proc on {node.kubelet.version}: 503 after {took:.3f} s, rounds 60 s apart")
 
 
 async def test_a_second_register_on_its_own_socket_then_the_first_stream_ends(node_factory: Any) -> None:
