@@ -129,7 +129,7 @@ class Reader:
             ) as r:
                 if r.status != 200:
                     return Answer(r.status, why=f"the API server answered {r.status}")
-                body = await r.content.read(max_body + 1)
+                body = await _read_body(r.content, max_body)
         except TimeoutError:
             return Answer(None, why=f"the API server did not answer within {timeout:g}s")
         except (aiohttp.ClientError, OSError, ValueError, ssl.SSLError) as e:
@@ -145,6 +145,18 @@ class Reader:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def _read_body(content: aiohttp.StreamReader, max_body: int) -> bytes:
+    """The whole body, or its first `max_body` + 1 bytes: one `read(n)` returns what has arrived so far
+    (the first chunk of a chunked answer: a Node of 5 KB came back short 26 times in 40)."""
+    body = bytearray()
+    while len(body) <= max_body:
+        chunk = await content.read(max_body + 1 - len(body))
+        if not chunk:
+            break
+        body += chunk
+    return bytes(body)
 
 
 async def get(access: ApiAccess, path: str, timeout: float, max_body: int) -> Answer:
