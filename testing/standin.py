@@ -53,7 +53,7 @@ DEAD_GPU = "dead-gpu"
 ANNOTATION_PATCH_FAILS = "annotation-patch-fails"
 LASTING = frozenset({IGNORE_KUBELET_RESTART, NOREGISTER, DEAD_GPU})
 CONTROL_INTERVAL = 0.5
-UUID_PREFIX = "e2e0000-0000-0000-0000-00000000"  # the GPUs' UUIDs: GPU-<prefix><nnnn>
+UUID_PREFIX = "e2e00000-0000-0000-0000-00000000"  # GPU-<prefix><nnnn>: NVML's UUID shape, 8-4-4-4-12 hex
 # The lasting fault files last applied, comma-separated: a test that must know the plugin acts on a
 # change (before it restarts the kubelet) waits for it here.
 APPLIED = ".applied"

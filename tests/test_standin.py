@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from sidecar.hami.annotation import gpu_of
 from testing import FakeKubelet
 from testing.hamiwriter import Gpu
 from testing.plugin import hami_device_ids
@@ -18,6 +19,7 @@ from testing.standin import (
     DROP,
     IGNORE_KUBELET_RESTART,
     NOREGISTER,
+    UUID_PREFIX,
     StandInPlugin,
     apply_control,
     gpu_view,
@@ -126,7 +128,9 @@ def test_standin_faults_flag() -> None:
 
 def test_standin_gpu_view_and_the_one_shot_patch_fault(short_tmp: str) -> None:
     """What the stand-in's HAMi annotation carries: one GPU per UUID of the split IDs, healthy while all its
-    splits are; `annotation-patch-fails` is taken once, by the PATCH that fails."""
+    splits are, its UUID of NVML's shape (the sidecar compares only those with the kubelet's IDs);
+    `annotation-patch-fails` is taken once, by the PATCH that fails."""
+    assert gpu_of(f"GPU-{UUID_PREFIX}0001-9") == f"GPU-{UUID_PREFIX}0001"
     devices = dict.fromkeys(hami_device_ids(["GPU-a", "GPU-b"]), "Healthy")
     assert gpu_view(devices) == [Gpu("GPU-a"), Gpu("GPU-b")]
     devices["GPU-b-3"] = "Unhealthy"
