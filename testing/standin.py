@@ -19,7 +19,18 @@ life of the process (the FIXME in HAMi's nvinternal/plugin/server.go). Faults ar
 - `xid`: an XID event on the first GPU: its devices Unhealthy for the rest of the process's life, as HAMi
   never marks a device Healthy again (the file is removed; a restart of the plugin lists them Healthy);
 - `dead-gpu`: the first GPU's devices (its split IDs) are reported Unhealthy, healthy again once the file
-  is removed.
+  is removed;
+- `annotation-patch-fails`: the next PATCH of HAMi's node annotation fails (the file is removed as the
+  PATCH is sent; the API server refuses it, 409).
+
+In a Pod (KUBERNETES_SERVICE_HOST and NODE_NAME set), it also writes HAMi's node annotation
+`hami.io/node-nvidia-register` as HAMi's plugin does, with the ServiceAccount's token: after each
+Register the kubelet accepts, a `WatchAndRegister` loop with an empty cache (testing/hamiwriter.py:
+the cache written before the PATCH; `--annotation-interval`, `--annotation-error-interval`: HAMi's 30 s
+and 5 s). HAMi's restart on a new `kubelet.sock` builds new plugin objects with a loop of their own; the
+stand-in's new loop replaces the old one (HAMi leaves the old one running on its old plugin objects:
+not mirrored), so one loop writes, and one failed PATCH sticks as it does in a plugin that never saw a
+kubelet restart.
 
 `--faults` (default: the environment's HAMI_STANDIN_FAULTS), comma-separated names of the lasting faults
 above, holds them on whatever the folder says: a pod template that carries a fault (a plugin version
@@ -37,6 +48,7 @@ import signal
 import tempfile
 
 from sidecar.watcher import FsEvent
+from testing import hamiwriter
 from testing.plugin import HAMI_SPLIT_COUNT, FakeDevicePlugin, hami_device_ids
 
 logger = logging.getLogger(__name__)
@@ -47,10 +59,11 @@ DROP = "drop"
 DEAD_GPU = "dead-gpu"
 FAIL_REGISTER = "fail-register"
 XID = "xid"
-ONE_SHOT = frozenset({DROP, FAIL_REGISTER, XID})
+ANNOTATION_PATCH_FAILS = "annotation-patch-fails"
 UNSUPPORTED_VERSION = "v1alpha0"  # no kubelet supports it: its Register is refused
 LASTING = frozenset({IGNORE_KUBELET_RESTART, NOREGISTER, DEAD_GPU})
 CONTROL_INTERVAL = 0.5
+UUID_PREFIX = "e2e00000-0000-0000-0000-00000000"  # GPU-<prefix><nnnn>: NVML's UUID shape, 8-4-4-4-12 hex
 # The lasting fault files last applied, comma-separated: a test that must know the plugin acts on a
 # change (before it restarts the kubelet) waits for it here.
 APPLIED = ".applied"
@@ -153,6 +166,52 @@ def apply_control(plugin: StandInPlugin, control: str, held: frozenset[str] = fr
             plugin.end_stream()
 
 
+def gpu_view(devices: dict[str, str]) -> list[hamiwriter.Gpu]:
+    """The plugin's own view of its GPUs, as HAMi's annotation carries it: one entry per GPU of HAMi's
+    split IDs (`<GPU-UUID>-<n>`), healthy while all its split devices are."""
+    healthy: dict[str, bool] = {}
+    for device, health in devices.items():
+        uuid = device.rsplit("-", 1)[0]
+        healthy[uuid] = healthy.get(uuid, True) and health == "Healthy"
+    return [hamiwriter.Gpu(u, h) for u, h in healthy.items()]
+
+
+def take_one_shot(control: str, name: str) -> bool:
+    """Whether the one-shot fault file `name` is in `control`, removing it: True once per file."""
+    try:
+        os.unlink(os.path.join(control, name))
+    except OSError:
+        return False
+    logger.info("%s: this PATCH fails", name)
+    return True
+
+
+async def write_annotations(plugin: StandInPlugin, args: argparse.Namespace) -> None:
+    """HAMi's node annotation, written as HAMi's plugin writes it (the module's docstring), until
+    cancelled; nothing outside a Pod."""
+    api, node = hamiwriter.InCluster.from_environ(), hamiwriter.node_name()
+    if api is None or not node:
+        logger.info("HAMi's node annotation: not written (no KUBERNETES_SERVICE_HOST or no NODE_NAME)")
+        return
+    registrar = hamiwriter.Registrar(
+        api,
+        node,
+        lambda: gpu_view(plugin.devices),
+        interval=args.annotation_interval,
+        error_interval=args.annotation_error_interval,
+        fail_patch=lambda: take_one_shot(args.control, ANNOTATION_PATCH_FAILS),
+    )
+    started = 0
+    try:
+        while True:
+            if plugin.registrations > started:  # a Register accepted: a loop with an empty cache
+                started = plugin.registrations
+                await registrar.restart()
+            await asyncio.sleep(CONTROL_INTERVAL)
+    finally:
+        await registrar.stop()
+
+
 async def serve(args: argparse.Namespace) -> None:
     devices = hami_device_ids((f"GPU-{args.uuid_prefix}{n:04d}" for n in range(args.gpus)), args.split)
     plugin = StandInPlugin(args.device_plugin_dir, args.resource, args.socket, devices)
@@ -169,10 +228,12 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     async with plugin:
         logger.info("serving %s on %s: %d devices", args.resource, plugin.socket_path, len(devices))
+        annotations = asyncio.create_task(write_annotations(plugin, args))
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), CONTROL_INTERVAL)
             apply_control(plugin, args.control, held)
+        annotations.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", type=int, default=HAMI_SPLIT_COUNT)
     parser.add_argument(
         "--uuid-prefix",
-        default="e2e00000-0000-0000-0000-00000000",
+        default=UUID_PREFIX,
         help="GPU UUIDs: GPU-<prefix><4 digits>, the NVIDIA driver's shape (HAMi's split IDs map to them)",
     )
     parser.add_argument("--control", default="/run/hami-standin", help="folder of fault files")
@@ -195,6 +256,18 @@ def main(argv: list[str] | None = None) -> int:
         "--faults",
         default=os.environ.get("HAMI_STANDIN_FAULTS", ""),
         help="lasting faults held on, comma-separated (default: $HAMI_STANDIN_FAULTS)",
+    )
+    parser.add_argument(
+        "--annotation-interval",
+        type=float,
+        default=hamiwriter.INTERVAL,
+        help="seconds between rounds of HAMi's node annotation loop after a success (HAMi's 30)",
+    )
+    parser.add_argument(
+        "--annotation-error-interval",
+        type=float,
+        default=hamiwriter.ERROR_INTERVAL,
+        help="seconds before the next round after an error (HAMi's 5)",
     )
     args = parser.parse_args(argv)
     try:

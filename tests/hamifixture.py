@@ -4,15 +4,16 @@ Written from HAMi's behaviour as docs/kubelet.md#hami-registration states it (Pr
 at v2.10), never from its code; the facts each part mirrors:
 
 - `HamiRegistrar`: the device plugin's `WatchAndRegister` loop
-  (pkg/device-plugin/nvidiadevice/nvinternal/plugin/register.go). Each round GETs the Node (an error:
-  logged, retried after the error interval, the cache untouched), encodes the devices as
-  `MarshalNodeDevices` does (pkg/device/devices.go: a JSON array of DeviceInfo with `omitempty`), and
-  when the encoding equals its cache logs `Device info unchanged, skipping annotation update` and patches
-  nothing; otherwise it stores the encoding in its cache **before** the merge PATCH of
-  `hami.io/node-nvidia-register`, and a failed PATCH logs `patch node error` and retries after the error
-  interval: with the cache already holding the new content, every later round skips. HAMi waits 30 s
-  after a success and 5 s after an error; the tests scale both down. `restart()` is a plugin restart: a
-  new process, an empty cache.
+  (pkg/device-plugin/nvidiadevice/nvinternal/plugin/register.go), testing/hamiwriter.py's `Registrar` (the
+  node end-to-end's stand-in for HAMi's plugin runs the same loop) as a user of the test's API server.
+  Each round GETs the Node (an error: logged, retried after the error interval, the cache untouched),
+  encodes the devices as `MarshalNodeDevices` does (pkg/device/devices.go: a JSON array of DeviceInfo
+  with `omitempty`), and when the encoding equals its cache logs `Device info unchanged, skipping
+  annotation update` and patches nothing; otherwise it stores the encoding in its cache **before** the
+  merge PATCH of `hami.io/node-nvidia-register`, and a failed PATCH logs `patch node error` and retries
+  after the error interval: with the cache already holding the new content, every later round skips.
+  HAMi waits 30 s after a success and 5 s after an error; the tests scale both down. `restart()` is a
+  plugin restart: a new process, an empty cache.
 - `HamiScheduler`: the scheduler's `CheckHealth` of the handshake (pkg/device/devices.go, and
   pkg/scheduler/scheduler.go's 15 s ticker). A handshake holding `Requesting` is kept while its stamp
   (`Requesting_<local time 2006-01-02 15:04:05>`) is under 60 s old, or while the Node's allocatable of
@@ -26,103 +27,48 @@ at v2.10), never from its code; the facts each part mirrors:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from testing.hamiwriter import HANDSHAKE, MERGE, REGISTER, STAMP, Gpu, Registrar, marshal
 from tests.apiserver import ApiServer
 
-REGISTER = "hami.io/node-nvidia-register"
-HANDSHAKE = "hami.io/node-handshake"
-MERGE = "application/merge-patch+json"
-STAMP = "%Y-%m-%d %H:%M:%S"
+__all__ = ["HANDSHAKE", "MERGE", "REGISTER", "STAMP", "Gpu", "HamiRegistrar", "HamiScheduler", "marshal"]
 
 
-@dataclass
-class Gpu:
-    uuid: str
-    healthy: bool = True
-
-
-def marshal(gpus: Sequence[Gpu], split: int = 10, memory: int = 81920) -> str:
-    """HAMi's MarshalNodeDevices of these GPUs: Go's encoding, `omitempty` fields left out."""
-    out: list[dict[str, Any]] = []
-    for i, g in enumerate(gpus):
-        d: dict[str, Any] = {"id": g.uuid}
-        if i:
-            d["index"] = i
-        d |= {"count": split, "devmem": memory, "devcore": 100, "type": "NVIDIA-A100-SXM4-80GB"}
-        d["mode"] = "hami-core"
-        if g.healthy:
-            d["health"] = True
-        out.append(d)
-    return json.dumps(out, separators=(",", ":"))
-
-
-@dataclass
-class HamiRegistrar:
-    """The device plugin's WatchAndRegister loop, as a user of the API server."""
+@dataclass(frozen=True)
+class AsUser:
+    """A test's API server, asked as one of its users (testing/hamiwriter.py's NodeApi)."""
 
     api: ApiServer
-    node: str
-    gpus: list[Gpu]
-    user: str = "hami-plugin"
-    interval: float = 30.0
-    error_interval: float = 5.0
-    cache: str = ""
-    log: list[str] = field(default_factory=list)
-    patches: int = 0
-    _task: asyncio.Task[None] | None = None
+    user: str
 
-    async def register_once(self) -> bool:
-        """One round of RegisterInAnnotation; False after an error."""
-        try:
-            await self.api.request("GET", f"/api/v1/nodes/{self.node}", user=self.user)
-        except RuntimeError as e:
-            self.log.append(f"get node error {e}")
-            return False
-        encoded = marshal(self.gpus)
-        if encoded == self.cache:
-            self.log.append("Device info unchanged, skipping annotation update")
-            return True
-        self.cache = encoded  # HAMi's order: the cache first, then the patch
-        self.log.append(f"Updating node annotations with {len(self.gpus)} device(s)")
-        body = {"metadata": {"annotations": {REGISTER: encoded}}}
-        try:
-            await self.api.request(
-                "PATCH", f"/api/v1/nodes/{self.node}", body, user=self.user, content_type=MERGE
-            )
-        except RuntimeError as e:
-            self.log.append(f"patch node error {e}")
-            return False
-        self.patches += 1
-        return True
+    async def request(
+        self, method: str, path: str, body: Any = None, *, content_type: str = "application/json"
+    ) -> Any:
+        return await self.api.request(method, path, body, user=self.user, content_type=content_type)
 
-    async def _loop(self) -> None:
-        while True:
-            ok = await self.register_once()
-            await asyncio.sleep(self.interval if ok else self.error_interval)
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+class HamiRegistrar(Registrar):
+    """The device plugin's WatchAndRegister loop, as the user `user` of the API server; `gpus` is read
+    each round (a test changes a GPU's health in it)."""
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def restart(self) -> None:
-        """A plugin restart: a new process, whose cache is empty."""
-        await self.stop()
-        self.cache = ""
-        self.log.append("Starting WatchAndRegister")
-        self.start()
+    def __init__(
+        self,
+        api: ApiServer,
+        node: str,
+        gpus: list[Gpu],
+        *,
+        user: str = "hami-plugin",
+        interval: float = 30.0,
+        error_interval: float = 5.0,
+    ) -> None:
+        super().__init__(
+            AsUser(api, user), node, lambda: gpus, interval=interval, error_interval=error_interval
+        )
 
 
 @dataclass

@@ -8,20 +8,26 @@ import os
 
 import pytest
 
+from sidecar.hami.annotation import gpu_of
 from testing import FakeKubelet
+from testing.hamiwriter import Gpu
 from testing.plugin import hami_device_ids
 from testing.standin import (
+    ANNOTATION_PATCH_FAILS,
     APPLIED,
     DEAD_GPU,
     DROP,
     FAIL_REGISTER,
     IGNORE_KUBELET_RESTART,
     NOREGISTER,
+    UUID_PREFIX,
     XID,
     StandInPlugin,
     apply_control,
+    gpu_view,
     main,
     parse_faults,
+    take_one_shot,
 )
 from tests.conftest import wait_for
 
@@ -162,3 +168,19 @@ def test_standin_faults_flag() -> None:
         with pytest.raises(SystemExit) as e:
             main(["--faults", bad])
         assert e.value.code == 2
+
+
+def test_standin_gpu_view_and_the_one_shot_patch_fault(short_tmp: str) -> None:
+    """What the stand-in's HAMi annotation carries: one GPU per UUID of the split IDs, healthy while all its
+    splits are, its UUID of NVML's shape (the sidecar compares only those with the kubelet's IDs);
+    `annotation-patch-fails` is taken once, by the PATCH that fails."""
+    assert gpu_of(f"GPU-{UUID_PREFIX}0001-9") == f"GPU-{UUID_PREFIX}0001"
+    devices = dict.fromkeys(hami_device_ids(["GPU-a", "GPU-b"]), "Healthy")
+    assert gpu_view(devices) == [Gpu("GPU-a"), Gpu("GPU-b")]
+    devices["GPU-b-3"] = "Unhealthy"
+    assert gpu_view(devices) == [Gpu("GPU-a"), Gpu("GPU-b", healthy=False)]
+    assert not take_one_shot(os.path.join(short_tmp, "none"), ANNOTATION_PATCH_FAILS)
+    open(os.path.join(short_tmp, ANNOTATION_PATCH_FAILS), "w").close()
+    assert take_one_shot(short_tmp, ANNOTATION_PATCH_FAILS)
+    assert not take_one_shot(short_tmp, ANNOTATION_PATCH_FAILS)
+    assert not os.path.exists(os.path.join(short_tmp, ANNOTATION_PATCH_FAILS))

@@ -26,6 +26,7 @@ from sidecar.health import HealthState, Status
 from sidecar.kube.access import ApiAccess
 from sidecar.server.status import status_document
 from testing import free_port, hami_device_ids
+from testing.hamiwriter import InCluster, Registrar
 from tests import apiserver
 from tests.conftest import wait_for
 from tests.e2e.conftest import GPU, Node, NodeFactory
@@ -169,6 +170,32 @@ async def test_the_stuck_patch_fails_liveness_and_a_restart_writes_it_again(
             assert await annotation(api) == marshal(gpus)
         finally:
             await writer.stop()
+
+
+async def test_the_standin_writer_as_a_pod_runs_it(api: apiserver.ApiServer) -> None:
+    """The node end-to-end's writer (tests/node/e2e_hami.py): urllib with a ServiceAccount's token and CA
+    files, its one-shot failed PATCH (a stale resourceVersion: 409), then HAMi's cached skip."""
+    assert InCluster.from_environ({}) is None
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    assert InCluster.from_environ(env) == InCluster("https://10.96.0.1:443")
+    fail = [True]
+
+    def once() -> bool:
+        was, fail[0] = fail[0], False
+        return was
+
+    gpus = [Gpu(G1), Gpu(G2)]
+    access = InCluster(api.url, api.token_file("hami-plugin"), api.ca_file)
+    writer = Registrar(access, NODE, lambda: gpus, fail_patch=once)
+    assert not await writer.register_once()
+    assert "409" in writer.error and "patch node error" in writer.log[-1], writer.log
+    assert await writer.register_once() and writer.log[-1].endswith("skipping annotation update")
+    assert writer.patches == 0 and await annotation(api) is None
+    writer.cache = ""  # a plugin restart
+    assert await writer.register_once() and await annotation(api) == marshal(gpus)
+    denied = Registrar(InCluster(api.url, api.token_file("nobody"), api.ca_file), NODE, lambda: gpus)
+    assert not await denied.register_once()
+    assert denied.log == [f"get node error {denied.error}"] and ": 403 " in denied.error
 
 
 async def test_a_deleted_handshake_that_stays_is_readiness_only(api: apiserver.ApiServer) -> None:

@@ -42,6 +42,11 @@ ip addr add "$NODE_IP/24" dev node0
 ip link set node1 up
 ip link set node0 up
 ip route add default dev node0
+# The pods reach the API server as in a cluster, at the `kubernetes` Service's address (10.96.0.1:443, the
+# KUBERNETES_SERVICE_HOST of every pod; in the API server's certificate): kube-proxy's rule for that one
+# Service, a DNAT to the API server here. HAMi's plugin (the stand-in) writes its node annotation and the
+# sidecar reads it through it (tests/node/e2e_hami.py).
+iptables -t nat -A PREROUTING -d 10.96.0.1/32 -p tcp --dport 443 -j DNAT --to-destination "$NODE_IP:6443"
 
 pids=()
 stop_all() {

@@ -12,6 +12,7 @@
 #
 # NODE_E2E_KEEP=1: keep the cluster up after the tests (the script says how to reach it).
 # NODE_E2E_TESTS: pytest arguments (default: tests/node's e2e_node.py, e2e_fleet.py, e2e_rollout.py).
+# NODE_E2E_RUNS: runs of tests/node/e2e_hami.py's measured scenario (default 1).
 # Under CI=true a missing component is an error; otherwise the run is skipped with the reason.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -20,7 +21,7 @@ repo=$(cd "$here/../.." && pwd)
 
 missing=()
 [ "$(id -u)" = 0 ] || missing+=("root (namespaces, mounts, cgroups)")
-for tool in unshare nsenter ip openssl etcd containerd containerd-shim-runc-v2 runc ctr kubectl; do
+for tool in unshare nsenter ip iptables openssl etcd containerd containerd-shim-runc-v2 runc ctr kubectl; do
   command -v "$tool" > /dev/null || missing+=("$tool")
 done
 [ -x /usr/lib/cni/bridge ] || missing+=("/usr/lib/cni/bridge (containernetworking-plugins)")

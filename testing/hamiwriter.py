@@ -1,0 +1,212 @@
+"""HAMi's device plugin writing its Node annotation, for the test rig: the node end-to-end's stand-in
+(testing/standin.py) runs it against the node's API server, tests/hamifixture.py against a test's.
+
+Written from HAMi's behaviour as docs/kubelet.md#hami-registration states it (Project-HAMi/HAMi, read at
+v2.10), never from its code. `Registrar` is the plugin's `WatchAndRegister` loop
+(pkg/device-plugin/nvidiadevice/nvinternal/plugin/register.go): each round GETs the Node (an error:
+logged, retried after the error interval, the cache untouched), encodes the GPUs as `MarshalNodeDevices`
+does (pkg/device/devices.go: a JSON array of DeviceInfo with `omitempty`), and when the encoding equals
+its cache logs `Device info unchanged, skipping annotation update` and patches nothing; otherwise it
+stores the encoding in its cache **before** the merge PATCH of `hami.io/node-nvidia-register`, and a
+failed PATCH logs `patch node error` and retries after the error interval: with the cache already
+holding the new content, every later round skips. HAMi waits 30 s after a success and 5 s after an
+error. A new `Registrar` (a plugin restart: a new process, or HAMi's new plugin objects after a
+kubelet restart) starts with an empty cache.
+
+`InCluster` is the Pod's way to the API server (the ServiceAccount's token and CA, KUBERNETES_SERVICE_*),
+on urllib: no client library, the standard library only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import ssl
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from sidecar.kube.access import DEFAULT_CA_FILE, DEFAULT_TOKEN_FILE, in_cluster
+
+logger = logging.getLogger(__name__)
+
+REGISTER = "hami.io/node-nvidia-register"
+HANDSHAKE = "hami.io/node-handshake"
+MERGE = "application/merge-patch+json"
+STAMP = "%Y-%m-%d %H:%M:%S"  # the handshake's time, Go's 2006-01-02 15:04:05
+INTERVAL = 30.0  # HAMi's wait after a round that succeeded
+ERROR_INTERVAL = 5.0  # and after one that failed
+MAX_ANSWER = 1 << 20
+
+
+@dataclass
+class Gpu:
+    uuid: str
+    healthy: bool = True
+
+
+def marshal(gpus: Sequence[Gpu], split: int = 10, memory: int = 81920) -> str:
+    """HAMi's MarshalNodeDevices of these GPUs: Go's encoding, `omitempty` fields left out."""
+    out: list[dict[str, Any]] = []
+    for i, g in enumerate(gpus):
+        d: dict[str, Any] = {"id": g.uuid}
+        if i:
+            d["index"] = i
+        d |= {"count": split, "devmem": memory, "devcore": 100, "type": "NVIDIA-A100-SXM4-80GB"}
+        d["mode"] = "hami-core"
+        if g.healthy:
+            d["health"] = True
+        out.append(d)
+    return json.dumps(out, separators=(",", ":"))
+
+
+class NodeApi(Protocol):
+    """What the loop asks of the API server: JSON in and out; an error status raises RuntimeError."""
+
+    async def request(
+        self, method: str, path: str, body: Any = None, *, content_type: str = "application/json"
+    ) -> Any: ...
+
+
+class ApiError(RuntimeError):
+    """The API server answered an error, or could not be asked."""
+
+
+@dataclass(frozen=True)
+class InCluster:
+    """The API server as a Pod reaches it: its ServiceAccount's token (re-read on every request) and CA."""
+
+    server: str
+    token_file: str = DEFAULT_TOKEN_FILE
+    ca_file: str = DEFAULT_CA_FILE
+    timeout: float = 10.0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> InCluster | None:
+        """The Pod's API server (KUBERNETES_SERVICE_HOST/PORT); None outside a Pod."""
+        server = in_cluster(environ)
+        return cls(server) if server else None
+
+    def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        """One request, blocking; the answer's JSON. Raises ApiError."""
+        try:
+            with open(self.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+            ctx = ssl.create_default_context(cafile=self.ca_file)
+        except (OSError, ssl.SSLError) as e:
+            raise ApiError(f"{method} {path}: {e}") from None
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
+        if data is not None:
+            headers["Content-Type"] = content_type
+        req = urllib.request.Request(self.server + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout, context=ctx) as r:
+                return json.loads(r.read(MAX_ANSWER))
+        except urllib.error.HTTPError as e:
+            text = e.read(300).decode(errors="replace")
+            raise ApiError(f"{method} {path}: {e.code} {text}") from None
+        except (OSError, ValueError) as e:
+            raise ApiError(f"{method} {path}: {e}") from None
+
+    async def request(
+        self, method: str, path: str, body: Any = None, *, content_type: str = "application/json"
+    ) -> Any:
+        return await asyncio.to_thread(self.call, method, path, body, content_type)
+
+
+class Registrar:
+    """The device plugin's WatchAndRegister loop for one Node. `gpus` gives the plugin's own view of its
+    GPUs each round; `fail_patch`, asked before each PATCH, True: this PATCH is sent with a stale
+    resourceVersion, which the API server refuses (409 Conflict), a failed PATCH as any other."""
+
+    def __init__(
+        self,
+        api: NodeApi,
+        node: str,
+        gpus: Callable[[], Sequence[Gpu]],
+        *,
+        interval: float = INTERVAL,
+        error_interval: float = ERROR_INTERVAL,
+        fail_patch: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.api = api
+        self.node = node
+        self.gpus = gpus
+        self.interval = interval
+        self.error_interval = error_interval
+        self.fail_patch = fail_patch
+        self.cache = ""
+        self.log: list[str] = []
+        self.patches = 0  # PATCHes the API server took
+        self.error = ""  # the last round's error
+        self._task: asyncio.Task[None] | None = None
+
+    def say(self, line: str) -> None:
+        self.log.append(line)
+        logger.info("%s", line)
+
+    async def register_once(self) -> bool:
+        """One round of RegisterInAnnotation; False after an error."""
+        path = f"/api/v1/nodes/{self.node}"
+        try:
+            await self.api.request("GET", path)
+        except (RuntimeError, OSError) as e:
+            self.error = str(e)
+            self.say(f"get node error {e}")
+            return False
+        gpus = self.gpus()
+        encoded = marshal(gpus)
+        if encoded == self.cache:
+            self.say("Device info unchanged, skipping annotation update")
+            return True
+        self.cache = encoded  # HAMi's order: the cache first, then the patch
+        self.say(f"Updating node annotations with {len(gpus)} device(s)")
+        meta: dict[str, Any] = {"annotations": {REGISTER: encoded}}
+        if self.fail_patch():
+            meta["resourceVersion"] = "1"  # a precondition the Node no longer meets
+        try:
+            await self.api.request("PATCH", path, {"metadata": meta}, content_type=MERGE)
+        except (RuntimeError, OSError) as e:
+            self.error = str(e)
+            self.say(f"patch node error {e}")
+            return False
+        self.patches += 1
+        return True
+
+    async def run(self) -> None:
+        """The loop, until cancelled."""
+        self.say("Starting WatchAndRegister")
+        while True:
+            ok = await self.register_once()
+            if not ok:
+                self.say(
+                    f"Failed to register annotation: {self.error}. Retrying in {self.error_interval:g}s..."
+                )
+            await asyncio.sleep(self.interval if ok else self.error_interval)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def restart(self) -> None:
+        """A plugin restart: a new process, whose cache is empty."""
+        await self.stop()
+        self.cache = ""
+        self.start()
+
+
+def node_name(environ: Mapping[str, str] | None = None) -> str:
+    """This node's name as HAMi's pod is told it (NODE_NAME, from spec.nodeName)."""
+    return (os.environ if environ is None else environ).get("NODE_NAME", "")
