@@ -18,7 +18,6 @@ annotation back and matching the kubelet. NODE_E2E_RUNS (default 1) repeats it (
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ from tests.node.kit import (
     NS,
     RESOURCE,
     RUN,
+    RUNS,
     events,
     figure,
     get,
@@ -50,7 +50,6 @@ from tests.node.kit import (
 if not RUN:
     pytest.skip("runs inside the node: make node-e2e", allow_module_level=True)
 
-RUNS = int(os.environ.get("NODE_E2E_RUNS", "1"))
 CHECK = f"hami:{RESOURCE}"
 GPUS = [f"GPU-{UUID_PREFIX}{n:04d}" for n in range(2)]  # the stand-in's --gpus 2
 BINDING = "hami-device-plugin"  # the chart's ClusterRoleBinding for the plugin's ServiceAccount
