@@ -25,6 +25,7 @@ from hami_guard.node.netunix import (
     LISTEN,
     NAME_MAX,
     PROC_HEADER,
+    listed_inodes,
     parse_proc_net_unix,
     read_proc_net_unix,
 )
@@ -514,3 +515,22 @@ def test_the_kubelet_under_another_name_is_the_process_that_listens(layout: Layo
         ):
             why = f"it does not listen on kubelet.sock as this pod sees it (pid {real.pid} does)"
             assert lay.read(lay.pod) == f"no kubelet process is known: pid {fake.pid} ({lay.name}): {why}"
+
+
+def test_listed_inodes_names_every_socket_of_the_table_and_drops_a_closed_one(tmp_path: Path) -> None:
+    path = str(tmp_path / "plugin.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(path)
+    accepted, _ = listener.accept()
+    ids = {os.fstat(s.fileno()).st_ino for s in (listener, client, accepted)}
+    try:
+        assert ids <= listed_inodes("/proc/self/net/unix")
+        gone = os.fstat(accepted.fileno()).st_ino
+        accepted.close()
+        assert gone not in listed_inodes("/proc/self/net/unix")
+    finally:
+        for s in (listener, client, accepted):
+            s.close()

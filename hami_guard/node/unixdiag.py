@@ -279,6 +279,7 @@ class Connections:
     vouched: Mapping[str, frozenset[int] | str] = field(default_factory=dict, compare=False)
     # Processes that bear a kubelet's name and are not the kubelet: "pid N (name): why".
     ignored: tuple[str, ...] = ()
+    tables: tuple[str, ...] = ()  # /proc: the `<proc>/<pid>/net/unix` files read
 
     def to(self, path: str, bound_as: tuple[str, ...] = ()) -> int:
         """Open connections accepted on the listener that owns the socket file at `path` now (0 where
@@ -443,6 +444,7 @@ def kubelet_connections(
             doubtful=tuple(doubtful),
             vouched=vouched,
             ignored=kubelets.ignored,
+            tables=tuple(os.path.join(proc, pid, "net", "unix") for pid in read),
         )
     return why or (
         "the kubelet's network namespace is not visible from this pod (neither hostNetwork nor a "
