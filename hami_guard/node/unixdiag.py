@@ -73,6 +73,14 @@ class Reply:
 DIAG_DEADLINE = 2.0  # seconds for a whole dump (the kernel answers a host's thousands in milliseconds)
 
 
+def _diag_socket() -> socket.socket:
+    """A netlink socket for sock_diag requests; DiagUnavailable where the kernel gives none."""
+    try:
+        return socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
+    except OSError as e:
+        raise DiagUnavailable(f"netlink sock_diag: {e.strerror}") from None
+
+
 def diag_dump(files: Collection[tuple[int, int]] | None = None) -> list[UnixSocket]:
     """Every listening and connected Unix socket of this network namespace; with `files`, only those
     bound to one of these (st_dev, st_ino) (a host's namespace holds thousands: keep what matters),
@@ -82,10 +90,7 @@ def diag_dump(files: Collection[tuple[int, int]] | None = None) -> list[UnixSock
     (nearly all of a busy host's) is passed over undecoded; the sockets kept, and their peers, are then
     asked for one by one with everything (`diag_get`). A socket gone in between is not in the answer.
     """
-    try:
-        s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
-    except OSError as e:
-        raise DiagUnavailable(f"netlink sock_diag: {e.strerror}") from None
+    s = _diag_socket()
     deadline = time.monotonic() + DIAG_DEADLINE
     with s:
         if files is None:
@@ -143,10 +148,7 @@ def diag_get(s: socket.socket, ino: int, deadline: float) -> UnixSocket | None:
 
 def diag_one(ino: int) -> UnixSocket | None:
     """One socket of this network namespace by its inode (None: it is closed). Raises DiagUnavailable."""
-    try:
-        s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
-    except OSError as e:
-        raise DiagUnavailable(f"netlink sock_diag: {e.strerror}") from None
+    s = _diag_socket()
     with s:
         return diag_get(s, ino, time.monotonic() + DIAG_DEADLINE)
 
@@ -154,10 +156,7 @@ def diag_one(ino: int) -> UnixSocket | None:
 def diag_alive(inodes: Collection[int]) -> set[int]:
     """Which of these sockets of this network namespace are still open and not shut down: one request
     each, microseconds however many sockets the namespace holds. Raises DiagUnavailable."""
-    try:
-        s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
-    except OSError as e:
-        raise DiagUnavailable(f"netlink sock_diag: {e.strerror}") from None
+    s = _diag_socket()
     deadline = time.monotonic() + DIAG_DEADLINE
     alive = set()
     with s:
