@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -43,6 +42,7 @@ from tests.node.kit import (
     plugin_pod,
     restarts,
     set_fault,
+    sidecar_status,
     status_reason,
     wait,
 )
@@ -70,10 +70,8 @@ def expected(dead: bool = False) -> str:
 
 def hami() -> tuple[str, str, str]:
     """The sidecar's `hami:` check: its state, its reason code, its reason (from /status)."""
-    ip = plugin_pod()["status"].get("podIP", "")
     try:
-        with urllib.request.urlopen(f"http://{ip}:9395/status", timeout=5) as r:
-            doc = json.load(r)
+        doc = sidecar_status(timeout=5)
     except (OSError, ValueError) as e:
         return "", "", f"no /status: {e}"
     check = doc["checks"][CHECK]

@@ -19,7 +19,6 @@ import json
 import os
 import random
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,13 +36,13 @@ from tests.node.kit import (
     RUN,
     RUNS,
     SELECTOR,
-    SIDECAR_IMAGE,
     allocatable,
     container_status,
     events,
     fault_applied,
     figure,
     get,
+    gpu_pod,
     healthy_plugin,
     healthz,
     kubectl,
@@ -56,6 +55,7 @@ from tests.node.kit import (
     ready,
     restarts,
     set_fault,
+    sidecar_status,
     status_reason,
     wait,
 )
@@ -74,30 +74,12 @@ def test_healthy_node() -> None:
     assert healthz() == 200
     assert restarts("device-plugin") == 0
 
-    gpu_pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "gpu-workload", "namespace": "default"},
-        "spec": {
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 1,
-            "containers": [
-                {
-                    "name": "work",
-                    "image": SIDECAR_IMAGE,
-                    "imagePullPolicy": "Never",
-                    "command": [
-                        "/opt/hami-guard/bin/python",
-                        "-c",
-                        "import os, time; print(os.environ.get('NVIDIA_VISIBLE_DEVICES'), flush=True); "
-                        "time.sleep(3600)",
-                    ],
-                    "resources": {"limits": {RESOURCE: "1"}},
-                }
-            ],
-        },
-    }
-    kubectl("apply", "-f", "-", stdin=json.dumps(gpu_pod))
+    gpu_workload = gpu_pod(
+        "gpu-workload",
+        "1",
+        "import os, time; print(os.environ.get('NVIDIA_VISIBLE_DEVICES'), flush=True); time.sleep(3600)",
+    )
+    kubectl("apply", "-f", "-", stdin=json.dumps(gpu_workload))
     try:
         running = wait(
             "the GPU pod Running",
@@ -253,11 +235,22 @@ def restored_after(
     healthy_plugin()
 
 
+def replaced(old: str, timeout: float = 180) -> dict[str, Any]:
+    """Waits for the DaemonSet's pod that replaces the pod `old`, its plugin running; returns it."""
+
+    def new_and_running() -> dict[str, Any] | None:
+        pod = plugin_pod()
+        running = container_status(pod, "device-plugin").get("state", {}).get("running")
+        return pod if pod["metadata"]["name"] != old and running else None
+
+    return wait("the DaemonSet's new pod running", new_and_running, timeout, 0.5)
+
+
 def fresh_plugin_pod() -> None:
     """Replaces the plugin pod (the DaemonSet makes a new one) and waits for it healthy."""
     old = healthy_plugin()["metadata"]["name"]
     kubectl("delete", "pod", "-n", NS, old, "--wait=true")
-    wait("the DaemonSet's new pod", lambda: plugin_pod()["metadata"]["name"] != old, 120, 0.5)
+    replaced(old, 120)
     healthy_plugin(240)
 
 
@@ -330,13 +323,7 @@ def roll_sidecar(*env: str) -> dict[str, Any]:
     returns the new pod."""
     old = plugin_pod()["metadata"]["name"]
     kubectl("set", "env", "-n", NS, "daemonset/hami-device-plugin", "-c", "hami-sidecar", *env)
-
-    def replaced() -> dict[str, Any] | None:
-        pod = plugin_pod()
-        running = container_status(pod, "device-plugin").get("state", {}).get("running")
-        return pod if pod["metadata"]["name"] != old and running else None
-
-    return wait("the DaemonSet's new pod running", replaced, 180, 1)
+    return replaced(old)
 
 
 def test_sidecar_bad_flag_does_not_restart_the_plugin() -> None:
@@ -434,7 +421,7 @@ def set_liveness(period: int, failures: int) -> None:
     }
     old = plugin_pod()["metadata"]["name"]
     kubectl("patch", "-n", NS, "daemonset/hami-device-plugin", "-p", json.dumps(patch))
-    wait("the DaemonSet's new pod", lambda: plugin_pod()["metadata"]["name"] != old, 180, 1)
+    replaced(old)
     healthy_plugin(240)
 
 
@@ -492,24 +479,7 @@ def test_xid_on_a_gpu_a_pod_holds(recovery_on: None, run: str) -> None:
     gone, the restart follows and the devices come back."""
     fresh_plugin_pod()  # a sidecar that restarted for no GPU yet (the test before recovered this one)
     before = restarts("device-plugin")
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "gpu-holder", "namespace": "default"},
-        "spec": {
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 1,
-            "containers": [
-                {
-                    "name": "work",
-                    "image": SIDECAR_IMAGE,
-                    "imagePullPolicy": "Never",
-                    "command": ["/opt/hami-guard/bin/python", "-c", "import time; time.sleep(3600)"],
-                    "resources": {"limits": {RESOURCE: DEVICES}},
-                }
-            ],
-        },
-    }
+    pod = gpu_pod("gpu-holder", DEVICES, "import time; time.sleep(3600)")
     kubectl("apply", "-f", "-", stdin=json.dumps(pod))
     try:
         wait(
@@ -544,7 +514,5 @@ def test_xid_on_a_gpu_a_pod_holds(recovery_on: None, run: str) -> None:
 
 def recover_reason() -> str:
     """The `recover:` check's reason, from the sidecar's /status."""
-    ip = plugin_pod()["status"].get("podIP", "")
-    with urllib.request.urlopen(f"http://{ip}:9395/status", timeout=2) as r:
-        checks = json.load(r).get("checks", {})
+    checks = sidecar_status().get("checks", {})
     return str(checks.get(f"recover:{RESOURCE}", {}).get("reason", ""))

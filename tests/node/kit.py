@@ -129,15 +129,44 @@ def healthz(path: str = "/healthz") -> int:
         return 0
 
 
+def sidecar_status(timeout: float = 2) -> dict[str, Any]:
+    """The sidecar's /status document (OSError or ValueError when it cannot be read)."""
+    ip = plugin_pod()["status"].get("podIP", "")
+    with urllib.request.urlopen(f"http://{ip}:9395/status", timeout=timeout) as r:
+        doc: dict[str, Any] = json.load(r)
+    return doc
+
+
 def status_reason() -> str:
     """Why the sidecar fails liveness, from its /status (the failed checks' reasons)."""
-    ip = plugin_pod()["status"].get("podIP", "")
     try:
-        with urllib.request.urlopen(f"http://{ip}:9395/status", timeout=2) as r:
-            checks = json.load(r).get("checks", {})
+        checks = sidecar_status().get("checks", {})
     except (OSError, ValueError):
         return "no /status"
     return "; ".join(f"{k}: {c.get('reason')}" for k, c in checks.items() if c.get("fails_liveness"))
+
+
+def gpu_pod(name: str, devices: str, code: str) -> dict[str, Any]:
+    """A Pod in `default` asking for `devices` of the resource, running `code` in the sidecar's image's
+    Python."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {
+                    "name": "work",
+                    "image": SIDECAR_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["/opt/hami-guard/bin/python", "-c", code],
+                    "resources": {"limits": {RESOURCE: devices}},
+                }
+            ],
+        },
+    }
 
 
 def events(pod: str) -> list[dict[str, Any]]:
