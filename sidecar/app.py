@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 
 from hami_guard.node.unixdiag import KUBELET_PROCESS_NAMES
 from sidecar.config import PluginSpec, Settings
@@ -24,6 +25,7 @@ from sidecar.deviceplugin.watch import DevicePluginWatch
 from sidecar.dra.watch import DraWatch
 from sidecar.hami import watch as hami
 from sidecar.health import CheckKey, Kind, Status
+from sidecar.rpc import GrpcRuntime
 from sidecar.server.metrics import Metrics, MetricsPublisher
 from sidecar.tasks import TaskSet
 from sidecar.watcher import FolderWatcher, FsEvent
@@ -79,12 +81,14 @@ class Sidecar:
         self._watcher: FolderWatcher | None = None
         self._folder_id: tuple[int, int] | None = None
         self._folder_waiting = False
+        self._grpc = GrpcRuntime()
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         """Watch the folder, and run the probe loop and the refreshes until `stop`."""
         loop = asyncio.get_running_loop()
         self._trigger = asyncio.Event()
+        self._grpc.hold()
         self.device_plugins.start()
         self._watcher = FolderWatcher(
             self.settings.device_plugin_dir,
@@ -96,8 +100,6 @@ class Sidecar:
         if not self._arm_watcher():
             self._await_folder()
         self._tasks.spawn(self._probe_loop(), "probe-loop")
-        if self.settings.connection_interval:
-            self._tasks.spawn(self._connection_watch(), "connection-watch")
         self._schedule_refresh()
 
     async def stop(self) -> None:
@@ -112,6 +114,7 @@ class Sidecar:
         if self.dra is not None:
             self.dra.close()
         self.device_plugins.close()
+        self._grpc.release()
 
     @property
     def watch_mode(self) -> str:
@@ -207,26 +210,20 @@ class Sidecar:
             # time) coalesces into at most one round per MIN_ROUND_GAP instead of a busy core.
             await asyncio.sleep(MIN_ROUND_GAP)
 
-    async def _connection_watch(self) -> None:
-        """The kubelet's connections to the plugins it holds, read between rounds (the socket table alone,
-        microseconds by sock_diag): a drop is judged within a second of happening, not at the next
-        probe interval, with no more gRPC calls. Never more often than 20 times the table's last read
-        took (a namespace of 100,000 sockets reads in a few hundred ms)."""
+    def _watch_connections(self) -> None:
+        """The kubelet's connections to the plugins it holds, looked at between rounds on the socket
+        table's thread (the table alone, no gRPC call): a drop is judged within a second of happening,
+        not at the next probe interval. Set from each round's reading."""
         s = self.settings
-        while True:
-            await asyncio.sleep(max(s.connection_interval, 20 * self.device_plugins.table_read_seconds))
-            held = {
-                p.resource
-                for p in s.plugins
-                if self.state.checks[CheckKey(Kind.REGISTERED, p.resource).name].status is Status.OK
-            }
-            try:
-                moved = await self.device_plugins.connections_moved(held)
-            except Exception:
-                logger.exception("reading the kubelet's connections between rounds failed")
-                continue
-            if moved:
-                self.trigger()
+        if not s.connection_interval:
+            return
+        held = {
+            p.resource
+            for p in s.plugins
+            if self.state.checks[CheckKey(Kind.REGISTERED, p.resource).name].status is Status.OK
+        }
+        loop = asyncio.get_running_loop()
+        self.device_plugins.watch_connections(held, partial(loop.call_soon_threadsafe, self.trigger))
 
     async def probe_round(self) -> None:
         """One round: the device plugins', then the DRA drivers' (their verdicts into the same checks)."""
@@ -236,6 +233,7 @@ class Sidecar:
             self.device_plugins.node_kubelet_version = self.hami.kubelet_version()
         for plugin in await self.device_plugins.round():
             self._follow_vanished(plugin)
+        self._watch_connections()
         if self.dra is not None:
             await self.dra.round()
         self._read_hami()

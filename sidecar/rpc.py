@@ -43,6 +43,32 @@ def insecure_channel(path: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(unix_target(path), options=[("grpc.use_local_subchannel_pool", 1)])
 
 
+class GrpcRuntime:
+    """Keeps grpcio's asyncio runtime up between rounds.
+
+    grpcio counts its live channels: when the last one closes, it shuts its core down (a poller
+    thread joined, the core's threads ended), and the next channel starts it all again. A round's
+    channels are opened one after another, so without a holder every probe paid for a start and a
+    shutdown of the runtime: about 0.8 ms of CPU of the 1.9 ms a probe costs, and a new thread each
+    time. Holding one reference for the sidecar's life changes no call: each probe still dials its own
+    connection on its own channel.
+    """
+
+    def __init__(self) -> None:
+        self._held = False
+
+    def hold(self) -> None:
+        """On the running loop (grpcio binds its runtime to it)."""
+        if not self._held:
+            grpc.aio.init_grpc_aio()
+            self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            grpc.aio.shutdown_grpc_aio()
+
+
 def serialize(message: Message) -> bytes:
     return message.SerializeToString()
 

@@ -12,6 +12,7 @@ round (`sidecar.dra.watch`) mirrors this one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import logging
 import os
@@ -19,7 +20,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -78,13 +79,13 @@ SWITCH = 0.0002  # seconds: the GIL's switch interval while the socket table is 
 BOUND_DIR = os.path.dirname(KUBELET_BOUND_PATH)
 MAX_FOLDER_SOCKETS = 32  # other sockets tried in the folder per round
 RELEASE_RETRY = 60.0  # seconds between reads of an unknown kubelet release
-# Between rounds, the whole socket table (a /proc file of the whole namespace) is read at most this share
-# of a core's time: every connection interval where a read costs 1 ms or less (a node's few hundred
-# sockets), less often where it costs more (100,000 sockets: a few hundred ms, every few minutes); and
-# where the kubelet's table alone tells a known connection gone (`listed_inodes`, every interval), at
-# most every FULL_READ_EVERY intervals (what it alone cannot tell: a new connection).
+# Between rounds, where the last round's connections cannot be asked for one by one, the whole socket
+# table (a /proc file of the whole namespace) is read at most this share of a core's time: every
+# connection interval where a read costs 1 ms or less (a node's few hundred sockets), less often where
+# it costs more (100,000 sockets: a few hundred ms, every few minutes).
 FULL_READ_SHARE = 0.001
-FULL_READ_EVERY = 5
+# A look by inode is spaced at least this many times the last whole read's duration.
+LOOK_SPACING = 20
 
 
 class Publisher(Listener, Protocol):
@@ -107,6 +108,20 @@ class _SocketTable:
     ignored: tuple[str, ...] = ()  # processes named as the kubelet that are not it, and why
 
 
+@dataclass(frozen=True)
+class Look:
+    """What the table's thread checks between rounds: `moved()` says whether the kubelet's connections to
+    the plugins it holds differ from the last round's; `whole`: it reads the whole table (spaced by
+    that read's cost), not the last round's connections by inode."""
+
+    moved: Callable[[], bool]
+    whole: bool
+    then: Callable[[], object]  # called (on the thread) once `moved()` said so; the look then ends
+
+
+_WAKE = "wake"  # a look was set: the thread's wait is cut short to take it
+
+
 class TableThread:
     """The kernel's socket table, read on a thread of its own, one read at a time.
 
@@ -114,16 +129,36 @@ class TableThread:
     event loop would hold every /healthz answer that long. A read that does not end (a stuck file
     read) holds this thread only: a round waits for it within its timeout, the next rounds start
     none while it runs, and shutdown does not wait for it (a daemon thread).
+
+    Between the rounds' reads the thread looks at the kubelet's connections itself (`watch`) every
+    `every` seconds: the event loop hears of it only when they moved, so a look costs the read alone,
+    not a hand-over to the loop and back each second.
     """
 
-    def __init__(self, name: str = "hami-sidecar-socket-table") -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[object]] | None] = (
+    def __init__(self, name: str = "hami-sidecar-socket-table", every: float = 1.0) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[object]] | str | None] = (
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._running: Future[object] | None = None
         self._since = 0.0
         self.last_read = 0.0  # seconds the last read that ended took
+        self.every = every
+        self._look: Look | None = None
+        self._look_at = 0.0  # monotonic: when the look is due
+
+    def watch(self, look: Look | None) -> None:
+        """Look with `look` from now on (None: no look), the first time `every` seconds from now."""
+        self._look_at = time.monotonic() + self._spacing(look)
+        self._look = look
+        self._jobs.put(_WAKE)
+
+    def _spacing(self, look: Look | None) -> float:
+        if look is None:
+            return self.every
+        if look.whole:
+            return max(self.every, self.last_read / FULL_READ_SHARE)
+        return max(self.every, LOOK_SPACING * self.last_read)
 
     def start(self) -> None:
         self._thread.start()
@@ -157,21 +192,56 @@ class TableThread:
         return result  # type: ignore[return-value]  # what `read` returned
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while True:
+            look = self._look
+            try:
+                wait = None if look is None else max(0.0, self._look_at - time.monotonic())
+                job = self._jobs.get(timeout=wait)
+            except queue.Empty:
+                self._take_look(look)
+                continue
+            if job is None:
+                return
+            if isinstance(job, str):  # _WAKE
+                continue
             read, done = job
-            # While it reads, the loop thread waits for the GIL at most SWITCH seconds at a time, not
-            # the default 5 ms: an HTTP answer takes the GIL a few times, and a table read holds it
-            # for hundreds of ms in all.
-            switch = sys.getswitchinterval()
-            sys.setswitchinterval(min(switch, SWITCH))
             started = time.monotonic()
             try:
-                done.set_result(read())
+                with _short_switch():
+                    done.set_result(read())
             except BaseException as e:  # handed to the round, which logs it
                 done.set_exception(e)
             finally:
-                sys.setswitchinterval(switch)
                 self.last_read = time.monotonic() - started
+
+    def _take_look(self, look: Look | None) -> None:
+        if look is None or look is not self._look:
+            return
+        started = time.monotonic()
+        try:
+            with _short_switch():
+                moved = look.moved()
+            if moved and look is self._look:
+                self._look = None  # the round it asks for sets the next look
+                look.then()
+        except Exception:  # a look never ends the thread: the next round reads again
+            logger.exception("looking at the kubelet's connections between rounds failed")
+        if look.whole:
+            self.last_read = time.monotonic() - started
+        self._look_at = time.monotonic() + self._spacing(look)
+
+
+@contextlib.contextmanager
+def _short_switch() -> Iterator[None]:
+    """While the table is read, the loop thread waits for the GIL at most SWITCH seconds at a time, not
+    the default 5 ms: an HTTP answer takes the GIL a few times, and a table read holds it for hundreds
+    of ms in all."""
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(min(switch, SWITCH))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(switch)
 
 
 class DevicePluginWatch:
@@ -202,7 +272,7 @@ class DevicePluginWatch:
         self.connections_source = ""  # where the last round read the kubelet's connections
         self.kubelets_ignored: tuple[str, ...] = ()  # processes named as the kubelet that are not it
         self.table_read_seconds = 0.0  # how long the last read of the socket table took
-        self._table = TableThread()
+        self._table = TableThread(every=s.connection_interval)
         self.expectation: hamiconfig.Expectation | None = None  # auto's, as last read
         self._others: tuple[tuple[str, SocketId], ...] = ()
         self._reader: ThreadPoolExecutor | None = None
@@ -214,8 +284,6 @@ class DevicePluginWatch:
         # of the table at a time: between rounds it is read again to see a drop within a second.
         self.last_ids: dict[str, frozenset[int] | None] = {}
         self._tables: tuple[str, ...] = ()  # the kubelet's /proc/<pid>/net/unix the last round read
-        self._table_lock = asyncio.Lock()
-        self._full_read_at = 0.0  # monotonic: the last whole read of the table between rounds
         self._rules_read: tuple[int, float] = (-1, 0.0)  # (judge generation, monotonic) of that read
         self._clock = clock
         # Each plugin socket's listener as the last round saw it: its bound file (st_dev, st_ino), which
@@ -359,50 +427,45 @@ class DevicePluginWatch:
         deadline (2 s), the longer."""
         # Not the probe timeout alone, which may be 50 ms: a read of 100,000 sockets takes a few hundred.
         wait = max(self.settings.probe_timeout, DIAG_DEADLINE)
-        async with self._table_lock:  # a read between rounds is waited for, not taken as this round's
-            got = await self._table.read(self._read_socket_table, wait)
+        got = await self._table.read(self._read_socket_table, wait)  # after a look under way, if any
         table = _SocketTable(got, set(), got) if isinstance(got, str) else got
         self.kubelets_ignored = table.ignored
         self.table_read_seconds = self._table.last_read
         return table
 
-    async def connections_moved(self, held: set[str]) -> bool:
-        """Between rounds, the socket table alone (no gRPC call): have the kubelet's connections to a plugin
-        it holds (`held`: resources) changed since the last round? A drop, a second Register: the round
-        that judges it is due now, not at the next interval. Only what the reader trusts counts: a set
-        of connections, or 0 where a positive count is not trusted."""
+    def watch_connections(self, held: set[str], then: Callable[[], object]) -> None:
+        """Between rounds, the socket table alone (no gRPC call), looked at on the table's thread every
+        connection interval: have the kubelet's connections to a plugin it holds (`held`: resources)
+        changed since this round? A drop, a second Register (the kubelet closes the first connection):
+        `then()` is called, from that thread, and the round that judges it is due now, not at the next
+        interval. Only what the reader trusts counts: a set of connections, or 0 where a positive count
+        is not trusted; a look that cannot tell leaves it to the next round. Set after each round."""
         watched = [p for p in self.settings.plugins if p.resource in held]
         if not watched:
-            return False
-        known = [self.last_ids.get(p.resource) for p in watched]
-        if self.connections_source.startswith("this network namespace") and all(known):
+            self._table.watch(None)
+            return
+        known = {p.resource: self.last_ids.get(p.resource) for p in watched}
+        ids = frozenset[int]().union(*(k for k in known.values() if k))
+        if all(known.values()) and self.connections_source.startswith("this network namespace"):
             # Read by sock_diag in this namespace, each connection known: asked for one by one, which
             # costs microseconds however many sockets the namespace holds.
-            ids = frozenset().union(*(k for k in known if k))
-            alive = await self._off_loop(partial(_alive, ids), None)
-            if alive is not None:
-                return alive != ids
-        cheap = False
-        if self._tables and all(known):
+            self._table.watch(Look(partial(_gone_by_diag, ids), False, then))
+        elif all(known.values()) and self._tables:
             # The kubelet's namespace read through /proc: its table's inodes alone, one pass, no parse.
-            ids = frozenset().union(*(k for k in known if k))
-            listed = await self._off_loop(partial(_listed, self._tables), None)
-            if listed is not None:
-                if not ids <= listed:
-                    return True  # a connection the last round saw is gone
-                cheap = True
-        now = self._clock()
-        every = self.settings.connection_interval * (FULL_READ_EVERY if cheap else 1)
-        if now - self._full_read_at < max(every, self.table_read_seconds / FULL_READ_SHARE):
-            return False  # the whole table, less often where it is large
-        self._full_read_at = now
-        table = await self._socket_table()
-        if isinstance(table.connections, str):
+            self._table.watch(Look(partial(_gone_from, self._tables, ids), False, then))
+        else:
+            # A count of 0, or connections not asked for by inode: the whole table, spaced by its cost.
+            self._table.watch(Look(partial(self._connections_differ, watched, known), True, then))
+
+    def _connections_differ(self, watched: list[PluginSpec], known: dict[str, frozenset[int] | None]) -> bool:
+        """On the table's thread: does a whole read of the table differ from the round's for a plugin?"""
+        connections = self._read_socket_table().connections
+        if isinstance(connections, str):
             return False
         for plugin in watched:
             path = self.settings.plugin_path(plugin)
-            found = table.connections.accepted(path, (os.path.join(BOUND_DIR, plugin.socket),))
-            if not isinstance(found, str) and found != self.last_ids.get(plugin.resource):
+            found = connections.accepted(path, (os.path.join(BOUND_DIR, plugin.socket),))
+            if not isinstance(found, str) and found != known[plugin.resource]:
                 return True
         return False
 
@@ -563,12 +626,20 @@ def _still_listening(listener: PluginListener | None) -> bool | None:
     return found is not None and found.state == LISTEN and found.vfs == listener.bound
 
 
-def _listed(tables: tuple[str, ...]) -> frozenset[int] | None:
-    """The socket inodes these /proc tables list, or None where one cannot be read."""
+def _gone_from(tables: tuple[str, ...], ids: frozenset[int]) -> bool:
+    """Is one of `ids` missing from the socket inodes these /proc tables list? False where one cannot be
+    read."""
     try:
-        return frozenset().union(*(listed_inodes(t) for t in tables))
+        listed = frozenset[int]().union(*(listed_inodes(t) for t in tables))
     except OSError:
-        return None
+        return False
+    return not ids <= listed
+
+
+def _gone_by_diag(ids: frozenset[int]) -> bool:
+    """Is one of the connections `ids` closed (sock_diag)? False where it cannot be told."""
+    alive = _alive(ids)
+    return alive is not None and alive != ids
 
 
 def _mtime_ns(path: str) -> int | None:
