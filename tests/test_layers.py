@@ -68,6 +68,7 @@ LAYERS: Mapping[str, frozenset[str]] = {
             "hami_guard",
             "sidecar.config",
             "sidecar.health",
+            "sidecar.rpc",
             "sidecar.tasks",
             "sidecar.watcher",
             "sidecar.deviceplugin.*",

@@ -235,6 +235,13 @@ READ = (
     "print(json.dumps(c if isinstance(c, str) else [c.source, c.held(sys.argv[3]), c.owned is not None]))"
 )
 
+# The connections a look between rounds watches: every one the table shows at the plugin's path, and
+# the kubelet's own where they can be told.
+LISTED = READ.replace(
+    "[c.source, c.held(sys.argv[3]), c.owned is not None]",
+    "[sorted(c.listed(sys.argv[3])), a if isinstance(a := c.accepted(sys.argv[3]), str) else sorted(a)]",
+)
+
 
 def reader(folder: str) -> tuple[list[str], dict[str, str]]:
     """READ's argv head and environment for any user: the interpreter by its real path and a copy of
@@ -329,6 +336,14 @@ def test_from_a_pod_the_kubelets_namespace_through_proc_whoever_reads_it(short_t
         assert source == ours
         assert held.startswith("the kubelet's net/unix shows 1 connection(s) to nvidia-gpu.sock by path only")
         assert held.endswith("cannot be read (that needs CAP_SYS_PTRACE)"), held
+        # What the look between rounds watches without the capability: the kubelet's connection too.
+        listed = [head[0], "-c", LISTED, *argv[3:]]
+        done = pod.run(listed, capture_output=True, text=True, timeout=60, env=env)
+        seen, kubelets = json.loads(done.stdout)
+        assert len(kubelets) == 1 and set(kubelets) <= set(seen), (seen, kubelets)
+        done = pod.run([*ROOT_NO_CAPS, *listed], capture_output=True, text=True, timeout=60, env=env)
+        seen_without, why = json.loads(done.stdout)
+        assert isinstance(why, str) and seen_without == seen, (seen_without, why)
         done = pod.run([*NOBODY, *argv], capture_output=True, text=True, timeout=60, env=env)
         why = json.loads(done.stdout)
         assert isinstance(why, str) and f"pid {k.pid} ({name}): which process listens on kubelet.sock" in why

@@ -284,6 +284,8 @@ class DevicePluginWatch:
         # of the table at a time: between rounds it is read again to see a drop within a second.
         self.last_ids: dict[str, frozenset[int] | None] = {}
         self._tables: tuple[str, ...] = ()  # the kubelet's /proc/<pid>/net/unix the last round read
+        # Each plugin's connections that table showed at its path, the kubelet's or not (`listed`).
+        self._listed: dict[str, frozenset[int]] = {}
         self._rules_read: tuple[int, float] = (-1, 0.0)  # (judge generation, monotonic) of that read
         self._clock = clock
         # Each plugin socket's listener as the last round saw it: its bound file (st_dev, st_ino), which
@@ -339,6 +341,11 @@ class DevicePluginWatch:
         connections = table.connections
         self.connections_source = connections if isinstance(connections, str) else connections.source
         self._tables = () if isinstance(connections, str) else connections.tables
+        self._listed = {
+            p.resource: connections.listed(s.plugin_path(p), (os.path.join(BOUND_DIR, p.socket),))
+            for p in s.plugins
+            if not isinstance(connections, str)
+        }
         seen = RoundEvidence(
             kubelet,
             observed,
@@ -445,13 +452,19 @@ class DevicePluginWatch:
             self._table.watch(None)
             return
         known = {p.resource: self.last_ids.get(p.resource) for p in watched}
-        ids = frozenset[int]().union(*(k for k in known.values() if k))
         if all(known.values()) and self.connections_source.startswith("this network namespace"):
             # Read by sock_diag in this namespace, each connection known: asked for one by one, which
             # costs microseconds however many sockets the namespace holds.
+            ids = frozenset[int]().union(*(k for k in known.values() if k))
             self._table.watch(Look(partial(_gone_by_diag, ids), False, then))
-        elif all(known.values()) and self._tables:
-            # The kubelet's namespace read through /proc: its table's inodes alone, one pass, no parse.
+            return
+        # The kubelet's namespace read through /proc: its table's inodes alone, one pass, no parse. The
+        # connections the kubelet is known to hold, else every one the round saw at the plugin's path
+        # (where the plugin's descriptors cannot be read: its own capabilities dropped): one of them
+        # gone brings the round forward, which judges whose it was.
+        seen = [known[p.resource] or self._listed.get(p.resource) for p in watched]
+        if self._tables and all(seen):
+            ids = frozenset[int]().union(*(k for k in seen if k))
             self._table.watch(Look(partial(_gone_from, self._tables, ids), False, then))
         else:
             # A count of 0, or connections not asked for by inode: the whole table, spaced by its cost.

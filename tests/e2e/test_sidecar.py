@@ -304,7 +304,9 @@ async def test_folder_deleted_and_recreated_is_watched_again(make_node: NodeFact
         await node.kubelet.restart()
         await node.plugin.restart()  # its own watch died with the folder
         await node.until("/healthz?verbose", 200, timeout=3, contains=f"[+]registered:{GPU} ok")
-        assert node.sidecar.watch_mode == "inotify"
+        # The folder is looked for every 0.25 s: on a loaded machine a round may see the plugin
+        # registered before the new folder is watched.
+        await wait_for(lambda: node.sidecar.watch_mode == "inotify", 3, "the new folder watched")
         await node.plugin.crash()
         # Seen through the new watch: no round is due for 30 s. The bound allows for CI's load.
         body = await node.until("/healthz?verbose", 503, timeout=5)
