@@ -549,3 +549,13 @@ def test_listed_inodes_names_every_socket_of_the_table_and_drops_a_closed_one(tm
     finally:
         for s in (listener, client, accepted):
             s.close()
+
+
+def test_listed_inodes_reads_a_table_past_its_first_read(tmp_path: Path) -> None:
+    """A host's table is larger than one read: the inodes of its last lines count too."""
+    line = "0000000000000000: 00000003 00000000 00000000 0001 03 {} /var/lib/kubelet/device-plugins/x.sock\n"
+    table = tmp_path / "unix"
+    header = "Num       RefCount Protocol Flags    Type St Inode Path\n"
+    table.write_text(header + "".join(line.format(100_000 + i) for i in range(4_000)))
+    assert table.stat().st_size > 4 << 16
+    assert listed_inodes(str(table)) == frozenset(range(100_000, 104_000))

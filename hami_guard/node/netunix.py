@@ -145,9 +145,14 @@ def listed_inodes(table: str) -> frozenset[int]:
     """Every socket inode a `/proc/<pid>/net/unix` file lists, read in one pass with no parse of the
     names: the cheap look between two reads of the table (a line forged in a name can add an inode,
     never remove one). OSError when it cannot be read."""
-    with open(table, "rb") as f:
-        data = f.read(PROC_MAX_BYTES)
-    return frozenset(int(m) for m in _INODE.findall(data))
+    with open(table, "rb", buffering=0) as f:
+        # In 64 KiB reads: one read of PROC_MAX_BYTES maps a buffer that large every second.
+        parts: list[bytes] = []
+        taken = 0
+        while taken < PROC_MAX_BYTES and (part := f.read(min(1 << 16, PROC_MAX_BYTES - taken))):
+            parts.append(part)
+            taken += len(part)
+    return frozenset(int(m) for m in _INODE.findall(b"".join(parts)))
 
 
 def proc_net_unix(proc: str = "/proc/self", paths: Collection[str] | None = None) -> list[UnixSocket]:
