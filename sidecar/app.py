@@ -15,7 +15,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from functools import partial
 
 from hami_guard.node.unixdiag import KUBELET_PROCESS_NAMES
 from sidecar.config import PluginSpec, Settings
@@ -104,17 +103,19 @@ class Sidecar:
 
     async def stop(self) -> None:
         """Stop watching and probing; every task and thread of the sidecar ends."""
-        if self._refresh_handle is not None:
-            self._refresh_handle.cancel()
-        if self._watcher is not None:
-            self._watcher.stop()
-        await self._tasks.cancel()
-        if self.hami is not None:
-            await self.hami.close()
-        if self.dra is not None:
-            self.dra.close()
-        self.device_plugins.close()
-        self._grpc.release()
+        try:
+            if self._refresh_handle is not None:
+                self._refresh_handle.cancel()
+            if self._watcher is not None:
+                self._watcher.stop()
+            await self._tasks.cancel()
+            if self.hami is not None:
+                await self.hami.close()
+            if self.dra is not None:
+                self.dra.close()
+            self.device_plugins.close()
+        finally:
+            self._grpc.release()
 
     @property
     def watch_mode(self) -> str:
@@ -223,7 +224,12 @@ class Sidecar:
             if self.state.checks[CheckKey(Kind.REGISTERED, p.resource).name].status is Status.OK
         }
         loop = asyncio.get_running_loop()
-        self.device_plugins.watch_connections(held, partial(loop.call_soon_threadsafe, self.trigger))
+
+        def wake() -> None:  # on the table's thread
+            with contextlib.suppress(RuntimeError):  # the loop closed: the sidecar stops
+                loop.call_soon_threadsafe(self.trigger)
+
+        self.device_plugins.watch_connections(held, wake)
 
     async def probe_round(self) -> None:
         """One round: the device plugins', then the DRA drivers' (their verdicts into the same checks)."""

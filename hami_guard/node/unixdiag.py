@@ -293,16 +293,14 @@ class Connections:
         return ids if isinstance(ids, str) else len(ids)
 
     def listed(self, path: str, bound_as: tuple[str, ...] = ()) -> frozenset[int]:
-        """/proc: the inodes of every open connection whose line names `path` (or `bound_as`), the
-        kubelet's or not: what a later look at the same table can see go (a line forged into a name can
-        add one, never hide one). sock_diag: `accepted`'s."""
+        """/proc: the inodes of every open connection whose own line names `path` (or `bound_as`), the
+        kubelet's or not: what a later look at the same table can see go (the lines that may be a part
+        of another socket's name are left out). sock_diag: `accepted`'s."""
         if self.exact:
             found = self.accepted(path, bound_as)
             return found if isinstance(found, frozenset) else frozenset()
         names = {normalise(path), *bound_as}
-        return frozenset(
-            s.ino for s in (*self.sockets, *self.doubtful) if s.state == ESTABLISHED and s.path in names
-        )
+        return frozenset(s.ino for s in self.sockets if s.state == ESTABLISHED and s.path in names)
 
     def accepted(self, path: str, bound_as: tuple[str, ...] = ()) -> frozenset[int] | str:
         """The accepted ends (by inode: which one came or went between two reads) of the open

@@ -136,21 +136,22 @@ class TableThread:
     """
 
     def __init__(self, name: str = "hami-sidecar-socket-table", every: float = 1.0) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future[object]] | str | None] = (
-            queue.SimpleQueue()
-        )
+        self._jobs: queue.SimpleQueue[
+            tuple[Callable[[], object], Future[object], Future[None]] | str | None
+        ] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._running: Future[object] | None = None
         self._since = 0.0
         self.last_read = 0.0  # seconds the last read that ended took
         self.every = every
+        self._lock = threading.Lock()  # the look and when it is due, set by the loop and by this thread
         self._look: Look | None = None
         self._look_at = 0.0  # monotonic: when the look is due
 
     def watch(self, look: Look | None) -> None:
         """Look with `look` from now on (None: no look), the first time `every` seconds from now."""
-        self._look_at = time.monotonic() + self._spacing(look)
-        self._look = look
+        with self._lock:
+            self._look, self._look_at = look, time.monotonic() + self._spacing(look)
         self._jobs.put(_WAKE)
 
     def _spacing(self, look: Look | None) -> float:
@@ -164,7 +165,10 @@ class TableThread:
         self._thread.start()
 
     def close(self, wait: float = 0.5) -> None:
-        """End the thread once its read (if any) is over; wait for that `wait` seconds at most."""
+        """End the thread once its read (if any) is over; wait for that `wait` seconds at most. A look
+        under way says nothing after this."""
+        with self._lock:
+            self._look = None
         self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join(wait)
@@ -182,9 +186,13 @@ class TableThread:
         if not self._thread.is_alive():
             return "the socket table's reader is not running"
         job: Future[object] = Future()
+        taken: Future[None] = Future()  # the thread took the job (after a look under way, if any)
         self._running, self._since = job, time.monotonic()
-        self._jobs.put((read, job))
+        self._jobs.put((read, job, taken))
         try:
+            # The timeout counts from then: a look's read is waited for, not taken from the round's.
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(asyncio.wrap_future(taken))
             async with asyncio.timeout(timeout):
                 result = await asyncio.shield(asyncio.wrap_future(job))
         except TimeoutError:
@@ -193,9 +201,10 @@ class TableThread:
 
     def _run(self) -> None:
         while True:
-            look = self._look
+            with self._lock:
+                look, due = self._look, self._look_at
             try:
-                wait = None if look is None else max(0.0, self._look_at - time.monotonic())
+                wait = None if look is None else max(0.0, due - time.monotonic())
                 job = self._jobs.get(timeout=wait)
             except queue.Empty:
                 self._take_look(look)
@@ -204,7 +213,8 @@ class TableThread:
                 return
             if isinstance(job, str):  # _WAKE
                 continue
-            read, done = job
+            read, done, taken = job
+            taken.set_result(None)
             started = time.monotonic()
             try:
                 with _short_switch():
@@ -218,17 +228,23 @@ class TableThread:
         if look is None or look is not self._look:
             return
         started = time.monotonic()
+        moved = False
         try:
             with _short_switch():
                 moved = look.moved()
-            if moved and look is self._look:
-                self._look = None  # the round it asks for sets the next look
-                look.then()
         except Exception:  # a look never ends the thread: the next round reads again
             logger.exception("looking at the kubelet's connections between rounds failed")
         if look.whole:
             self.last_read = time.monotonic() - started
-        self._look_at = time.monotonic() + self._spacing(look)
+        with self._lock:
+            if look is not self._look:
+                return  # another look was set meanwhile (or none, at close): it stands
+            if moved:
+                self._look = None  # the round it asks for sets the next look
+            else:
+                self._look_at = time.monotonic() + self._spacing(look)
+        if moved:
+            look.then()
 
 
 @contextlib.contextmanager
@@ -462,7 +478,7 @@ class DevicePluginWatch:
         # connections the kubelet is known to hold, else every one the round saw at the plugin's path
         # (where the plugin's descriptors cannot be read: its own capabilities dropped): one of them
         # gone brings the round forward, which judges whose it was.
-        seen = [known[p.resource] or self._listed.get(p.resource) for p in watched]
+        seen = [self._listed.get(r) if (k := known[r]) is None else k for r in (p.resource for p in watched)]
         if self._tables and all(seen):
             ids = frozenset[int]().union(*(k for k in seen if k))
             self._table.watch(Look(partial(_gone_from, self._tables, ids), False, then))
