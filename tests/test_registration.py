@@ -1466,3 +1466,28 @@ def test_a_listener_that_closes_within_the_restart_window_is_a_plugin_that_stopp
     then = AfterDeletion(plugin=None, kubelet=K1, kubelet_refuses=False, listening=False)
     reg.judge_vanished(GPU, then, restart_window_over=True)
     assert status(reg, f"plugin:{GPU}") == ("failed", True)
+
+
+def test_a_creation_event_handled_once_its_socket_is_gone_opens_no_new_socket() -> None:
+    """On a loaded node the creation event of the socket a round saw first can be handled after the
+    plugin crashed (the observer holds events up to 0.5 s to pair moves), even after a round saw the
+    socket absent. It is that socket's event: no new socket came and went before the kubelet held it
+    (HAMi's failed start, pending), and the crash is judged as one."""
+    reg, clock, _ = make()
+    node = Node()
+    reg.round(node.round())
+    reg.kubelet_socket_event("deleted", None)  # a kubelet restart
+    node.kubelet, node.plugin = alive(K2), alive(P2)
+    node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 7_000)
+    clock.now += 1
+    reg.round(node.round())  # the new socket, seen by a probe before its event
+    assert status(reg, f"registered:{GPU}")[0] == "ok"
+    node.plugin = down("absent")
+    clock.now += 1
+    reg.round(node.round())  # the crash, seen by a round before its event
+    reg.plugin_socket_created(GPU, None)  # P2's creation event, handled now: the file is gone
+    reg.plugin_socket_deleted(GPU)
+    if reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=False):
+        reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=True)
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)
+    assert "removed while the kubelet kept running" in reason(reg, f"plugin:{GPU}")

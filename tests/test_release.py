@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,11 @@ def test_a_process_of_the_name_whose_binary_names_no_release_makes_it_unknown(tm
     sleeper.symlink_to(shutil.which("sleep") or "/bin/sleep")
     proc = subprocess.Popen([str(sleeper), "30"])
     try:
+        # Named so once it has exec'd: a loaded machine can be a moment later than the Popen.
+        comm = Path(f"/proc/{proc.pid}/comm")
+        deadline = time.monotonic() + 10
+        while comm.read_text().strip() != name[:15] and time.monotonic() < deadline:
+            time.sleep(0.01)
         found = release.from_process({name})
     finally:
         proc.kill()

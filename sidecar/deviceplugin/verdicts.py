@@ -371,6 +371,9 @@ class _PluginState:
     kubelet_then: SocketId | None = None  # kubelet.sock as last seen answering when `identity` was set
     known: bool = False  # seen at all since start
     judging: bool = False  # a deleted socket awaits its verdict
+    # Since `identity` was set, its deletion's event (or a kubelet restart, which deletes every plugin
+    # socket) was seen: a creation event handled once its file is gone is then a new socket's.
+    unlinked: bool = False
     vanished: _Vanished | None = None  # a vanished socket's verdict
     connected_pair: _Pair | None = None  # seen held
     connected_since: float | None = None  # wall
@@ -539,7 +542,13 @@ class DevicePluginJudge:
             # re-created within one timestamp tick can reuse the inode and the mtime: after a deletion,
             # `judging` tells it apart.)
             return
-        p.identity, p.kubelet_then, p.known = identity, self._kubelet_id, True
+        if identity is None and p.identity is not None and not p.unlinked:
+            # The creation event of the socket a probe saw first, handled once the file is gone again
+            # (the observer holds events up to 0.5 s): no other socket came in between, as a new one is
+            # bound only once the old file is unlinked, whose event comes first. Its deletion's event,
+            # next, judges the socket's end.
+            return
+        p.identity, p.kubelet_then, p.known, p.unlinked = identity, self._kubelet_id, True, False
         p.judging, p.vanished, p.lost_at, p.connected_pair = False, None, None, None
         # HAMi's own answer to a kubelet restart, not a restart liveness asked for.
         p.since_restart = self.kubelet_restarts > 0 and not p.episode and not p.restarts_in_vain
@@ -560,7 +569,8 @@ class DevicePluginJudge:
 
     def plugin_socket_deleted(self, resource: str) -> None:
         """Mark the plugin's verdict as under way; the caller observes, then calls `judge_vanished`."""
-        self._plugins[resource].judging = True
+        p = self._plugins[resource]
+        p.judging = p.unlinked = True
 
     def end_judgement(self, resource: str) -> None:
         """The observation of a deleted socket ended (or failed): its verdict, if any, is in."""
@@ -669,7 +679,7 @@ class DevicePluginJudge:
             p.since_restart = False
             # A kubelet restart ends a failure episode: the new socket HAMi then serves is not a
             # restart the livenessProbe asked for.
-            p.lost_at, p.connected_pair, p.episode = None, None, False
+            p.lost_at, p.connected_pair, p.episode, p.unlinked = None, None, False, True
         if self._kubelet_id is None:
             return  # never seen answering: nothing to restart from
         self.kubelet_restarts += 1
