@@ -358,7 +358,7 @@ class DevicePluginWatch:
         self.connections_source = connections if isinstance(connections, str) else connections.source
         self._tables = () if isinstance(connections, str) else connections.tables
         self._listed = {
-            p.resource: connections.listed(s.plugin_path(p), (os.path.join(BOUND_DIR, p.socket),))
+            p.resource: connections.listed(s.plugin_path(p), _bound_as(p))
             for p in s.plugins
             if not isinstance(connections, str)
         }
@@ -493,7 +493,7 @@ class DevicePluginWatch:
             return False
         for plugin in watched:
             path = self.settings.plugin_path(plugin)
-            found = connections.accepted(path, (os.path.join(BOUND_DIR, plugin.socket),))
+            found = connections.accepted(path, _bound_as(plugin))
             if not isinstance(found, str) and found != known[plugin.resource]:
                 return True
         return False
@@ -526,7 +526,7 @@ class DevicePluginWatch:
             held: Reading[int] = Reading.failed(table.connections)
         else:
             # Where the folder is mounted elsewhere, the plugin bound it at the kubelet's own path.
-            found = table.connections.accepted(path, (os.path.join(BOUND_DIR, plugin.socket),))
+            found = table.connections.accepted(path, _bound_as(plugin))
             if isinstance(found, str):
                 held = Reading.failed(found)
             else:
@@ -603,14 +603,6 @@ def _served_elsewhere(folder: str, mine: set[str]) -> tuple[tuple[str, SocketId]
     return tuple(out)
 
 
-def _alive(ids: frozenset[int]) -> frozenset[int] | None:
-    """The connections among `ids` still open (sock_diag, one request each); None: cannot be told."""
-    try:
-        return frozenset(diag_alive(ids))
-    except DiagUnavailable:
-        return None
-
-
 def _host_gpus(gpus_dir: str, device_glob: str) -> tuple[Reading[frozenset[str]], int | None]:
     """The GPUs' UUIDs the NVIDIA driver lists (or why none), and the `device_glob` matches."""
     gpus, unread = hamiconfig.read_gpus(gpus_dir)
@@ -665,10 +657,18 @@ def _gone_from(tables: tuple[str, ...], ids: frozenset[int]) -> bool:
     return not ids <= listed
 
 
+def _bound_as(plugin: PluginSpec) -> tuple[str]:
+    """Where the plugin bound its socket when its folder is mounted elsewhere: the kubelet's own path."""
+    return (os.path.join(BOUND_DIR, plugin.socket),)
+
+
 def _gone_by_diag(ids: frozenset[int]) -> bool:
-    """Is one of the connections `ids` closed (sock_diag)? False where it cannot be told."""
-    alive = _alive(ids)
-    return alive is not None and alive != ids
+    """Is one of the connections `ids` closed (sock_diag, one request each)? False where it cannot be
+    told."""
+    try:
+        return frozenset(diag_alive(ids)) != ids
+    except DiagUnavailable:
+        return False
 
 
 def _mtime_ns(path: str) -> int | None:
