@@ -1491,3 +1491,31 @@ def test_a_creation_event_handled_once_its_socket_is_gone_opens_no_new_socket() 
         reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=True)
     assert status(reg, f"plugin:{GPU}") == ("failed", True)
     assert "removed while the kubelet kept running" in reason(reg, f"plugin:{GPU}")
+
+
+def test_a_crash_long_after_the_kubelet_restart_is_no_failed_start() -> None:
+    """Once the kubelet held the plugin after its restart, that restart was answered. A later socket
+    whose events come after a round saw it (the observer holds every event behind a move, such as the
+    kubelet's checkpoint write, up to 0.5 s) and which crashed before they came is a crash: it fails at
+    once, not pending as HAMi's failed start."""
+    reg, clock, _ = make()
+    node = Node()
+    reg.round(node.round())
+    reg.kubelet_socket_event("deleted", None)  # a kubelet restart
+    node.kubelet, node.plugin = alive(K2), alive(P2)
+    node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 7_000)
+    clock.now += 1
+    reg.round(node.round())  # HAMi's answer, held
+    assert status(reg, f"registered:{GPU}")[0] == "ok"
+    node.plugin = alive(P3)  # P2 crashed and the plugin came back, seen by a round before any event
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"plugin:{GPU}")[0] == "ok"
+    node.plugin = down("absent")  # and P3 crashed
+    reg.plugin_socket_deleted(GPU)  # P2's deletion event, handled now
+    reg.plugin_socket_created(GPU, None)  # P3's creation event: the file is gone
+    reg.plugin_socket_deleted(GPU)  # P3's deletion event
+    if reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=False):
+        reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=True)
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)
+    assert "removed while the kubelet kept running" in reason(reg, f"plugin:{GPU}")

@@ -403,6 +403,9 @@ class _PluginState:
     served: bool = False
     # It created a socket since the last kubelet restart began: it heard the restart (HAMi's answer).
     since_restart: bool = False
+    # The kubelet held it since its last restart: that restart was answered, and a socket that comes
+    # and goes after it is a crash, not HAMi's failed start.
+    held_since_restart: bool = False
     others: dict[str, SocketId] | None = None  # other sockets served in the folder, last round
     found: str | None = None  # the socket it seems to serve instead of its own
 
@@ -614,10 +617,11 @@ class DevicePluginJudge:
             return True
         p.judging = False
         name = CheckKey(Kind.PLUGIN, resource).name
-        if not restart and self.rules.missed_restart_after and p.since_restart and p.connected_pair is None:
+        if not restart and self.rules.missed_restart_after and p.since_restart and not p.held_since_restart:
             # The socket it served for the new kubelet went before the kubelet held it: HAMi's failed
             # start (its Register refused or failed), which it retries 30 s later by itself. Pending
-            # for the grace, which covers that retry.
+            # for the grace, which covers that retry. Once the kubelet held one, a later socket's end
+            # is a crash, whichever order its events come in.
             verdict = (
                 f"{plugin.socket} came and went after the kubelet's restart before the kubelet held it: "
                 "a failed start, which HAMi retries 30 s later by itself"
@@ -680,6 +684,7 @@ class DevicePluginJudge:
             # A kubelet restart ends a failure episode: the new socket HAMi then serves is not a
             # restart the livenessProbe asked for.
             p.lost_at, p.connected_pair, p.episode, p.unlinked = None, None, False, True
+            p.held_since_restart = False
         if self._kubelet_id is None:
             return  # never seen answering: nothing to restart from
         self.kubelet_restarts += 1
@@ -1095,7 +1100,7 @@ class DevicePluginJudge:
                 return against
         if conns > 0:
             if not held_before:
-                p.connected_pair, p.connected_since = pair, self.wall()
+                p.connected_pair, p.connected_since, p.held_since_restart = pair, self.wall(), True
                 self._track(p, pair, obs.connection_ids, seen.checkpoint.value, r)
             p.lost_at = None
             return _Held(True, f"the kubelet holds a connection to {sock}{self._device_note(r, seen)}")
