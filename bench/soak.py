@@ -136,7 +136,14 @@ class Faults:
 
     async def restart(self, i: int) -> None:
         self.poll.phase = "restarts"
+        seen = (await status(self.n))["kubelet_restarts"]
         await kubelet_restart(self.n, plugins_first=i % 2 == 0)
+        # Ready again only once the sidecar counted this restart: its /readyz from before would pass
+        # at once, and the next fault would meet a restart still being judged.
+        until = time.monotonic() + 5
+        while (await status(self.n))["kubelet_restarts"] == seen and time.monotonic() < until:
+            await asyncio.sleep(0.005)
+        check(time.monotonic() < until, f"restart {i}: not counted within 5 s", self.failures)
         await registered(self.n)
 
     async def crash(self, i: int) -> None:
