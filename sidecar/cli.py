@@ -131,10 +131,10 @@ async def serve(settings: Settings, stop: asyncio.Event, sidecar: Sidecar | None
     """
     from sidecar.app import Sidecar
     from sidecar.server.serving import BoundedServer
-    from sidecar.server.views import build_app
+    from sidecar.server.views import build_app, probe_answers
 
     sidecar = sidecar or Sidecar(settings)
-    http = BoundedServer(build_app(sidecar), settings.host, settings.port)
+    http = BoundedServer(build_app(sidecar), settings.host, settings.port, answer=probe_answers(sidecar))
     try:
         await http.start()
         await sidecar.start()

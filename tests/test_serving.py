@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -120,6 +121,70 @@ def test_probe_paths_are_the_kubelets() -> None:
         assert is_probe_path(path), path
     for path in ("/metrics", "/status", "/", "/healthzz", "/readyzx"):
         assert not is_probe_path(path), path
+
+
+CLOSE = b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("head", "want"),
+    [
+        (b"GET /healthz HTTP/1.0\r\n\r\n", ("/healthz", "", 0)),  # the exec probe's shell
+        (CLOSE, ("/healthz", "", 1)),  # the kubelet's httpGet
+        (b"GET /readyz?exclude=kubelet&verbose HTTP/1.0\r\n\r\n", ("/readyz", "exclude=kubelet&verbose", 0)),
+        (b"GET /sidecarz HTTP/1.1\r\nConnection: keep-alive, Close\r\n\r\n", ("/sidecarz", "", 1)),
+        (b"GET /livez HTTP/1.0\r\nConnection: close\r\nConnection: keep-alive\r\n\r\n", ("/livez", "", 0)),
+        # aiohttp's: kept alive, another path or method, a body, folding, more after the head
+        (GET, None),
+        (b"GET /healthz HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", None),
+        (b"GET /metrics HTTP/1.0\r\n\r\n", None),
+        (b"GET /healthz/plugin HTTP/1.0\r\n\r\n", None),
+        (b"GET /%68ealthz HTTP/1.0\r\n\r\n", None),
+        (b"HEAD /healthz HTTP/1.0\r\n\r\n", None),
+        (b"GET /healthz HTTP/1.0\r\nContent-Length: 0\r\n\r\n", None),
+        (b"GET /healthz HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n", None),
+        (b"GET /healthz HTTP/1.0\r\nX-A: b\r\n c\r\n\r\n", None),
+        (b"GET /healthz HTTP/1.0\r\nX A: b\r\n\r\n", None),
+        (b"GET /healthz HTTP/1.0\r\n\r\nGET /healthz HTTP/1.0\r\n\r\n", None),
+        (b"GET /healthz HTTP/1.1\r\n" + b"X: y\r\n" * 40 + b"Connection: close\r\n\r\n", None),
+        (b"GET /healthz HTTP/2.0\r\n\r\n", None),
+        (b"GET /healthz HTTP/1.0\n\n", None),  # bare LF: aiohttp answers 400 or serves it
+        (b"GET /healthz HTTP/1.0\r\nX: y\n\r\n", None),
+        (b"GET  /healthz HTTP/1.0\r\n\r\n", None),
+    ],
+)
+def test_which_heads_the_front_answers(head: bytes, want: tuple[str, str, int] | None) -> None:
+    assert serving.closing_probe(head) == want
+
+
+async def test_a_closing_probe_is_answered_at_the_front_and_the_rest_by_aiohttp() -> None:
+    """The front sends the answer the callback gives and closes; every other request, and a probe the
+    callback leaves to the app, is aiohttp's as before."""
+    asked: list[tuple[str, list[str], bool]] = []
+
+    def answers(path: str, query: Any) -> tuple[int, str] | None:
+        asked.append((path, query.getall("exclude", []), "verbose" in query))
+        return None if "app" in query else (503, "front\n")
+
+    async with bounded(answer=answers) as server:
+        reader, _ = await connect(server, b"GET /healthz?exclude=a%2Fb&exclude=c&verbose HTTP/1.0\r\n\r\n")
+        status, raw = await answer(reader)
+        assert (status, raw.split(b"\r\n\r\n")[1]) == (503, b"front\n")
+        assert raw.startswith(b"HTTP/1.0 503 Service Unavailable\r\n") and b"\r\nConnection: close\r\n" in raw
+        assert await closed_by_server(reader)
+        assert asked == [("/healthz", ["a/b", "c"], True)]
+        assert (server.stats.answered, server.stats.upgraded) == (1, 0)
+
+        assert await probe(server) == 503  # the kubelet's httpGet
+        assert (server.stats.answered, server.stats.upgraded) == (2, 0)
+        reader, writer = await connect(server, GET)  # kept alive: aiohttp's view
+        assert (await answer(reader))[0] == 200
+        writer.close()
+        reader, writer = await connect(server, b"GET /healthz?app HTTP/1.0\r\n\r\n")
+        assert (await answer(reader))[0] == 200
+        writer.close()
+        assert (server.stats.answered, server.stats.upgraded) == (2, 2)
+    assert server.connections == 0
 
 
 async def test_slow_and_idle_connections_are_closed_at_the_header_deadline(

@@ -9,6 +9,10 @@ answer it. aiohttp parses HTTP and runs the views (sidecar/server/views.py); thi
 - the front: until its first request head is complete, a connection is a bare socket with a reader
   callback (no transport, no task, no aiohttp handler), so idle and slow-header connections cost
   next to nothing and close at once; a complete head hands the socket to aiohttp;
+- a probe answered at the front: a GET of a probe path whose client closes after the answer (the
+  kubelet's httpGet and the exec probe's shell both do) is answered on the bare socket, from the
+  same views, and closed. A transport, a task and aiohttp's handler for one request cost about
+  three times the answer itself; the kubelet sends about 50 such requests a minute to each sidecar;
 - a cap on open connections: past it, the least recently active are closed, so that a new
   connection (the kubelet's prober opens one per probe) always gets in;
 - a file-descriptor reserve: HTTP never takes the last FD_RESERVE descriptors of RLIMIT_NOFILE,
@@ -23,6 +27,8 @@ answer it. aiohttp parses HTTP and runs the views (sidecar/server/views.py); thi
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import email.utils
 import errno
 import logging
 import os
@@ -33,11 +39,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.typedefs import Handler, Middleware
+from multidict import MultiMapping
+from yarl import URL
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +112,15 @@ LOG_EVERY = 10.0
 # or serves: either way at once, not at the header deadline).
 _TERMINATOR = re.compile(rb"\n\r?\n")
 _RECV = 65536
+# What the front answers itself: one head, `GET <path> HTTP/1.x`, its header lines in their plain form
+# (CRLF line ends, no obsolete folding); anything else is aiohttp's to parse and answer.
+_REQUEST_LINE = re.compile(rb"GET (/[!-~]*) HTTP/1\.([01])\r\n")
+_HEADER_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([\t -~\x80-\xff]*)\r\n")
+_HEAD_END = re.compile(rb"\r\n")
+# Headers that announce a body, a protocol switch or an interim answer: aiohttp's to handle.
+_NOT_AT_FRONT = frozenset({b"content-length", b"transfer-encoding", b"upgrade", b"expect"})
+# An answer the front sends must fit a fresh connection's send buffer (16 KiB by default) at once.
+FRONT_ANSWER_MAX = 8 * 1024
 _ACCEPT_RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
@@ -126,11 +145,47 @@ def open_fds() -> int | None:
         return None
 
 
+# A probe's answer from memory, (status, text/plain body), given its path and query; None: the app's.
+ProbeAnswer = Callable[[str, MultiMapping[str]], "tuple[int, str] | None"]
+
+
+def closing_probe(head: bytes) -> tuple[str, str, int] | None:
+    """(path, query string, HTTP minor version) of a probe's GET whose client closes the connection
+    after the answer, where `head` is that one complete head and nothing more; else None."""
+    line = _REQUEST_LINE.match(head)
+    if line is None:
+        return None
+    path, _, query = line.group(1).decode("ascii").partition("?")
+    if path not in PROBE_PATHS or "#" in query:
+        return None
+    minor = int(line.group(2))
+    close = keep = False
+    pos = line.end()
+    for _ in range(MAX_HEADERS + 1):
+        end = _HEAD_END.match(head, pos)
+        if end is not None:  # HTTP/1.1 keeps the connection unless told; 1.0 closes unless told
+            closes = close or (minor == 0 and not keep)
+            return (path, query, minor) if closes and end.end() == len(head) else None
+        header = _HEADER_LINE.match(head, pos)
+        if header is None:
+            return None
+        name = header.group(1).lower()
+        if name in _NOT_AT_FRONT:
+            return None
+        if name == b"connection":
+            tokens = {t.strip().lower() for t in header.group(2).split(b",")}
+            close |= b"close" in tokens
+            keep |= b"keep-alive" in tokens
+        pos = header.end()
+    return None
+
+
 @dataclass
 class Stats:
     """Counters since start, for the log and tests."""
 
     accepted: int = 0
+    answered: int = 0  # probes answered at the front, without aiohttp
     upgraded: int = 0  # connections whose first head completed: handed to aiohttp
     probation: int = 0  # accepted with the short deadline for a first head
     evicted: int = 0  # closed to make room past the cap
@@ -278,9 +333,14 @@ class BoundedServer:
         max_fronts: int = MAX_FRONTS,
         work_rate: float = WORK_RATE,
         nofile: int | None = None,
+        answer: ProbeAnswer | None = None,
     ) -> None:
-        """`nofile`: the descriptor limit to plan for (default: this process's RLIMIT_NOFILE)."""
+        """`nofile`: the descriptor limit to plan for (default: this process's RLIMIT_NOFILE).
+        `answer`: the probes' answers the front sends itself to a client that closes after one; the
+        app must answer the same on those paths (it does for every other client)."""
         self.host = host
+        self.answer = answer
+        self._date = (0, "")
         self.nofile = nofile
         self.port = port
         self.max_connections = max_connections
@@ -546,7 +606,43 @@ class BoundedServer:
         if len(_TERMINATOR.findall(front.buf)) > MAX_PIPELINED:
             self._close(front, "pipelined")
             return
-        self._upgrade(front)
+        if self.answer is None or not self._answer_at_front(front):
+            self._upgrade(front)
+
+    def _answer_at_front(self, front: _Front) -> bool:
+        """A probe whose client closes after the answer: answered on the bare socket, and closed."""
+        assert self.answer is not None
+        request = closing_probe(front.buf)
+        if request is None:
+            return False
+        path, query, minor = request
+        try:
+            answer = self.answer(path, URL.build(path=path, query_string=query, encoded=True).query)
+        except Exception:  # a view's bug: aiohttp's way answers it 500 and logs it, rate-limited
+            return False
+        if answer is None:
+            return False
+        status, text = answer
+        body = text.encode()
+        head = (
+            f"HTTP/1.{minor} {status} {HTTPStatus(status).phrase}\r\n"
+            "Content-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nDate: {self._http_date()}\r\nServer: {SERVER_SOFTWARE}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
+        if len(head) + len(body) > FRONT_ANSWER_MAX:
+            return False
+        with contextlib.suppress(OSError):  # a client gone before its answer
+            front.sock.send(head + body)
+        self.stats.answered += 1
+        self._drop(front)
+        return True
+
+    def _http_date(self) -> str:
+        now = int(time.time())
+        if self._date[0] != now:
+            self._date = (now, email.utils.formatdate(now, usegmt=True))
+        return self._date[1]
 
     def _upgrade(self, front: _Front) -> None:
         """A complete head: the socket goes to aiohttp, with what the front read."""

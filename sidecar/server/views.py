@@ -11,8 +11,10 @@ With a bad configuration the sidecar judges nothing and serves that (build_error
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from aiohttp import web
+from multidict import MultiMapping
 
 from sidecar import __version__
 from sidecar.app import Sidecar
@@ -39,25 +41,48 @@ def build_app(sidecar: Sidecar) -> web.Application:
     return app
 
 
+Answer = tuple[int, str]  # a status and its text/plain body
+
+
+def probe_answers(sidecar: Sidecar) -> Callable[[str, MultiMapping[str]], Answer | None]:
+    """The probe paths' answers for the server to send itself (BoundedServer's `answer`): the same
+    as their views below, given a path and its query; None for any other path."""
+
+    def answer(path: str, query: MultiMapping[str]) -> Answer | None:
+        if path in ("/healthz", "/livez"):
+            return _judged(sidecar, query, live=True)
+        if path == "/readyz":
+            return _judged(sidecar, query, live=False)
+        if path == "/sidecarz":
+            return _sidecar_ready(sidecar)
+        if path == "/sidecarz/live":
+            return 200, "ok"
+        return None
+
+    return answer
+
+
+def _response(answer: Answer) -> web.Response:
+    return web.Response(status=answer[0], text=answer[1])
+
+
 async def healthz(request: web.Request) -> web.Response:
     """Liveness: would restarting the plugin help? 503 only for a failure whose remedy is a restart."""
-    return _answer(request, live=True)
+    return _response(_judged(request.app[SIDECAR_KEY], request.query, live=True))
 
 
 async def readyz(request: web.Request) -> web.Response:
     """Readiness: the whole truth. 200 only when the first round ran and every check passes."""
-    return _answer(request, live=False)
+    return _response(_judged(request.app[SIDECAR_KEY], request.query, live=False))
 
 
-def _answer(request: web.Request, live: bool) -> web.Response:
-    sidecar = request.app[SIDECAR_KEY]
+def _judged(sidecar: Sidecar, query: MultiMapping[str], live: bool) -> Answer:
     state = sidecar.state
-    query = request.query
     exclude = query.getall("exclude", [])
     ok = state.healthy(exclude) if live else sidecar.ready and state.all_ok(exclude)
     if ok and "verbose" not in query:
         # The hot path of every probe: one set difference, no probe.
-        return web.Response(text="ok")
+        return 200, "ok"
     kind = "healthz" if live else "readyz"
     if "verbose" in query:
         checks = [c for name, c in state.checks.items() if name not in exclude]
@@ -70,9 +95,11 @@ def _answer(request: web.Request, live: bool) -> web.Response:
 
 async def sidecarz(request: web.Request) -> web.Response:
     """The sidecar itself, for its own container's probes: 200 once its first probe round has run."""
-    if request.app[SIDECAR_KEY].ready:
-        return web.Response(text="ok")
-    return web.Response(status=503, text="the first probe round has not finished\n")
+    return _response(_sidecar_ready(request.app[SIDECAR_KEY]))
+
+
+def _sidecar_ready(sidecar: Sidecar) -> Answer:
+    return (200, "ok") if sidecar.ready else (503, "the first probe round has not finished\n")
 
 
 async def sidecarz_live(request: web.Request) -> web.Response:
@@ -91,7 +118,7 @@ async def healthz_one(request: web.Request) -> web.Response:
     ok = not check.live_failed if live else check.status is Status.OK
     if ok and "verbose" not in request.query:
         return web.Response(text="ok")
-    return _verbose(sidecar.state, [check], ok, "healthz" if live else "readyz")
+    return _response(_verbose(sidecar.state, [check], ok, "healthz" if live else "readyz"))
 
 
 async def status(request: web.Request) -> web.Response:
@@ -117,12 +144,12 @@ def _line(state: HealthState, check: Check) -> str:
 
 def _verbose(
     state: HealthState, checks: list[Check], ok: bool, kind: str, head: list[str] | None = None
-) -> web.Response:
+) -> Answer:
     """kube-apiserver's format: `[+]name ok`, `[-]name failed: reason`, `[~]name pending: reason`;
     `[!]` marks a failure that restarts nothing (it fails readiness only)."""
     lines = [*(head or []), *(_line(state, c) for c in checks)]
     lines.append(f"{kind} check {'passed' if ok else 'failed'}")
-    return web.Response(status=200 if ok else 503, text="\n".join(lines) + "\n")
+    return 200 if ok else 503, "\n".join(lines) + "\n"
 
 
 # -- a bad configuration, served -------------------------------------------------------------------
