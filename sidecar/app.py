@@ -174,8 +174,8 @@ class Sidecar:
             self.judge.kubelet_socket_event(event.kind, socket_identity(s.kubelet_path))
         elif plugin is not None:
             if event.kind == "deleted":
-                self.judge.plugin_socket_deleted(plugin.resource)
-                self._follow_vanished(plugin)
+                if self.judge.plugin_socket_deleted(plugin.resource):
+                    self._follow_vanished(plugin)
             elif event.kind == "created":
                 identity = socket_identity(s.plugin_path(plugin))
                 self.judge.plugin_socket_created(plugin.resource, identity)

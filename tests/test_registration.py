@@ -12,6 +12,7 @@ from hami_guard.flags import DeviceExpectation, Expect, PluginSpec
 from sidecar.deviceplugin.checkpoint import Checkpoint
 from sidecar.deviceplugin.probes import ProbeResult, Reading, SocketId
 from sidecar.deviceplugin.verdicts import (
+    EVENT_LAG,
     NEWEST,
     RESTART_BUDGET,
     AfterDeletion,
@@ -1493,11 +1494,12 @@ def test_a_creation_event_handled_once_its_socket_is_gone_opens_no_new_socket() 
     assert "removed while the kubelet kept running" in reason(reg, f"plugin:{GPU}")
 
 
-def test_a_crash_long_after_the_kubelet_restart_is_no_failed_start() -> None:
-    """Once the kubelet held the plugin after its restart, that restart was answered. A later socket
-    whose events come after a round saw it (the observer holds every event behind a move, such as the
-    kubelet's checkpoint write, up to 0.5 s) and which crashed before they came is a crash: it fails at
-    once, not pending as HAMi's failed start."""
+def test_a_held_socket_whose_events_come_late_is_judged_by_its_own_end() -> None:
+    """A round sees the plugin's next socket, and the kubelet holding it, before the events of the
+    socket before it and of this one come (the observer holds every event behind a move, such as the
+    kubelet's checkpoint write, up to 0.5 s); then it crashes. The older socket's deletion and this
+    one's creation open no new cycle: its own deletion is a held socket's crash, failed at once, not
+    one that came and went before the kubelet held it (HAMi's failed start, pending)."""
     reg, clock, _ = make()
     node = Node()
     reg.round(node.round())
@@ -1519,3 +1521,43 @@ def test_a_crash_long_after_the_kubelet_restart_is_no_failed_start() -> None:
         reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=True)
     assert status(reg, f"plugin:{GPU}") == ("failed", True)
     assert "removed while the kubelet kept running" in reason(reg, f"plugin:{GPU}")
+
+
+def test_after_the_kubelet_held_it_a_new_socket_that_comes_and_goes_is_still_a_failed_start() -> None:
+    """HAMi restarts every plugin of its process 30 s after one failed to start (or on SIGHUP): a held
+    plugin's socket is replaced too, and when that Register fails HAMi stops it and retries 30 s later
+    by itself. Its events come in order: pending for the grace, as after the kubelet's restart."""
+    reg, clock, _, node = restarted()
+    node.plugin = alive(P2)
+    reg.plugin_socket_created(GPU, P2)
+    node.connect(201)
+    node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 7_000)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    clock.now += 30
+    assert reg.plugin_socket_deleted(GPU)  # HAMi's restart: P2 removed, P3 served
+    reg.judge_vanished(GPU, AfterDeletion(P3, K2, False), restart_window_over=False)
+    clock.now += 0.2
+    node.plugin = down("absent")  # P3's Register failed: HAMi stops it
+    assert reg.plugin_socket_deleted(GPU)
+    reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=True)
+    assert status(reg, f"plugin:{GPU}") == ("pending", False)
+    assert "a failed start" in reason(reg, f"plugin:{GPU}")
+
+
+def test_a_creation_event_that_never_comes_holds_back_no_deletion_for_long() -> None:
+    """A round saw a socket before its creation event; a deletion event before that event is an older
+    socket's. Where the event is lost (an inotify overflow, the polling observer), deletion events are
+    read as they come again after EVENT_LAG."""
+    reg, clock, _ = make()
+    node = Node()
+    reg.round(node.round())
+    node.plugin = alive(P2)
+    clock.now += 1
+    reg.round(node.round())  # P2, seen before its event
+    assert not reg.plugin_socket_deleted(GPU)  # P1's deletion event
+    clock.now += EVENT_LAG
+    assert reg.plugin_socket_deleted(GPU)  # P2's, its creation event lost
+    reg.judge_vanished(GPU, AfterDeletion(None, K1, False), restart_window_over=True)
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)

@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 # Liveness failure episodes whose plugin restarts did not help, before giving up: "not registered", and a
 # plugin socket that never came back (a plugin serving under another name).
 RESTART_BUDGET = 3
+# How long a socket a round saw before its creation event waits for that event (the observer holds
+# every event behind a move up to 0.5 s). Past it the event is taken as lost (an inotify overflow,
+# the polling observer): events are read as they come again.
+EVENT_LAG = 2.0
 # HAMi's socket for resource `nvidia.com/<name>` is `nvidia-<name>.sock` (getPluginSocketPath,
 # pkg/device-plugin/nvidiadevice/nvinternal/plugin/server.go in Project-HAMi/HAMi).
 _HAMI_SOCKET = re.compile(r"^nvidia-([A-Za-z0-9][A-Za-z0-9._-]{0,62})\.sock$")
@@ -403,9 +407,9 @@ class _PluginState:
     served: bool = False
     # It created a socket since the last kubelet restart began: it heard the restart (HAMi's answer).
     since_restart: bool = False
-    # The kubelet held it since its last restart: that restart was answered, and a socket that comes
-    # and goes after it is a crash, not HAMi's failed start.
-    held_since_restart: bool = False
+    # Monotonic: a round saw the socket before its creation event, which is due until then. Events
+    # come in order, so a deletion event before it is an older socket's.
+    event_due: float | None = None
     others: dict[str, SocketId] | None = None  # other sockets served in the folder, last round
     found: str | None = None  # the socket it seems to serve instead of its own
 
@@ -537,7 +541,24 @@ class DevicePluginJudge:
         elif kind == "created":
             self._kubelet_recreated = True
 
+    def _event_due(self, p: _PluginState) -> bool:
+        """Whether the creation event of the socket a round saw first is still to come."""
+        if p.event_due is not None and self.clock() >= p.event_due:
+            p.event_due = None
+        return p.event_due is not None
+
     def plugin_socket_created(self, resource: str, identity: SocketId | None) -> None:
+        """The creation event of a plugin socket; `identity` is the file there now."""
+        p = self._plugins[resource]
+        if self._event_due(p):
+            p.event_due = None
+            if identity is None or identity == p.identity:
+                # The event of the socket a round saw first (or of one before it that came and went):
+                # that socket's cycle is open already, and its hold, if seen, stands.
+                return
+        self._new_socket(resource, identity)
+
+    def _new_socket(self, resource: str, identity: SocketId | None) -> None:
         """A new plugin socket: a new registration cycle, whichever saw it first, event or probe."""
         p = self._plugins[resource]
         if identity is not None and identity == p.identity and not p.judging:
@@ -570,10 +591,15 @@ class DevicePluginJudge:
         self.state.reset(self._names(resource))
         self._open_attempt(resource, "new plugin socket")
 
-    def plugin_socket_deleted(self, resource: str) -> None:
-        """Mark the plugin's verdict as under way; the caller observes, then calls `judge_vanished`."""
+    def plugin_socket_deleted(self, resource: str) -> bool:
+        """The deletion event of a plugin socket. True: the plugin's verdict is under way, and the
+        caller observes, then calls `judge_vanished`. False: an older socket's event, handled after a
+        round saw the next socket (whose creation event is still to come): nothing to judge."""
         p = self._plugins[resource]
+        if self._event_due(p):
+            return False
         p.judging = p.unlinked = True
+        return True
 
     def end_judgement(self, resource: str) -> None:
         """The observation of a deleted socket ended (or failed): its verdict, if any, is in."""
@@ -591,7 +617,7 @@ class DevicePluginJudge:
         if not p.judging:
             return False  # the socket is back already
         if seen.plugin is not None:
-            self.plugin_socket_created(resource, seen.plugin)
+            self._new_socket(resource, seen.plugin)
             return False
         plugin = self.plugin_for(resource)
         restart = self._restart_removed(p, seen)
@@ -617,11 +643,10 @@ class DevicePluginJudge:
             return True
         p.judging = False
         name = CheckKey(Kind.PLUGIN, resource).name
-        if not restart and self.rules.missed_restart_after and p.since_restart and not p.held_since_restart:
+        if not restart and self.rules.missed_restart_after and p.since_restart and p.connected_pair is None:
             # The socket it served for the new kubelet went before the kubelet held it: HAMi's failed
             # start (its Register refused or failed), which it retries 30 s later by itself. Pending
-            # for the grace, which covers that retry. Once the kubelet held one, a later socket's end
-            # is a crash, whichever order its events come in.
+            # for the grace, which covers that retry.
             verdict = (
                 f"{plugin.socket} came and went after the kubelet's restart before the kubelet held it: "
                 "a failed start, which HAMi retries 30 s later by itself"
@@ -684,7 +709,6 @@ class DevicePluginJudge:
             # A kubelet restart ends a failure episode: the new socket HAMi then serves is not a
             # restart the livenessProbe asked for.
             p.lost_at, p.connected_pair, p.episode, p.unlinked = None, None, False, True
-            p.held_since_restart = False
         if self._kubelet_id is None:
             return  # never seen answering: nothing to restart from
         self.kubelet_restarts += 1
@@ -813,7 +837,8 @@ class DevicePluginJudge:
             return False
         if result.ok and result.identity != p.identity:
             if p.known:
-                self.plugin_socket_created(plugin.resource, result.identity)  # seen before its event
+                self._new_socket(plugin.resource, result.identity)  # seen before its event
+                p.event_due = self.clock() + EVENT_LAG
             else:
                 p.identity, p.kubelet_then, p.known = result.identity, self._kubelet_id, True  # at start
         if result.ok and obs.owner == "elsewhere":
@@ -1100,7 +1125,7 @@ class DevicePluginJudge:
                 return against
         if conns > 0:
             if not held_before:
-                p.connected_pair, p.connected_since, p.held_since_restart = pair, self.wall(), True
+                p.connected_pair, p.connected_since = pair, self.wall()
                 self._track(p, pair, obs.connection_ids, seen.checkpoint.value, r)
             p.lost_at = None
             return _Held(True, f"the kubelet holds a connection to {sock}{self._device_note(r, seen)}")
