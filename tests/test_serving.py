@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import resource
 import signal
@@ -23,9 +24,11 @@ import pytest
 from aiohttp import web
 
 from hami_guard import flags
+from sidecar.app import Sidecar
 from sidecar.config import parse_settings
 from sidecar.server import serving
 from sidecar.server.serving import BoundedServer, is_probe_path, open_fds
+from sidecar.server.views import build_app, probe_answers
 from testing import FakeDevicePlugin, FakeKubelet, free_port
 from tests.conftest import wait_for
 
@@ -131,8 +134,9 @@ CLOSE = b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
     [
         (b"GET /healthz HTTP/1.0\r\n\r\n", ("/healthz", "", 0)),  # the exec probe's shell
         (CLOSE, ("/healthz", "", 1)),  # the kubelet's httpGet
+        (b"GET /healthz HTTP/1.0\r\nHost: t\r\n\r\n", ("/healthz", "", 0)),
         (b"GET /readyz?exclude=kubelet&verbose HTTP/1.0\r\n\r\n", ("/readyz", "exclude=kubelet&verbose", 0)),
-        (b"GET /sidecarz HTTP/1.1\r\nConnection: keep-alive, Close\r\n\r\n", ("/sidecarz", "", 1)),
+        (b"GET /sidecarz HTTP/1.1\r\nHost: t\r\nConnection: keep-alive, Close\r\n\r\n", ("/sidecarz", "", 1)),
         (b"GET /livez HTTP/1.0\r\nConnection: close\r\nConnection: keep-alive\r\n\r\n", ("/livez", "", 0)),
         # aiohttp's: kept alive, another path or method, a body, folding, more after the head
         (GET, None),
@@ -146,8 +150,11 @@ CLOSE = b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
         (b"GET /healthz HTTP/1.0\r\nX-A: b\r\n c\r\n\r\n", None),
         (b"GET /healthz HTTP/1.0\r\nX A: b\r\n\r\n", None),
         (b"GET /healthz HTTP/1.0\r\n\r\nGET /healthz HTTP/1.0\r\n\r\n", None),
-        (b"GET /healthz HTTP/1.1\r\n" + b"X: y\r\n" * 40 + b"Connection: close\r\n\r\n", None),
+        (b"GET /healthz HTTP/1.1\r\nHost: t\r\n" + b"X: y\r\n" * 40 + b"Connection: close\r\n\r\n", None),
         (b"GET /healthz HTTP/2.0\r\n\r\n", None),
+        (b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n", None),  # 1.1 without Host: aiohttp's 400
+        (b"GET /healthz HTTP/1.0\r\nHost: a\r\nHost: b\r\n\r\n", None),
+        (b"GET /healthz HTTP/1.0\r\nX: " + b"y" * 9000 + b"\r\n\r\n", None),
         (b"GET /healthz HTTP/1.0\n\n", None),  # bare LF: aiohttp answers 400 or serves it
         (b"GET /healthz HTTP/1.0\r\nX: y\n\r\n", None),
         (b"GET  /healthz HTTP/1.0\r\n\r\n", None),
@@ -185,6 +192,34 @@ async def test_a_closing_probe_is_answered_at_the_front_and_the_rest_by_aiohttp(
         writer.close()
         assert (server.stats.answered, server.stats.upgraded) == (2, 2)
     assert server.connections == 0
+
+
+async def test_a_reason_with_a_name_not_in_utf8_is_answered_both_ways_alike(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A file name that is not UTF-8 (kept with lone surrogates) in a check's reason: the failing
+    liveness is a 503 with the bytes escaped, at the front and through aiohttp, never a 500 (which an
+    exec probe would not count as a failure)."""
+    caplog.set_level(logging.CRITICAL, logger="sidecar")  # a report pytest-xdist can send
+    sidecar = Sidecar(parse_settings([]))
+    sidecar.rounds = 1
+    name = next(n for n in sidecar.state.checks if n.startswith("plugin:"))
+    for _ in range(2):
+        sidecar.state.report(name, False, "found nvidia-gpu\udcff.sock instead", definitive=True)
+    server = BoundedServer(build_app(sidecar), "127.0.0.1", free_port(), answer=probe_answers(sidecar))
+    await server.start()
+    try:
+        answers = []
+        for head in (b"GET /healthz HTTP/1.0\r\n\r\n", GET):
+            reader, writer = await connect(server, head)
+            status, raw = await answer(reader)
+            writer.close()
+            answers.append((status, raw.split(b"\r\n\r\n", 1)[1]))
+        assert answers[0] == answers[1]
+        assert answers[0][0] == 503 and b"nvidia-gpu\\udcff.sock" in answers[0][1], answers
+        assert (server.stats.answered, server.stats.upgraded, server.stats.errors) == (1, 1, 0)
+    finally:
+        await server.close()
 
 
 async def test_slow_and_idle_connections_are_closed_at_the_header_deadline(

@@ -44,7 +44,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.typedefs import Handler, Middleware
 from multidict import MultiMapping
 from yarl import URL
@@ -149,29 +148,38 @@ def open_fds() -> int | None:
 ProbeAnswer = Callable[[str, MultiMapping[str]], "tuple[int, str] | None"]
 
 
+def text_body(text: str) -> bytes:
+    """A text/plain answer's body: UTF-8, where a name read from the node that is not (a file name
+    undecodable as UTF-8 is kept with lone surrogates) shows its bytes escaped."""
+    return text.encode("utf-8", "backslashreplace")
+
+
 def closing_probe(head: bytes) -> tuple[str, str, int] | None:
     """(path, query string, HTTP minor version) of a probe's GET whose client closes the connection
     after the answer, where `head` is that one complete head and nothing more; else None."""
     line = _REQUEST_LINE.match(head)
-    if line is None:
+    if line is None or len(head) > MAX_HEAD_BYTES:
         return None
     path, _, query = line.group(1).decode("ascii").partition("?")
     if path not in PROBE_PATHS or "#" in query:
         return None
     minor = int(line.group(2))
     close = keep = False
+    hosts = 0
     pos = line.end()
     for _ in range(MAX_HEADERS + 1):
         end = _HEAD_END.match(head, pos)
         if end is not None:  # HTTP/1.1 keeps the connection unless told; 1.0 closes unless told
             closes = close or (minor == 0 and not keep)
-            return (path, query, minor) if closes and end.end() == len(head) else None
+            one_host = hosts == 1 or (minor == 0 and hosts == 0)  # aiohttp answers others 400
+            return (path, query, minor) if closes and one_host and end.end() == len(head) else None
         header = _HEADER_LINE.match(head, pos)
         if header is None:
             return None
         name = header.group(1).lower()
         if name in _NOT_AT_FRONT:
             return None
+        hosts += name == b"host"
         if name == b"connection":
             tokens = {t.strip().lower() for t in header.group(2).split(b",")}
             close |= b"close" in tokens
@@ -618,21 +626,21 @@ class BoundedServer:
         path, query, minor = request
         try:
             answer = self.answer(path, URL.build(path=path, query_string=query, encoded=True).query)
+            if answer is None:
+                return False
+            status, body = answer[0], text_body(answer[1])
+            head = (
+                f"HTTP/1.{minor} {status} {HTTPStatus(status).phrase}\r\n"
+                "Content-Type: text/plain; charset=utf-8\r\n"
+                f"Content-Length: {len(body)}\r\nDate: {self._http_date()}\r\nConnection: close\r\n\r\n"
+            ).encode()
         except Exception:  # a view's bug: aiohttp's way answers it 500 and logs it, rate-limited
             return False
-        if answer is None:
-            return False
-        status, text = answer
-        body = text.encode()
-        head = (
-            f"HTTP/1.{minor} {status} {HTTPStatus(status).phrase}\r\n"
-            "Content-Type: text/plain; charset=utf-8\r\n"
-            f"Content-Length: {len(body)}\r\nDate: {self._http_date()}\r\nServer: {SERVER_SOFTWARE}\r\n"
-            "Connection: close\r\n\r\n"
-        ).encode()
         if len(head) + len(body) > FRONT_ANSWER_MAX:
             return False
         with contextlib.suppress(OSError):  # a client gone before its answer
+            # Whole: a fresh connection's send buffer holds FRONT_ANSWER_MAX. Were it short, the
+            # client reads a cut answer (the status line first) and the close.
             front.sock.send(head + body)
         self.stats.answered += 1
         self._drop(front)

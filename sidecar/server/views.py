@@ -21,6 +21,7 @@ from sidecar.app import Sidecar
 from sidecar.config import BadConfig
 from sidecar.health import Check, HealthState, Status
 from sidecar.server.metrics import CONTENT_TYPE, Metrics
+from sidecar.server.serving import text_body
 from sidecar.server.status import status_document
 
 SIDECAR_KEY = web.AppKey("sidecar", Sidecar)
@@ -63,7 +64,9 @@ def probe_answers(sidecar: Sidecar) -> Callable[[str, MultiMapping[str]], Answer
 
 
 def _response(answer: Answer) -> web.Response:
-    return web.Response(status=answer[0], text=answer[1])
+    return web.Response(
+        status=answer[0], body=text_body(answer[1]), content_type="text/plain", charset="utf-8"
+    )
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -183,15 +186,15 @@ async def _error_healthz(request: web.Request) -> web.Response:
     if "verbose" not in request.query:
         return web.Response(text="ok")
     text = f"[~]config not judged: {_config_line(request)}\nhealthz check passed\n"
-    return web.Response(text=text)
+    return _response((200, text))
 
 
 async def _error_readyz(request: web.Request) -> web.Response:
-    return web.Response(status=503, text=f"[-]config failed: {_config_line(request)}\nreadyz check failed\n")
+    return _response((503, f"[-]config failed: {_config_line(request)}\nreadyz check failed\n"))
 
 
 async def _error_sidecarz(request: web.Request) -> web.Response:
-    return web.Response(status=503, text=_config_line(request) + "\n")
+    return _response((503, _config_line(request) + "\n"))
 
 
 async def _error_status(request: web.Request) -> web.Response:
