@@ -73,13 +73,7 @@ def _parse_first(raw: bytes) -> tuple[int, bytes] | None:
     head, sep, rest = raw.partition(b"\r\n\r\n")
     if not sep:
         return None
-    status = int(head.split(b" ", 2)[1])
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    return status, rest[:length]
+    return int(head.split(b" ", 2)[1]), rest[: _length(head)]
 
 
 def TestOneInput(data: bytes) -> None:
@@ -126,6 +120,7 @@ def _exchange(port: int, request: bytes, kept: bool = False) -> tuple[int, bytes
 
 
 def _length(raw: bytes) -> int:
+    """The first answer's Content-Length (0 without one)."""
     for line in raw.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length":

@@ -1469,11 +1469,8 @@ def test_a_listener_that_closes_within_the_restart_window_is_a_plugin_that_stopp
     assert status(reg, f"plugin:{GPU}") == ("failed", True)
 
 
-def test_a_creation_event_handled_once_its_socket_is_gone_opens_no_new_socket() -> None:
-    """On a loaded node the creation event of the socket a round saw first can be handled after the
-    plugin crashed (the observer holds events up to 0.5 s to pair moves), even after a round saw the
-    socket absent. It is that socket's event: no new socket came and went before the kubelet held it
-    (HAMi's failed start, pending), and the crash is judged as one."""
+def held_after_a_kubelet_restart() -> tuple[DevicePluginJudge, Clock, Node]:
+    """A kubelet restart, then HAMi's answer P2, seen held by a round before any of its events."""
     reg, clock, _ = make()
     node = Node()
     reg.round(node.round())
@@ -1481,17 +1478,31 @@ def test_a_creation_event_handled_once_its_socket_is_gone_opens_no_new_socket() 
     node.kubelet, node.plugin = alive(K2), alive(P2)
     node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 7_000)
     clock.now += 1
-    reg.round(node.round())  # the new socket, seen by a probe before its event
+    reg.round(node.round())
     assert status(reg, f"registered:{GPU}")[0] == "ok"
+    return reg, clock, node
+
+
+def judged_a_crash(reg: DevicePluginJudge) -> None:
+    """The deleted socket's verdict, after the restart window where it waits for it: a crash, at once."""
+    if reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=False):
+        reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=True)
+    assert status(reg, f"plugin:{GPU}") == ("failed", True)
+    assert "removed while the kubelet kept running" in reason(reg, f"plugin:{GPU}")
+
+
+def test_a_creation_event_handled_once_its_socket_is_gone_opens_no_new_socket() -> None:
+    """On a loaded node the creation event of the socket a round saw first can be handled after the
+    plugin crashed (the observer holds events up to 0.5 s to pair moves), even after a round saw the
+    socket absent. It is that socket's event: no new socket came and went before the kubelet held it
+    (HAMi's failed start, pending), and the crash is judged as one."""
+    reg, clock, node = held_after_a_kubelet_restart()
     node.plugin = down("absent")
     clock.now += 1
     reg.round(node.round())  # the crash, seen by a round before its event
     reg.plugin_socket_created(GPU, None)  # P2's creation event, handled now: the file is gone
     reg.plugin_socket_deleted(GPU)
-    if reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=False):
-        reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=True)
-    assert status(reg, f"plugin:{GPU}") == ("failed", True)
-    assert "removed while the kubelet kept running" in reason(reg, f"plugin:{GPU}")
+    judged_a_crash(reg)
 
 
 def test_a_held_socket_whose_events_come_late_is_judged_by_its_own_end() -> None:
@@ -1500,15 +1511,7 @@ def test_a_held_socket_whose_events_come_late_is_judged_by_its_own_end() -> None
     kubelet's checkpoint write, up to 0.5 s); then it crashes. The older socket's deletion and this
     one's creation open no new cycle: its own deletion is a held socket's crash, failed at once, not
     one that came and went before the kubelet held it (HAMi's failed start, pending)."""
-    reg, clock, _ = make()
-    node = Node()
-    reg.round(node.round())
-    reg.kubelet_socket_event("deleted", None)  # a kubelet restart
-    node.kubelet, node.plugin = alive(K2), alive(P2)
-    node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 7_000)
-    clock.now += 1
-    reg.round(node.round())  # HAMi's answer, held
-    assert status(reg, f"registered:{GPU}")[0] == "ok"
+    reg, clock, node = held_after_a_kubelet_restart()
     node.plugin = alive(P3)  # P2 crashed and the plugin came back, seen by a round before any event
     clock.now += 1
     reg.round(node.round())
@@ -1517,10 +1520,7 @@ def test_a_held_socket_whose_events_come_late_is_judged_by_its_own_end() -> None
     reg.plugin_socket_deleted(GPU)  # P2's deletion event, handled now
     reg.plugin_socket_created(GPU, None)  # P3's creation event: the file is gone
     reg.plugin_socket_deleted(GPU)  # P3's deletion event
-    if reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=False):
-        reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=True)
-    assert status(reg, f"plugin:{GPU}") == ("failed", True)
-    assert "removed while the kubelet kept running" in reason(reg, f"plugin:{GPU}")
+    judged_a_crash(reg)
 
 
 def test_after_the_kubelet_held_it_a_new_socket_that_comes_and_goes_is_still_a_failed_start() -> None:

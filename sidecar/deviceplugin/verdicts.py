@@ -548,7 +548,8 @@ class DevicePluginJudge:
         return p.event_due is not None
 
     def plugin_socket_created(self, resource: str, identity: SocketId | None) -> None:
-        """The creation event of a plugin socket; `identity` is the file there now."""
+        """The creation event of a plugin socket; `identity` is the file there now. An event that
+        trails what a round saw opens no new cycle."""
         p = self._plugins[resource]
         if self._event_due(p):
             p.event_due = None
@@ -556,11 +557,6 @@ class DevicePluginJudge:
                 # The event of the socket a round saw first (or of one before it that came and went):
                 # that socket's cycle is open already, and its hold, if seen, stands.
                 return
-        self._new_socket(resource, identity)
-
-    def _new_socket(self, resource: str, identity: SocketId | None) -> None:
-        """A new plugin socket: a new registration cycle, whichever saw it first, event or probe."""
-        p = self._plugins[resource]
         if identity is not None and identity == p.identity and not p.judging:
             # Already accounted for: the event trails a probe that saw this socket first. (A socket
             # re-created within one timestamp tick can reuse the inode and the mtime: after a deletion,
@@ -572,6 +568,11 @@ class DevicePluginJudge:
             # bound only once the old file is unlinked, whose event comes first. Its deletion's event,
             # next, judges the socket's end.
             return
+        self._new_socket(resource, identity)
+
+    def _new_socket(self, resource: str, identity: SocketId | None) -> None:
+        """A new plugin socket: a new registration cycle, whichever saw it first, event or probe."""
+        p = self._plugins[resource]
         p.identity, p.kubelet_then, p.known, p.unlinked = identity, self._kubelet_id, True, False
         p.judging, p.vanished, p.lost_at, p.connected_pair = False, None, None, None
         # HAMi's own answer to a kubelet restart, not a restart liveness asked for.
