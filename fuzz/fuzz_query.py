@@ -4,8 +4,8 @@ sidecar/server/views.py, for a sidecar before and after its first probe round an
 
 Fails (an escaping exception) when a view raises (a 500: the serving middleware counts it), when
 the liveness answer is not the view's (a /healthz that is neither 200 nor 503, a 404 or 400 aside), or
-when a GET that closes its connection (answered at the front where it is a probe) is answered otherwise
-than the same GET kept alive (always aiohttp's).
+when a GET of a probe path that closes its connection (answered at the front where it reads as a probe)
+is answered otherwise than the same GET kept alive (always aiohttp's).
 
 Input: the first byte picks the app and the method, the rest is the request target.
 """
@@ -22,7 +22,7 @@ from aiohttp import web
 from sidecar.app import Sidecar
 from sidecar.config import BadConfig, Settings
 from sidecar.server.metrics import Metrics
-from sidecar.server.serving import BoundedServer, ProbeAnswer
+from sidecar.server.serving import BoundedServer, ProbeAnswer, is_probe_path
 from sidecar.server.views import build_app, build_error_app, probe_answers
 
 _METHODS = (b"GET", b"HEAD", b"POST", b"OPTIONS")
@@ -97,7 +97,7 @@ def TestOneInput(data: bytes) -> None:
     path = b"/" + target.split(b"?", 1)[0]
     if method == b"GET" and path in (b"/healthz", b"/livez") and status not in (200, 503, 400):
         raise AssertionError(f"{status} for {request!r}: liveness answers 200 or 503")
-    if method == b"GET":
+    if method == b"GET" and is_probe_path(path.decode("latin-1")):  # the paths the front may answer
         kept = _exchange(server.port, request.replace(b"Connection: close", b"X-Kept: alive"), kept=True)
         if _timeless(kept) != _timeless(answer):
             raise AssertionError(f"{request!r}: {answer!r} closing, {kept!r} kept alive")
