@@ -1523,6 +1523,27 @@ def test_a_held_socket_whose_events_come_late_is_judged_by_its_own_end() -> None
     judged_a_crash(reg)
 
 
+@pytest.mark.parametrize("records", ["pod-resources", "checkpoint"])
+def test_a_socket_held_by_the_records_alone_that_goes_is_a_crash_not_a_failed_start(records: str) -> None:
+    """After the kubelet's restart HAMi's new socket is judged held where the kubelet's connections
+    cannot be read that round (the socket table's read still under way on a loaded node): by
+    pod-resources, or by a checkpoint written since the socket was made. It was held, so its end is
+    a crash, failed at once, not a socket that came and went before the kubelet held it."""
+    reg, clock, _, node = restarted()
+    node.plugin, node.connections = alive(P2), None
+    reg.plugin_socket_created(GPU, P2)
+    if records == "pod-resources":
+        node.pod_resources = {GPU: frozenset({"GPU-0", "GPU-1"})}
+    else:
+        node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 7_000)
+    clock.now += 1
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("ok", False)
+    node.plugin = down("absent")
+    assert reg.plugin_socket_deleted(GPU)
+    judged_a_crash(reg)
+
+
 def test_after_the_kubelet_held_it_a_new_socket_that_comes_and_goes_is_still_a_failed_start() -> None:
     """HAMi restarts every plugin of its process 30 s after one failed to start (or on SIGHUP): a held
     plugin's socket is replaced too, and when that Register fails HAMi stops it and retries 30 s later

@@ -380,6 +380,9 @@ class _PluginState:
     unlinked: bool = False
     vanished: _Vanished | None = None  # a vanished socket's verdict
     connected_pair: _Pair | None = None  # seen held
+    # Its socket judged held by this kubelet since its cycle opened, by whichever evidence (its
+    # connections, or pod-resources and the checkpoint where they cannot be seen).
+    held_this_cycle: bool = False
     connected_since: float | None = None  # wall
     # The connections of the held pair by inode, and which one carries the kubelet's registration.
     conns: dict[int, _Conn] = field(default_factory=dict)
@@ -575,6 +578,7 @@ class DevicePluginJudge:
         p = self._plugins[resource]
         p.identity, p.kubelet_then, p.known, p.unlinked = identity, self._kubelet_id, True, False
         p.judging, p.vanished, p.lost_at, p.connected_pair = False, None, None, None
+        p.held_this_cycle = False
         # HAMi's own answer to a kubelet restart, not a restart liveness asked for.
         p.since_restart = self.kubelet_restarts > 0 and not p.episode and not p.restarts_in_vain
         # Its own socket came: whatever serves elsewhere in the folder is no restart of this plugin, even
@@ -644,10 +648,11 @@ class DevicePluginJudge:
             return True
         p.judging = False
         name = CheckKey(Kind.PLUGIN, resource).name
-        if not restart and self.rules.missed_restart_after and p.since_restart and p.connected_pair is None:
+        if not restart and self.rules.missed_restart_after and p.since_restart and not p.held_this_cycle:
             # The socket it served for the new kubelet went before the kubelet held it: HAMi's failed
             # start (its Register refused or failed), which it retries 30 s later by itself. Pending
-            # for the grace, which covers that retry.
+            # for the grace, which covers that retry. Held, by its connections or by the records where
+            # they could not be read that round, it is a crash like any other.
             verdict = (
                 f"{plugin.socket} came and went after the kubelet's restart before the kubelet held it: "
                 "a failed start, which HAMi retries 30 s later by itself"
@@ -710,6 +715,7 @@ class DevicePluginJudge:
             # A kubelet restart ends a failure episode: the new socket HAMi then serves is not a
             # restart the livenessProbe asked for.
             p.lost_at, p.connected_pair, p.episode, p.unlinked = None, None, False, True
+            p.held_this_cycle = False
         if self._kubelet_id is None:
             return  # never seen answering: nothing to restart from
         self.kubelet_restarts += 1
@@ -971,6 +977,8 @@ class DevicePluginJudge:
         held, why = verdict.held, verdict.why
         if held:
             p.episode = False
+            # The socket of this cycle, not one that replaced it while the round looked.
+            p.held_this_cycle = p.held_this_cycle or obs.identity_after == p.identity
             self._restore_budget(r, "registered again")
             if self._recorded(r, seen, obs):
                 self._close_attempt(r, registered=True)

@@ -486,13 +486,20 @@ func (p *ownPlugin) ListAndWatch(_ *pluginapi.Empty, s pluginapi.DevicePlugin_Li
 		p.mu.Unlock()
 		fixturekit.Event("stream-closed", map[string]any{"stream": id, "open": open})
 	}()
+	sent := -1
 	for {
-		if err := s.Send(&pluginapi.ListAndWatchResponse{Devices: devs}); err != nil {
-			return err
+		// A wake-up can trail the change it announces: a change made between a wake-up and the read
+		// of the list is sent at once, and its own wake-up then finds nothing new. One send for each
+		// generation, so that a driver that waited for a generation's `sent` has every list sent.
+		if generation != sent {
+			if err := s.Send(&pluginapi.ListAndWatchResponse{Devices: devs}); err != nil {
+				return err
+			}
+			sent = generation
+			// Sent: in the stream's transport, not yet read by the kubelet.
+			fixturekit.Event("sent", map[string]any{"stream": id, "generation": generation,
+				"devices": len(devs), "healthy": healthyCount(devs)})
 		}
-		// Sent: in the stream's transport, not yet read by the kubelet.
-		fixturekit.Event("sent", map[string]any{"stream": id, "generation": generation,
-			"devices": len(devs), "healthy": healthyCount(devs)})
 		select {
 		case <-s.Context().Done():
 			return nil
