@@ -1523,25 +1523,74 @@ def test_a_held_socket_whose_events_come_late_is_judged_by_its_own_end() -> None
     judged_a_crash(reg)
 
 
-@pytest.mark.parametrize("records", ["pod-resources", "checkpoint"])
-def test_a_socket_held_by_the_records_alone_that_goes_is_a_crash_not_a_failed_start(records: str) -> None:
-    """After the kubelet's restart HAMi's new socket is judged held where the kubelet's connections
-    cannot be read that round (the socket table's read still under way on a loaded node): by
-    pod-resources, or by a checkpoint written since the socket was made. It was held, so its end is
-    a crash, failed at once, not a socket that came and went before the kubelet held it."""
-    reg, clock, _, node = restarted()
-    node.plugin, node.connections = alive(P2), None
-    reg.plugin_socket_created(GPU, P2)
+def held_by_records(reg: DevicePluginJudge, clock: Clock, node: Node, socket: SocketId, records: str) -> None:
+    """`socket` served, and judged registered where the kubelet's connections cannot be read (HAMi's
+    default layout, or the socket table's read still under way): by pod-resources listing the
+    resource's devices, or by a checkpoint written since the socket was made listing `records`."""
+    node.plugin, node.connections = alive(socket), None
+    reg.plugin_socket_created(GPU, socket)
     if records == "pod-resources":
         node.pod_resources = {GPU: frozenset({"GPU-0", "GPU-1"})}
     else:
-        node.checkpoint = Checkpoint({GPU: ("GPU-0", "GPU-1")}, 7_000)
+        node.checkpoint = Checkpoint({GPU: tuple(records.split())}, socket.mtime_ns + 1_000)
     clock.now += 1
     reg.round(node.round())
     assert status(reg, f"registered:{GPU}") == ("ok", False)
+
+
+@pytest.mark.parametrize(
+    ("records", "shown"),
+    [
+        ("pod-resources", "pod-resources lists 2 device(s)"),
+        ("GPU-0 GPU-1", "the kubelet accepted the plugin (2 healthy device(s) recorded)"),
+    ],
+)
+def test_a_socket_held_by_the_records_alone_that_goes_is_a_crash_not_a_failed_start(
+    records: str, shown: str
+) -> None:
+    """After the kubelet's restart the records are of the sockets registered with the new kubelet,
+    and HAMi's new socket is the first: they name it. It was held, so its end is a crash, failed at
+    once, not a socket that came and went before the kubelet held it."""
+    reg, clock, _, node = restarted()
+    held_by_records(reg, clock, node, P2, records)
+    assert shown in reason(reg, f"registered:{GPU}")
     node.plugin = down("absent")
     assert reg.plugin_socket_deleted(GPU)
     judged_a_crash(reg)
+
+
+def still_a_failed_start(reg: DevicePluginJudge) -> None:
+    if reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=False):
+        reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=True)
+    assert status(reg, f"plugin:{GPU}") == ("pending", False)
+    assert "a failed start" in reason(reg, f"plugin:{GPU}")
+
+
+def test_a_fresh_checkpoint_listing_no_device_names_no_socket() -> None:
+    """The new kubelet restores the resource from its checkpoint with no device, and any write (another
+    plugin's registration, a pod's admission) lists it so: registered, since it cannot be told, but no
+    sign that the kubelet held this socket. Its end stays HAMi's failed start."""
+    reg, clock, _, node = restarted()
+    held_by_records(reg, clock, node, P2, "")
+    node.plugin = down("absent")
+    assert reg.plugin_socket_deleted(GPU)
+    still_a_failed_start(reg)
+
+
+@pytest.mark.parametrize("records", ["pod-resources", "GPU-0 GPU-1"])
+def test_records_name_only_the_first_socket_the_kubelet_held(records: str) -> None:
+    """HAMi re-serves a held plugin (its 30 s retry of another plugin, SIGHUP) and the new Register
+    fails: the devices listed are the earlier socket's (they linger until its stream ends, and in the
+    1.37 trap for good), however many rounds see them. Its end stays HAMi's failed start."""
+    reg, clock, _, node = restarted()
+    held_by_records(reg, clock, node, P2, records)
+    assert reg.plugin_socket_deleted(GPU)  # P2 replaced by P3
+    reg.judge_vanished(GPU, AfterDeletion(P3, K2, False), restart_window_over=False)
+    for _ in range(2):
+        held_by_records(reg, clock, node, P3, records)
+    node.plugin = down("absent")
+    assert reg.plugin_socket_deleted(GPU)
+    still_a_failed_start(reg)
 
 
 def test_after_the_kubelet_held_it_a_new_socket_that_comes_and_goes_is_still_a_failed_start() -> None:

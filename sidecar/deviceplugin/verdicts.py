@@ -380,9 +380,12 @@ class _PluginState:
     unlinked: bool = False
     vanished: _Vanished | None = None  # a vanished socket's verdict
     connected_pair: _Pair | None = None  # seen held
-    # Its socket judged held by this kubelet since its cycle opened, by whichever evidence (its
-    # connections, or pod-resources and the checkpoint where they cannot be seen).
+    # Its socket judged held by this kubelet since its cycle opened, on evidence that names the socket
+    # (`_names_socket`): a failed start's socket never was.
     held_this_cycle: bool = False
+    # The first pair of sockets judged registered under the current kubelet, whatever the evidence: a
+    # record of the resource's devices can be an earlier socket's where this kubelet held another one.
+    first_held: _Pair | None = None
     connected_since: float | None = None  # wall
     # The connections of the held pair by inode, and which one carries the kubelet's registration.
     conns: dict[int, _Conn] = field(default_factory=dict)
@@ -652,7 +655,7 @@ class DevicePluginJudge:
             # The socket it served for the new kubelet went before the kubelet held it: HAMi's failed
             # start (its Register refused or failed), which it retries 30 s later by itself. Pending
             # for the grace, which covers that retry. Held, by its connections or by the records where
-            # they could not be read that round, it is a crash like any other.
+            # they cannot be read, it is a crash like any other.
             verdict = (
                 f"{plugin.socket} came and went after the kubelet's restart before the kubelet held it: "
                 "a failed start, which HAMi retries 30 s later by itself"
@@ -978,7 +981,11 @@ class DevicePluginJudge:
         if held:
             p.episode = False
             # The socket of this cycle, not one that replaced it while the round looked.
-            p.held_this_cycle = p.held_this_cycle or obs.identity_after == p.identity
+            pair = _Pair(obs.identity_after, self._kubelet_id)
+            if pair.plugin is not None and pair.plugin == p.identity:
+                p.held_this_cycle = p.held_this_cycle or self._names_socket(r, p, pair, obs, seen)
+            if p.first_held is None or p.first_held.kubelet != pair.kubelet:
+                p.first_held = pair
             self._restore_budget(r, "registered again")
             if self._recorded(r, seen, obs):
                 self._close_attempt(r, registered=True)
@@ -1001,6 +1008,21 @@ class DevicePluginJudge:
             restarts=restarts,
             quiet=self._quiet(plugin, obs, seen),
         )
+
+    def _names_socket(
+        self, r: str, p: _PluginState, pair: _Pair, obs: PluginEvidence, seen: RoundEvidence
+    ) -> bool:
+        """Whether a registered verdict on `pair` rests on evidence of its plugin socket: its
+        connections seen held, or the resource's devices listed by pod-resources or a checkpoint fresh
+        for the pair, where this kubelet held no other socket of the resource (a kubelet lists only
+        what a plugin registered with it sent; an earlier socket's devices can linger, in the 1.37
+        trap for good). A fresh checkpoint listing none says nothing of who registered."""
+        if p.connected_pair == pair:
+            return True
+        if p.first_held is not None and p.first_held.kubelet == pair.kubelet and p.first_held != pair:
+            return False
+        live = seen.pod_resources.value
+        return bool(live and live.get(r)) or bool(self._accepted(r, seen, obs))
 
     def _report_client(self, r: str, ok: str) -> None:
         """`kubelet-client:`: does the kubelet still keep a client for the plugin's path, or did it refuse a
