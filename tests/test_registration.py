@@ -1483,10 +1483,15 @@ def held_after_a_kubelet_restart() -> tuple[DevicePluginJudge, Clock, Node]:
     return reg, clock, node
 
 
-def judged_a_crash(reg: DevicePluginJudge) -> None:
-    """The deleted socket's verdict, after the restart window where it waits for it: a crash, at once."""
+def judge_past_the_window(reg: DevicePluginJudge) -> None:
+    """The deleted socket's verdict under the new kubelet K2, after the restart window where it waits."""
     if reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=False):
         reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=True)
+
+
+def judged_a_crash(reg: DevicePluginJudge) -> None:
+    """The deleted socket's verdict: a crash, at once."""
+    judge_past_the_window(reg)
     assert status(reg, f"plugin:{GPU}") == ("failed", True)
     assert "removed while the kubelet kept running" in reason(reg, f"plugin:{GPU}")
 
@@ -1560,8 +1565,8 @@ def test_a_socket_held_by_the_records_alone_that_goes_is_a_crash_not_a_failed_st
 
 
 def still_a_failed_start(reg: DevicePluginJudge) -> None:
-    if reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=False):
-        reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=True)
+    """The deleted socket's verdict: HAMi's failed start, pending for the grace."""
+    judge_past_the_window(reg)
     assert status(reg, f"plugin:{GPU}") == ("pending", False)
     assert "a failed start" in reason(reg, f"plugin:{GPU}")
 
