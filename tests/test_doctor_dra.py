@@ -15,11 +15,19 @@ from sidecar.dra.spec import DraSpec
 from testing.realdra import RealDraDriver, RealDraKubelet, Release
 
 DRIVER = "gpu.example.com"
+# The end of a registration whose NotifyRegistrationStatus was refused, in the plugin manager's error line.
+REFUSAL_LOGGED = b"failed to send registration status"
 
 
 def kubelet_log(k: RealDraKubelet) -> bytes:
     with open(k.proc.log_path, "rb") as f:
         return f.read()
+
+
+def refusals_logged(k: RealDraKubelet) -> int:
+    """The refused registrations the kubelet has logged as over (klog writes an error line once for
+    each severity at or below its own: one line, three times, to one output)."""
+    return len({line for line in kubelet_log(k).splitlines() if REFUSAL_LOGGED in line})
 
 
 async def test_refused_registration_and_the_health_noise(short_tmp: str, dra_release: Release) -> None:
@@ -34,9 +42,14 @@ async def test_refused_registration_and_the_health_noise(short_tmp: str, dra_rel
         await d.start()
         await d.set("refuse", True)
         await k.start()
+        # Two refusals, each over: the kubelet registers the driver (its DRA manager connects to the
+        # service), is refused the NotifyRegistrationStatus, deregisters it (closing that connection),
+        # then logs the failure. The driver counts the call before all that, so a look right after the
+        # count can find the connection still open.
         async with asyncio.timeout(15):
-            while d.calls("NotifyRegistrationStatus") < 2:
+            while refusals_logged(k) < 2:
                 await asyncio.sleep(0.05)
+        assert d.calls("NotifyRegistrationStatus") >= 2
         readings = await gather_dra([spec], kubelet_socket, 1.0)
         log = scan_dra_log(kubelet_log(k), k.proc.log_path)
         serving, silent, registered, dra_log = dra_causes(readings, [log], k.version.lstrip("v"))
