@@ -31,16 +31,8 @@ from doctor.types import (
 )
 from hami_guard.flags import AUTO_DEVICES, Expect
 from initcheck.checks import Finding
-from sidecar.deviceplugin.verdicts import (
-    accepted_devices,
-    iso,
-    matching_plugins,
-    not_held_reason,
-    physical_devices,
-    pick_found,
-    socket_found_instead,
-    unrecorded_connection,
-)
+from sidecar.deviceplugin.evidence import accepted_devices, iso, not_held_reason, unrecorded_connection
+from sidecar.deviceplugin.naming import matching_plugins, physical_devices, pick_found, socket_found_instead
 
 ORDER = {cause: i for i, (cause, _) in enumerate(CAUSES)}
 RANK = {cause: i for i, (cause, _) in enumerate(CAUSES + DRA_CAUSES + HAMI_CAUSES + RECOVERY_CAUSES)}

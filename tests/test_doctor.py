@@ -94,8 +94,8 @@ from hami_guard.node.sockets import try_connect
 from hami_guard.node.unixdiag import SocketOwner, kubelet_connections
 from initcheck.checks import Finding
 from sidecar.deviceplugin.checkpoint import Checkpoint, CheckpointError, read_checkpoint
+from sidecar.deviceplugin.evidence import iso
 from sidecar.deviceplugin.probes import Reading, SocketId
-from sidecar.deviceplugin.verdicts import iso
 from sidecar.rpc import unix_target
 from testing import FakeDevicePlugin, FakeKubelet, netns
 from testing.grpcserve import GoStyleUnimplemented

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from sidecar.config import HAMI_HANDSHAKE, HAMI_NVIDIA_REGISTER, parse_settings, read_settings
-from sidecar.deviceplugin.verdicts import physical_devices
+from sidecar.deviceplugin.naming import physical_devices
 from sidecar.hami import annotation as anno
 from sidecar.hami.verdicts import (
     CODES,

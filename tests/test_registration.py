@@ -10,19 +10,17 @@ import pytest
 
 from hami_guard.flags import DeviceExpectation, Expect, PluginSpec
 from sidecar.deviceplugin.checkpoint import Checkpoint
-from sidecar.deviceplugin.probes import ProbeResult, Reading, SocketId
-from sidecar.deviceplugin.verdicts import (
-    EVENT_LAG,
+from sidecar.deviceplugin.evidence import (
     NEWEST,
-    RESTART_BUDGET,
     AfterDeletion,
-    DevicePluginJudge,
     KubeletRules,
     PluginEvidence,
     RoundEvidence,
     Rules,
-    physical_devices,
 )
+from sidecar.deviceplugin.naming import physical_devices
+from sidecar.deviceplugin.probes import ProbeResult, Reading, SocketId
+from sidecar.deviceplugin.verdicts import EVENT_LAG, RESTART_BUDGET, DevicePluginJudge
 from sidecar.health import NO_RESTART, Check, Status
 from sidecar.server.views import _line
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hami_guard.node import release
-from sidecar.deviceplugin.verdicts import kubelet_rules
+from sidecar.deviceplugin.evidence import kubelet_rules
 from testing.realkubelet import RELEASES, _binary
 
 

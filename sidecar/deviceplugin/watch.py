@@ -47,6 +47,15 @@ from hami_guard.node.unixdiag import (
 from sidecar.config import PluginSpec, Settings
 from sidecar.deviceplugin import hamiconfig
 from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME, Checkpoint
+from sidecar.deviceplugin.evidence import (
+    AfterDeletion,
+    KubeletRules,
+    Listener,
+    PluginEvidence,
+    RoundEvidence,
+    Rules,
+    kubelet_rules,
+)
 from sidecar.deviceplugin.probes import (
     ProbeResult,
     Reading,
@@ -60,16 +69,7 @@ from sidecar.deviceplugin.probes import (
     socket_refuses,
 )
 from sidecar.deviceplugin.recovery import NOT_READ, RecoveryEvidence
-from sidecar.deviceplugin.verdicts import (
-    AfterDeletion,
-    DevicePluginJudge,
-    KubeletRules,
-    Listener,
-    PluginEvidence,
-    RoundEvidence,
-    Rules,
-    kubelet_rules,
-)
+from sidecar.deviceplugin.verdicts import DevicePluginJudge
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

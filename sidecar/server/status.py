@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from hami_guard.flags import DeviceExpectation, Expect
 from sidecar import __version__
 from sidecar.deviceplugin import hamiconfig
-from sidecar.deviceplugin.verdicts import iso
+from sidecar.deviceplugin.evidence import iso
 from sidecar.health import Status
 
 if TYPE_CHECKING:
