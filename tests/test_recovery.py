@@ -9,11 +9,11 @@ import pytest
 
 from hami_guard.flags import DeviceExpectation
 from sidecar.config import parse_settings
+from sidecar.deviceplugin.budget import RESTART_BUDGET
 from sidecar.deviceplugin.checkpoint import Checkpoint
 from sidecar.deviceplugin.evidence import RoundEvidence
 from sidecar.deviceplugin.probes import Reading
 from sidecar.deviceplugin.recovery import RecoveryEvidence
-from sidecar.deviceplugin.verdicts import RESTART_BUDGET
 from sidecar.server.views import _line
 from tests.test_registration import GPU, P1, UUID0, UUID1, Node, alive, make, reason, status
 

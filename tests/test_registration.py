@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from hami_guard.flags import DeviceExpectation, Expect, PluginSpec
+from sidecar.deviceplugin.budget import RESTART_BUDGET
 from sidecar.deviceplugin.checkpoint import Checkpoint
 from sidecar.deviceplugin.evidence import (
     NEWEST,
@@ -20,7 +21,8 @@ from sidecar.deviceplugin.evidence import (
 )
 from sidecar.deviceplugin.naming import physical_devices
 from sidecar.deviceplugin.probes import ProbeResult, Reading, SocketId
-from sidecar.deviceplugin.verdicts import EVENT_LAG, RESTART_BUDGET, DevicePluginJudge
+from sidecar.deviceplugin.sockets import EVENT_LAG
+from sidecar.deviceplugin.verdicts import DevicePluginJudge
 from sidecar.health import NO_RESTART, Check, Status
 from sidecar.server.views import _line
 

@@ -1,16 +1,18 @@
 """What the device-plugin verdicts are given and give back: the settings they depend on, one round's
 evidence, what the folder shows after a deletion, the listener the wiring publishes through, the
-registration cycles, and the readings of the kubelet's records (the checkpoint) they share.
+registration cycles, the verdict of whether the kubelet holds a plugin, and the readings of the
+kubelet's records (the checkpoint, pod-resources) the rule families share.
 
 Pure data and pure functions: no I/O, no clock.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from hami_guard.flags import ANY_DEVICES, DeviceExpectation, PluginSpec
 from hami_guard.node.release import Release
@@ -21,6 +23,9 @@ from sidecar.deviceplugin.naming import physical_devices
 from sidecar.deviceplugin.probes import ProbeResult, Reading, SocketId
 from sidecar.deviceplugin.recovery import NOT_READ, RecoveryEvidence
 from sidecar.health import Check, Status
+
+# The judge's log, one name whichever rule family speaks (operators filter on it).
+logger = logging.getLogger("sidecar.deviceplugin.verdicts")
 
 
 def accepted_devices(
@@ -234,3 +239,38 @@ class Attempt:
 def iso(ts: float) -> str:
     """A wall-clock time as UTC ISO 8601, to the millisecond."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+class Pair(NamedTuple):
+    """The plugin's socket file and kubelet.sock as one round saw them: a registration holds for a pair."""
+
+    plugin: SocketId | None
+    kubelet: SocketId | None
+
+
+@dataclass(frozen=True)
+class Held:
+    """Whether the kubelet holds the plugin now: the `registered:` verdict of one round."""
+
+    held: bool | None  # None: a lost connection, or newer evidence against a held one, awaits confirmation
+    why: str = ""
+    definitive: bool = False  # no waiting mends it: it fails at once, grace or not
+    mends: bool = True  # a plugin restart can register it again
+
+
+UNCONFIRMED = Held(None)  # judged again once the confirmation is due (`wake_at`)
+
+
+def endpoint_alive(r: str, seen: RoundEvidence) -> bool | None:
+    """Does the kubelet keep the resource's endpoint? Yes where pod-resources lists healthy devices
+    of it; no where it lists none that the checkpoint records healthy (a kubelet that drops a plugin
+    marks its devices unhealthy itself and does not rewrite the checkpoint, rule 1.3); None where
+    it cannot be told: pod-resources unread, or no device recorded healthy (the plugin may have
+    reported them all unhealthy itself)."""
+    live = seen.pod_resources.value
+    if live is None:
+        return None
+    if physical_devices(live.get(r, ())):
+        return True
+    cp = seen.checkpoint.value
+    return False if cp is not None and cp.devices(r) else None

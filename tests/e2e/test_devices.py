@@ -26,7 +26,7 @@ import pytest
 from hami_guard.flags import AUTO_DEVICES
 from sidecar.app import Sidecar
 from sidecar.config import Settings
-from sidecar.deviceplugin.verdicts import RESTART_BUDGET
+from sidecar.deviceplugin.budget import RESTART_BUDGET
 from testing import FakeKubelet, free_port
 from testing.plugin import hami_device_ids
 from tests.conftest import wait_for

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from hami_guard.flags import DeviceExpectation, Expect
-from sidecar.deviceplugin.verdicts import RESTART_BUDGET
+from sidecar.deviceplugin.budget import RESTART_BUDGET
 from tests.conftest import wait_for
 from tests.e2e.conftest import GPU, Node, NodeFactory, Watch
 
