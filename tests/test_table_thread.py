@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sidecar.deviceplugin.watch import Look, TableThread
+from sidecar.deviceplugin.table import Look, TableThread
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import os
 import socket
 from pathlib import Path
 
-from sidecar.deviceplugin.watch import PluginListener, _file_id, _listener_of, _still_listening
+from sidecar.deviceplugin.listeners import PluginListener, file_id, listener_of, still_listening
 
 
 def listen(path: str) -> socket.socket:
@@ -17,26 +17,26 @@ def listen(path: str) -> socket.socket:
     return s
 
 
-def test_the_listener_of_an_unlinked_socket_file_is_still_found_until_it_closes(tmp_path: Path) -> None:
+def test_thelistener_of_an_unlinked_socket_file_is_still_found_until_it_closes(tmp_path: Path) -> None:
     path = str(tmp_path / "nvidia-gpu.sock")
     listener = listen(path)
     try:
-        bound = _file_id(path)
+        bound = file_id(path)
         assert bound is not None
-        found = PluginListener(bound, _listener_of(bound))
+        found = PluginListener(bound, listener_of(bound))
         assert found.ino == os.fstat(listener.fileno()).st_ino
-        assert _still_listening(found) is True
+        assert still_listening(found) is True
         os.unlink(path)  # a kubelet restart's cleanup
-        assert _still_listening(found) is True
+        assert still_listening(found) is True
         # Another socket at the same path is another file: it never stands for the first.
         with listen(path):
-            assert _file_id(path) != bound
+            assert file_id(path) != bound
             listener.close()  # the plugin stopped
-            assert _still_listening(found) is False
+            assert still_listening(found) is False
     finally:
         listener.close()
-    assert _still_listening(None) is None
-    assert _still_listening(PluginListener(bound, None)) is None
+    assert still_listening(None) is None
+    assert still_listening(PluginListener(bound, None)) is None
 
 
 def test_a_new_file_given_the_closed_listeners_inode_number_never_stands_for_it(tmp_path: Path) -> None:
@@ -44,17 +44,17 @@ def test_a_new_file_given_the_closed_listeners_inode_number_never_stands_for_it(
     the next socket bound anywhere on that filesystem may carry the stopped plugin's (st_dev, st_ino)."""
     path = str(tmp_path / "nvidia-gpu.sock")
     with listen(path) as listener:
-        bound = _file_id(path)
+        bound = file_id(path)
         assert bound is not None
-        found = PluginListener(bound, _listener_of(bound))
+        found = PluginListener(bound, listener_of(bound))
     os.unlink(path)
     with contextlib.ExitStack() as stack:
         for i in range(200):
             other = str(tmp_path / f"other-{i}.sock")
             stack.enter_context(listen(other))
-            if _file_id(other) == bound:
+            if file_id(other) == bound:
                 break
-        reused = _file_id(other) == bound
-        assert _listener_of(bound) is not None or not reused  # the file id alone is fooled
-        assert _still_listening(found) is False
+        reused = file_id(other) == bound
+        assert listener_of(bound) is not None or not reused  # the file id alone is fooled
+        assert still_listening(found) is False
     assert listener.fileno() == -1

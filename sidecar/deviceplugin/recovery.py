@@ -139,32 +139,8 @@ class DeviceRecovery:
             # for stays asked for: the plugin going down is that restart under way (its new socket ends it).
             self._missing.clear()
             return RecoveryVerdict(True, f"not judged: {why_not or 'no list of healthy devices'}")
-        back = self._awaiting & listed
-        if back:
-            for d in back:
-                self.recovered[d] = wall
-            self._awaiting -= back
-            events.append(("recovered", len(back)))
-            logger.info(
-                "%s: the plugin restart brought %s back: listed healthy again", self.resource, _names(back)
-            )
-        self._seen |= listed
-        missing = self._seen - listed
-        for d in set(self._missing) - missing:
-            del self._missing[d]
-        for d in missing:
-            self._missing.setdefault(d, (now, wall))
-        due = _Due(sorted(d for d in missing if now - self._missing[d][0] >= self.after))
-        for d in due.devices:
-            host = self._on_host(d, ev)
-            if host is False:
-                due.removed.append(d)
-            elif host is None:
-                due.unknown.append(d)
-            elif d in self._restarted:
-                due.again.append(d)
-            else:
-                due.candidates.append(d)
+        self._count_back(listed, wall, events)
+        missing, due = self._due(listed, ev, now=now, wall=wall)
         candidates, again = due.candidates, due.again
         self._give_up(again, wall)
         unrecoverable = len(missing & set(self.given_up))
@@ -194,6 +170,42 @@ class DeviceRecovery:
             )
         self._asked = frozenset()
         return self._quiet_verdict(missing, due, blocked, ev, now=now, events=tuple(events))
+
+    def _count_back(self, listed: frozenset[str], wall: float, events: list[tuple[str, int]]) -> None:
+        """Devices a restart was asked for that are listed healthy again: recovered."""
+        back = self._awaiting & listed
+        if back:
+            for d in back:
+                self.recovered[d] = wall
+            self._awaiting -= back
+            events.append(("recovered", len(back)))
+            logger.info(
+                "%s: the plugin restart brought %s back: listed healthy again", self.resource, _names(back)
+            )
+
+    def _due(
+        self, listed: frozenset[str], ev: RecoveryEvidence, *, now: float, wall: float
+    ) -> tuple[set[str], _Due]:
+        """The devices seen before and not listed healthy now, and those of them missing for the duration,
+        sorted by what the host says of each."""
+        self._seen |= listed
+        missing = self._seen - listed
+        for d in set(self._missing) - missing:
+            del self._missing[d]
+        for d in missing:
+            self._missing.setdefault(d, (now, wall))
+        due = _Due(sorted(d for d in missing if now - self._missing[d][0] >= self.after))
+        for d in due.devices:
+            host = self._on_host(d, ev)
+            if host is False:
+                due.removed.append(d)
+            elif host is None:
+                due.unknown.append(d)
+            elif d in self._restarted:
+                due.again.append(d)
+            else:
+                due.candidates.append(d)
+        return missing, due
 
     def _quiet_verdict(
         self,

@@ -12,23 +12,18 @@ round (`sidecar.dra.watch`) mirrors this one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import glob
 import logging
 import os
-import queue
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, TypeVar
 
 from hami_guard.flags import Expect
 from hami_guard.node import release
-from hami_guard.node.netunix import LISTEN, listed_inodes
 from hami_guard.node.unixdiag import (
     DIAG_DEADLINE,
     KUBELET_BOUND_PATH,
@@ -37,9 +32,7 @@ from hami_guard.node.unixdiag import (
     DiagUnavailable,
     SocketOwner,
     UnixSocket,
-    diag_alive,
     diag_dump,
-    diag_one,
     kubelet_connections,
     kubelet_processes,
     socket_owner,
@@ -56,6 +49,7 @@ from sidecar.deviceplugin.evidence import (
     Rules,
     kubelet_rules,
 )
+from sidecar.deviceplugin.listeners import PluginListener, file_id, listener_of, still_listening
 from sidecar.deviceplugin.probes import (
     ProbeResult,
     Reading,
@@ -69,23 +63,16 @@ from sidecar.deviceplugin.probes import (
     socket_refuses,
 )
 from sidecar.deviceplugin.recovery import NOT_READ, RecoveryEvidence
+from sidecar.deviceplugin.table import Look, TableThread, gone_by_diag, gone_from
 from sidecar.deviceplugin.verdicts import DevicePluginJudge
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
-SWITCH = 0.0002  # seconds: the GIL's switch interval while the socket table is read
 
 # Where the kubelet binds its plugins' sockets: a plugin whose folder is mounted elsewhere bound there.
 BOUND_DIR = os.path.dirname(KUBELET_BOUND_PATH)
 MAX_FOLDER_SOCKETS = 32  # other sockets tried in the folder per round
 RELEASE_RETRY = 60.0  # seconds between reads of an unknown kubelet release
-# Between rounds, where the last round's connections cannot be asked for one by one, the whole socket
-# table (a /proc file of the whole namespace) is read at most this share of a core's time: every
-# connection interval where a read costs 1 ms or less (a node's few hundred sockets), less often where
-# it costs more (100,000 sockets: a few hundred ms, every few minutes).
-FULL_READ_SHARE = 0.001
-# A look by inode is spaced at least this many times the last whole read's duration.
-LOOK_SPACING = 20
 
 
 class Publisher(Listener, Protocol):
@@ -106,158 +93,6 @@ class _SocketTable:
     listed: set[tuple[int, int]]  # the files (st_dev, st_ino) whose sockets were read
     connections: Connections | str  # the kubelet's, or why they cannot be seen
     ignored: tuple[str, ...] = ()  # processes named as the kubelet that are not it, and why
-
-
-@dataclass(frozen=True)
-class Look:
-    """What the table's thread checks between rounds: `moved()` says whether the kubelet's connections to
-    the plugins it holds differ from the last round's; `whole`: it reads the whole table (spaced by
-    that read's cost), not the last round's connections by inode."""
-
-    moved: Callable[[], bool]
-    whole: bool
-    then: Callable[[], object]  # called (on the thread) once `moved()` said so; the look then ends
-
-
-_WAKE = "wake"  # a look was set: the thread's wait is cut short to take it
-
-
-class TableThread:
-    """The kernel's socket table, read on a thread of its own, one read at a time.
-
-    A host's namespace may hold 100,000 sockets: a read then takes a few hundred ms, which on the
-    event loop would hold every /healthz answer that long. A read that does not end (a stuck file
-    read) holds this thread only: a round waits for it within its timeout, the next rounds start
-    none while it runs, and shutdown does not wait for it (a daemon thread).
-
-    Between the rounds' reads the thread looks at the kubelet's connections itself (`watch`) every
-    `every` seconds: the event loop hears of it only when they moved, so a look costs the read alone,
-    not a hand-over to the loop and back each second.
-    """
-
-    def __init__(self, name: str = "hami-sidecar-socket-table", every: float = 1.0) -> None:
-        self._jobs: queue.SimpleQueue[
-            tuple[Callable[[], object], Future[object], Future[None]] | str | None
-        ] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._running: Future[object] | None = None
-        self._since = 0.0
-        self.last_read = 0.0  # seconds the last read that ended took
-        self.every = every
-        self._lock = threading.Lock()  # the look and when it is due, set by the loop and by this thread
-        self._look: Look | None = None
-        self._look_at = 0.0  # monotonic: when the look is due
-
-    def watch(self, look: Look | None) -> None:
-        """Look with `look` from now on (None: no look), the first time `every` seconds from now."""
-        with self._lock:
-            self._look, self._look_at = look, time.monotonic() + self._spacing(look)
-        self._jobs.put(_WAKE)
-
-    def _spacing(self, look: Look | None) -> float:
-        if look is None:
-            return self.every
-        if look.whole:
-            return max(self.every, self.last_read / FULL_READ_SHARE)
-        return max(self.every, LOOK_SPACING * self.last_read)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self, wait: float = 0.5) -> None:
-        """End the thread once its read (if any) is over; wait for that `wait` seconds at most. A look
-        under way says nothing after this."""
-        with self._lock:
-            self._look = None
-        self._jobs.put(None)
-        if self._thread.is_alive():
-            self._thread.join(wait)
-            if self._thread.is_alive():
-                logger.warning("the socket table's read has not ended: the sidecar stops without it")
-
-    async def read(self, read: Callable[[], T], timeout: float) -> T | str:
-        """`read()` on the thread, within `timeout`; or why it gave nothing (never an older read's answer:
-        while one runs past its round, later rounds read nothing)."""
-        if self._running is not None and not self._running.done():
-            return (
-                f"the kernel's socket table is still being read (for {time.monotonic() - self._since:.1f}s): "
-                "the kubelet's connections are not known this round"
-            )
-        if not self._thread.is_alive():
-            return "the socket table's reader is not running"
-        job: Future[object] = Future()
-        taken: Future[None] = Future()  # the thread took the job (after a look under way, if any)
-        self._running, self._since = job, time.monotonic()
-        self._jobs.put((read, job, taken))
-        try:
-            # The timeout counts from then: a look's read is waited for, not taken from the round's.
-            async with asyncio.timeout(timeout):
-                await asyncio.shield(asyncio.wrap_future(taken))
-            async with asyncio.timeout(timeout):
-                result = await asyncio.shield(asyncio.wrap_future(job))
-        except TimeoutError:
-            return f"the kernel's socket table could not be read within {timeout:g}s"
-        return result  # type: ignore[return-value]  # what `read` returned
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                look, due = self._look, self._look_at
-            try:
-                wait = None if look is None else max(0.0, due - time.monotonic())
-                job = self._jobs.get(timeout=wait)
-            except queue.Empty:
-                self._take_look(look)
-                continue
-            if job is None:
-                return
-            if isinstance(job, str):  # _WAKE
-                continue
-            read, done, taken = job
-            taken.set_result(None)
-            started = time.monotonic()
-            try:
-                with _short_switch():
-                    done.set_result(read())
-            except BaseException as e:  # handed to the round, which logs it
-                done.set_exception(e)
-            finally:
-                self.last_read = time.monotonic() - started
-
-    def _take_look(self, look: Look | None) -> None:
-        if look is None or look is not self._look:
-            return
-        started = time.monotonic()
-        moved = False
-        try:
-            with _short_switch():
-                moved = look.moved()
-        except Exception:  # a look never ends the thread: the next round reads again
-            logger.exception("looking at the kubelet's connections between rounds failed")
-        if look.whole:
-            self.last_read = time.monotonic() - started
-        with self._lock:
-            if look is not self._look:
-                return  # another look was set meanwhile (or none, at close): it stands
-            if moved:
-                self._look = None  # the round it asks for sets the next look
-            else:
-                self._look_at = time.monotonic() + self._spacing(look)
-        if moved:
-            look.then()
-
-
-@contextlib.contextmanager
-def _short_switch() -> Iterator[None]:
-    """While the table is read, the loop thread waits for the GIL at most SWITCH seconds at a time, not
-    the default 5 ms: an HTTP answer takes the GIL a few times, and a table read holds it for hundreds
-    of ms in all."""
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(min(switch, SWITCH))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(switch)
 
 
 class DevicePluginWatch:
@@ -387,7 +222,7 @@ class DevicePluginWatch:
         try:
             await asyncio.sleep(s.vanish_settle)
             # A sock_diag dump: off the loop (a host's namespace may hold 100,000 sockets).
-            look = partial(_still_listening, self._listeners.get(plugin.resource))
+            look = partial(still_listening, self._listeners.get(plugin.resource))
             for window_over in (False, True):
                 listening = await self._off_loop(look, None)
                 seen = AfterDeletion(
@@ -406,12 +241,12 @@ class DevicePluginWatch:
     async def _find_listeners(self) -> None:
         """Each plugin socket's listener, looked up (off the loop) only when its file is a new one."""
         for plugin in self.settings.plugins:
-            bound = _file_id(self.settings.plugin_path(plugin))
+            bound = file_id(self.settings.plugin_path(plugin))
             known = self._listeners.get(plugin.resource)
             if bound is None:
                 self._listeners.pop(plugin.resource, None)
             elif known is None or known.bound != bound:
-                ino = await self._off_loop(partial(_listener_of, bound), None)
+                ino = await self._off_loop(partial(listener_of, bound), None)
                 self._listeners[plugin.resource] = PluginListener(bound, ino)
 
     async def _kubelet_rules(self, generation: int) -> KubeletRules:
@@ -472,7 +307,7 @@ class DevicePluginWatch:
             # Read by sock_diag in this namespace, each connection known: asked for one by one, which
             # costs microseconds however many sockets the namespace holds.
             ids = frozenset[int]().union(*(k for k in known.values() if k))
-            self._table.watch(Look(partial(_gone_by_diag, ids), False, then))
+            self._table.watch(Look(partial(gone_by_diag, ids), False, then))
             return
         # The kubelet's namespace read through /proc: its table's inodes alone, one pass, no parse. The
         # connections the kubelet is known to hold, else every one the round saw at the plugin's path
@@ -481,7 +316,7 @@ class DevicePluginWatch:
         seen = [self._listed.get(r) if (k := known[r]) is None else k for r in (p.resource for p in watched)]
         if self._tables and all(seen):
             ids = frozenset[int]().union(*(k for k in seen if k))
-            self._table.watch(Look(partial(_gone_from, self._tables, ids), False, then))
+            self._table.watch(Look(partial(gone_from, self._tables, ids), False, then))
         else:
             # A count of 0, or connections not asked for by inode: the whole table, spaced by its cost.
             self._table.watch(Look(partial(self._connections_differ, watched, known), True, then))
@@ -505,7 +340,7 @@ class DevicePluginWatch:
         plugins = [s.plugin_path(p) for p in s.plugins]
         files = [s.kubelet_path, *plugins]
         bound = {os.path.join(BOUND_DIR, p.socket) for p in s.plugins}
-        listed = {i for f in files if (i := _file_id(f))}
+        listed = {i for f in files if (i := file_id(f))}
         try:
             mine: list[UnixSocket] | str = diag_dump(listed)
         except DiagUnavailable as e:
@@ -534,7 +369,7 @@ class DevicePluginWatch:
         # A socket re-created since the table was read is not in it: no verdict on its owner.
         owner = (
             socket_owner(path, s.kubelet_path, table.mine, names=self.names)
-            if result.ok and not isinstance(table.mine, str) and _file_id(path) in table.listed
+            if result.ok and not isinstance(table.mine, str) and file_id(path) in table.listed
             else SocketOwner("unknown", "")
         )
         return PluginEvidence(result, socket_identity(path), held, owner.verdict, owner.reason, ids)
@@ -615,60 +450,9 @@ def _host_gpus(gpus_dir: str, device_glob: str) -> tuple[Reading[frozenset[str]]
     return reading, nodes
 
 
-@dataclass(frozen=True)
-class PluginListener:
-    """A plugin socket's listener: the file it bound (st_dev, st_ino) and its own socket inode."""
-
-    bound: tuple[int, int]
-    ino: int | None  # None: no listener bound to that file in this network namespace
-
-
-def _listener_of(bound: tuple[int, int]) -> int | None:
-    """The socket inode of the listener bound to the file `bound` in this network namespace (the pod's,
-    which the plugin shares), or None."""
-    try:
-        found = diag_dump({bound})
-    except DiagUnavailable:
-        return None
-    return next((u.ino for u in found if u.state == LISTEN and u.vfs == bound), None)
-
-
-def _still_listening(listener: PluginListener | None) -> bool | None:
-    """Is this listener still open? The kernel keeps a socket's bound file identity after the file is
-    unlinked (UNIX_DIAG_VFS). Asked by the socket's own inode, never by the file's: a file's inode number
-    is free for another file the moment the listener closes (ext4 hands it out again at once), and the
-    next socket bound to that file would pass for this one. None: unknown."""
-    if listener is None or listener.ino is None:
-        return None
-    try:
-        found = diag_one(listener.ino)
-    except DiagUnavailable:
-        return None
-    return found is not None and found.state == LISTEN and found.vfs == listener.bound
-
-
-def _gone_from(tables: tuple[str, ...], ids: frozenset[int]) -> bool:
-    """Is one of `ids` missing from the socket inodes these /proc tables list? False where one cannot be
-    read."""
-    try:
-        listed = frozenset[int]().union(*(listed_inodes(t) for t in tables))
-    except OSError:
-        return False
-    return not ids <= listed
-
-
 def _bound_as(plugin: PluginSpec) -> tuple[str]:
     """Where the plugin bound its socket when its folder is mounted elsewhere: the kubelet's own path."""
     return (os.path.join(BOUND_DIR, plugin.socket),)
-
-
-def _gone_by_diag(ids: frozenset[int]) -> bool:
-    """Is one of the connections `ids` closed (sock_diag, one request each)? False where it cannot be
-    told."""
-    try:
-        return frozenset(diag_alive(ids)) != ids
-    except DiagUnavailable:
-        return False
 
 
 def _mtime_ns(path: str) -> int | None:
@@ -676,11 +460,3 @@ def _mtime_ns(path: str) -> int | None:
         return os.stat(path).st_mtime_ns
     except OSError:
         return None
-
-
-def _file_id(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
