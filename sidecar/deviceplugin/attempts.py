@@ -1,4 +1,4 @@
-"""Registration cycles: rule A1 of docs/design.md#metrics.
+"""Registration cycles: rule A1 of docs/design.md#rule-families.
 
 A1 a cycle opens at a new plugin socket or a kubelet restart (an open one absorbs what follows: a
 restart and the new socket are one attempt) and closes when the kubelet holds the plugin and has

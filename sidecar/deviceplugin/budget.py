@@ -1,4 +1,4 @@
-"""The restart budget: rules B1 to B4 of docs/design.md#liveness.
+"""The restart budget: rules B1 to B4 of docs/design.md#rule-families.
 
 B1 a liveness failure episode for "not registered" followed by a new plugin socket that does not
 register either is one restart in vain; B2 so is a failing `plugin:` for a socket never served, when

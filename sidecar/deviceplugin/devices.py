@@ -1,4 +1,4 @@
-"""The devices and their recovery: rules D1 to D4 of docs/design.md#devices.
+"""The devices and their recovery: rules D1 to D4 of docs/design.md#rule-families.
 
 D1 the healthy physical devices the kubelet lists are counted by pod-resources (live), a checkpoint
 written since the answering kubelet.sock (never a stale one) and the host's device nodes; D2 `devices:`

@@ -1,4 +1,4 @@
-"""The kubelet's restarts: rules K1 to K4 of docs/design.md#kubelet-restarts.
+"""The kubelet's restarts: rules K1 to K4 of docs/design.md#rule-families.
 
 K1 a kubelet.sock gone, refusing, or a new file is a restart (or stop) under way; K2 a new kubelet
 that answers ends it, and every plugin must register again; K3 a plugin that served no new socket

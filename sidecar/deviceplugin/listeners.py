@@ -2,7 +2,7 @@
 
 The kernel keeps a socket's bound file identity after the file is unlinked (UNIX_DIAG_VFS), so a
 listener found while the file was there can be asked for after it is gone: whether the plugin still
-serves a socket someone else removed (docs/design.md#vanished, S4).
+serves a socket someone else removed (docs/design.md#rule-families, S4).
 """
 
 from __future__ import annotations

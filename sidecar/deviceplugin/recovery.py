@@ -5,7 +5,7 @@ HAMi's device plugin marks a device Unhealthy on an XID event and never marks it
 "FIXME: there is no way to recover from the Unhealthy state."). A restart of the plugin re-reads every
 device and lists it Healthy unless it fails again: after a transient XID the GPU is back. This module
 decides, pure and clock-injected, when liveness asks for that restart and when it stops asking
-(docs/design.md#liveness); `sidecar.deviceplugin.verdicts` feeds it each round and reports its verdict
+(docs/design.md#liveness); `sidecar.deviceplugin.devices` feeds it each round and reports its verdict
 as the `recover:<resource>` check.
 
 - *Unhealthy*: a physical device the kubelet listed healthy for the resource since the plugin's socket

@@ -1,4 +1,4 @@
-"""The `registered:` and `kubelet-client:` checks: rules L1 to L3 of docs/design.md#liveness.
+"""The `registered:` and `kubelet-client:` checks: rules L1 to L3 of docs/design.md#rule-families.
 
 L1 `registered:` says whether the kubelet holds the plugin (`connections`), and fails liveness only
 while kubelet.sock answers as the real registration service, the plugin serves and owns its socket,

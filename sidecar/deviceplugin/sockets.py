@@ -1,4 +1,4 @@
-"""The plugin socket's life: rules S1 to S8 of docs/design.md#vanished.
+"""The plugin socket's life: rules S1 to S8 of docs/design.md#rule-families.
 
 S1 the kubelet.sock of the plugin socket's time tells a kubelet restart's cleanup from the plugin's
 own stop; S2 a plugin socket newer than the answering kubelet.sock was not removed by that kubelet;

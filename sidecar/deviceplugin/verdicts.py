@@ -1,10 +1,11 @@
-"""Registration truth, and what a plugin restart would mend: every verdict of the sidecar, pure.
+"""Registration truth, and what a plugin restart would mend: the device plugins' judge, pure.
 
 Inputs are observations (folder events, probe results, the kubelet's connections, pod-resources,
 the checkpoint); outputs are the checks of a `HealthState` and the registration cycles. No I/O and
-no sleeping here: `sidecar.deviceplugin.watch` gathers the observations and calls in; the clock is injected.
-The kubelet behaviour each rule rests on is in docs/kubelet.md (#registration, #kubelet-restart,
-#stream-end, #checkpoint, #live-connection, #known-bugs); the rules in docs/design.md.
+no sleeping here: `sidecar.deviceplugin.watch` gathers the observations and calls in; the clock is
+injected. The judge holds no rule itself: each rule family is a collaborator of its own module
+(docs/design.md#rule-families); the kubelet behaviour each rule rests on is in docs/kubelet.md
+(#registration, #kubelet-restart, #stream-end, #checkpoint, #live-connection, #known-bugs).
 """
 
 from __future__ import annotations
