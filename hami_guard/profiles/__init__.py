@@ -12,6 +12,7 @@ Standard library only (tomllib), like the rest of hami_guard; initcheck never im
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
@@ -122,7 +123,7 @@ class Doctor:
 class VendorProfile:
     """One vendor's profile, checked. Its methods are the names it defines, read either way."""
 
-    name: str  # the file's name: `nvidia` for nvidia.toml
+    name: str  # the file's name: `acme` for acme.toml
     vendor: str  # in prose: `NVIDIA`
     default: bool  # the profile of the defaults
     resources: Resources
@@ -142,7 +143,7 @@ class VendorProfile:
         return tuple(re.compile(f.replace(ID, self.devices.id)) for f in self.devices.folds)
 
     def owns(self, resource: str) -> bool:
-        """`resource` is one of this profile's (`nvidia.com/vgpu` of `nvidia.com/{name}`)."""
+        """`resource` is one of this profile's (`acme.example/vpu` of `acme.example/{name}`)."""
         return self.resources.owns(resource)
 
     def socket_for(self, resource: str) -> str:
@@ -158,7 +159,7 @@ class VendorProfile:
         return self.hami.register.replace(NAME, resource.rsplit("/", 1)[-1])
 
     def is_device(self, device: str) -> bool:
-        """`device` is a whole device's ID (NVML's UUID)."""
+        """`device` is a whole device's ID (of the form devices.id: NVML's UUID for NVIDIA)."""
         return self._id.match(device) is not None
 
     def physical_device(self, device: str) -> str:
@@ -206,11 +207,28 @@ class _Table:
             raise ProfileError(f"{self.where} {key}: missing")
         return check(self.value[key], f"{self.where} {key}")
 
+    def table(self, key: str, *, optional: bool = False) -> _Table:
+        """The table `key` of this one (of the file); `optional`: an empty one when absent."""
+        self.taken.add(key)
+        if key not in self.value and optional:
+            return _Table({}, "")
+        if key not in self.value:
+            raise ProfileError(f"{self.where} [{key}]: missing")
+        return _Table(self.value[key], f"{self.where} [{key}]")
+
+    def pairs(
+        self, key: Callable[[str, str], str], value: Callable[[Any, str], str]
+    ) -> tuple[tuple[str, str], ...]:
+        """Every key of the table and its value, each checked."""
+        self.taken.update(self.value)
+        at = self.where
+        return tuple((key(k, f"{at} {k}"), value(v, f"{at} {k}")) for k, v in self.value.items())
+
     def done(self) -> None:
         unknown = sorted(set(self.value) - self.taken)
         if unknown:
             raise ProfileError(
-                f"{self.where}: unknown key {', '.join(unknown)} (known: {', '.join(sorted(self.taken))})"
+                f"{self.where} unknown key {', '.join(unknown)} (known: {', '.join(sorted(self.taken))})"
             )
 
 
@@ -316,18 +334,8 @@ def _names(value: Any, at: str) -> tuple[str, ...]:
     return tuple(_form(_WORD, "a lowercase name")(item, f"{at}[{i}]") for i, item in enumerate(value))
 
 
-def _pairs(
-    table: _Table, key: Callable[[str, str], str], value: Callable[[Any, str], str]
-) -> tuple[tuple[str, str], ...]:
-    out = []
-    for k, v in table.value.items():
-        at = f"{table.where} {k}"
-        table.taken.add(k)
-        out.append((key(k, at), value(v, at)))
-    return tuple(out)
-
-
 def _program(text: str, at: str) -> str:
+    """A program's name: a key of [dra]."""
     if not _PROGRAM.match(text):
         raise ProfileError(f"{at}: {text!r} is not a program's name")
     return text
@@ -338,16 +346,16 @@ def load(text: str, name: str, pattern_sets: Iterable[str] = ()) -> VendorProfil
     exist. Raises ProfileError naming the file and the field."""
     source = f"{name}{SUFFIX}"
     if not _WORD.match(name):
-        raise ProfileError(f"{source}: a profile's file name is a lowercase name (nvidia.toml)")
+        raise ProfileError(f"{source}: a profile's file name is a lowercase name (acme.toml)")
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ProfileError(f"{source}: not valid TOML: {e}") from None
-    top = _Table(doc, source)
+    top = _Table(doc, f"{source}:")
     vendor = top.take("vendor", _text)
     default = top.take("default", _flag)
 
-    t = top.take("resources", _Table)
+    t = top.table("resources")
     resources_ = Resources(
         t.take("pattern", _holds(NAME, slash=True)),
         t.take("default", _text),
@@ -357,40 +365,39 @@ def load(text: str, name: str, pattern_sets: Iterable[str] = ()) -> VendorProfil
     if not resources_.owns(resources_.default):
         raise ProfileError(f"{t.where} default: {resources_.default!r} is not of {resources_.pattern!r}")
 
-    t = top.take("devices", _Table)
+    t = top.table("devices")
     device_id = t.take("id", _expression)
     devices = Devices(
         device_id,
         t.take("folds", _folds(device_id)),
-        t.take("glob", _form(re.compile(r"^/\S*[*?\[]\S*$"), "an absolute glob (/dev/vendor[0-9]*)")),
+        t.take("glob", _form(re.compile(r"^/\S*[*?\[]\S*$"), "an absolute glob (/dev/acme[0-9]*)")),
         t.take("node", _holds(MINOR, slash=False)),
         t.take("control", _maybe(_form(re.compile(r"^[^/\s]+$"), "a file name"))),
         t.take("driver_gpus", _maybe(_form(re.compile(r"^/\S+$"), "an absolute path"))),
-        t.take("pci_vendor", _form(_PCI_VENDOR, "a PCI vendor ID as sysfs shows it (0x10de)")),
+        t.take("pci_vendor", _form(_PCI_VENDOR, "a PCI vendor ID as sysfs shows it (0x1234)")),
         t.take("check", _text),
         t.take("inspect", _text),
     )
     t.done()
 
-    t = top.take("hami", _Table)
-    annotation = _annotation
+    t = top.table("hami")
     hami = Hami(
-        t.take("register", annotation),
+        t.take("register", _annotation),
         t.take("register_format", _one_of(REGISTER_FORMATS)),
         t.take("register_writer", _one_of(WRITERS)),
-        t.take("handshake", annotation),
+        t.take("handshake", _annotation),
         t.take("handshake_writer", _one_of(WRITERS)),
     )
     t.done()
 
-    t = top.take("chart", _Table)
+    t = top.table("chart")
     chart = Chart(
         t.take("selector", _form(_LABEL, "a label selector key=value")),
-        t.take("resource_value", _form(_DOTTED, "a dotted path (nvidia.resourceCountName)")),
+        t.take("resource_value", _form(_DOTTED, "a dotted path (acme.resourceName)")),
     )
     t.done()
 
-    t = top.take("doctor", _Table)
+    t = top.table("doctor")
     known = set(pattern_sets)
     doctor = Doctor(t.take("process", _form(_PROGRAM, "a process name")), t.take("log_patterns", _names))
     for i, s in enumerate(doctor.log_patterns):
@@ -398,10 +405,9 @@ def load(text: str, name: str, pattern_sets: Iterable[str] = ()) -> VendorProfil
             raise ProfileError(f"{t.where} log_patterns[{i}]: {s!r} names no set ({PATTERNS}/{s}{SUFFIX})")
     t.done()
 
-    t = top.take("dra", _Table)
-    dra = _pairs(t, _program, _form(re.compile(rf"^{_DOMAIN}$"), "a DRA driver's name (gpu.example.com)"))
-    t = top.take("sources", _Table)
-    sources = _pairs(t, lambda k, _: k, _text)
+    driver = _form(re.compile(rf"^{_DOMAIN}$"), "a DRA driver's name")
+    dra = top.table("dra", optional=True).pairs(_program, driver)
+    sources = top.table("sources", optional=True).pairs(lambda k, _: k, _text)
     top.done()
     return VendorProfile(name, vendor, default, resources_, devices, hami, chart, doctor, dra, sources)
 
@@ -455,6 +461,16 @@ def for_socket(socket: str) -> tuple[VendorProfile, str] | None:
         if resource is not None:
             return p, resource
     return None
+
+
+def export(profiles: Iterable[VendorProfile]) -> str:
+    """The profiles as JSON: the post-renderer's copy, manifests/hami-patch/profiles.json (`make profiles`),
+    which cannot import this package; tests/test_profiles.py checks that it is current."""
+    doc = {
+        "generated": "by make profiles from hami_guard/profiles/*.toml: edit those, not this",
+        "profiles": {p.name: p.as_data() for p in profiles},
+    }
+    return json.dumps(doc, indent=2) + "\n"
 
 
 PROFILES = read()
