@@ -11,7 +11,14 @@ from dataclasses import dataclass
 
 from doctor.dra.causes import dra_causes
 from doctor.hami import hami_causes
-from doctor.patterns import ALREADY_CONNECTED, DRIVER_FIX, OTHER_PLUGIN_FIX, RESTART_PLUGIN, RUNTIME_FIX
+from doctor.patterns import (
+    ALREADY_CONNECTED,
+    DRIVER_FIX,
+    NO_DRIVER_ERROR,
+    OTHER_PLUGIN_FIX,
+    RESTART_PLUGIN,
+    RUNTIME_FIX,
+)
 from doctor.recovery import recovery_cause
 from doctor.shell import command
 from doctor.types import (
@@ -213,7 +220,7 @@ def driver_cause(plugin_logs: Sequence[LogFindings], nodes: DriverNodes) -> Caus
             "(--expect-devices auto with --device-glob on the host's /dev)"
         )
     elif cause.verdict == "ok" and not cause.evidence:
-        cause.evidence.append("the plugin's log shows no NVML error")
+        cause.evidence.append(NO_DRIVER_ERROR)
     return cause
 
 

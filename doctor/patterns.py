@@ -44,6 +44,7 @@ NAMED: Mapping[str, type] = {
     "already-connected": str,
     "restart-driver": str,
     "other-plugin-fix": list,
+    "no-driver-error": str,
 }
 REF = "@"
 PLACEHOLDER = re.compile(r"\{([a-z-]*)\}")
@@ -280,3 +281,5 @@ ALREADY_CONNECTED = CATALOGUE.texts["already-connected"]
 RESTART_DRIVER = CATALOGUE.texts["restart-driver"]
 # Another plugin on the same socket and resource (the vendor's own operator's): turn one off.
 OTHER_PLUGIN_FIX = CATALOGUE.fixes["other-plugin-fix"]
+# The driver row's evidence when the plugin's log holds none of the driver's errors.
+NO_DRIVER_ERROR = CATALOGUE.texts["no-driver-error"]

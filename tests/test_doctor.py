@@ -1469,6 +1469,7 @@ driver-fix = ["load the driver", "$ nvidia-smi -L"]
 already-connected = "already connected"
 restart-driver = "$ restart the driver"
 other-plugin-fix = ["turn the other plugin off"]
+no-driver-error = "no driver error"
 both = ["@runtime-fix", "@driver-fix"]
 
 [[kubelet]]
