@@ -54,7 +54,7 @@ DEFAULT_POD_RESOURCES = "/var/lib/kubelet/pod-resources/kubelet.sock"
 DEFAULT_DEVICE_GLOB = PROFILE.devices.glob
 # HAMi's annotations of the default resource (the profile's [hami]).
 HAMI_REGISTER = PROFILE.register_key(PROFILE.resources.default)
-HAMI_HANDSHAKE = PROFILE.hami.handshake
+HAMI_HANDSHAKE = PROFILE.handshake_key(PROFILE.resources.default)
 
 
 @dataclass(frozen=True)

@@ -263,6 +263,7 @@ def test_other_vendors_forms_fit_the_profile_as_data() -> None:
     assert ascend.socket_for("huawei.com/Ascend910B") == "Ascend910B.sock"
     assert ascend.resource_for("Ascend310P.sock") == "huawei.com/Ascend310P"
     assert ascend.register_key("huawei.com/Ascend910B") == "hami.io/node-register-Ascend910B"
+    assert ascend.handshake_key("huawei.com/Ascend910B") == "hami.io/node-handshake-Ascend910B"
     assert amd.socket_for("amd.com/gpu") == "amd.com_gpu"
     assert amd.resource_for("amd.com_gpu") == "amd.com/gpu"
     assert amd.physical_device("0000:03:00.0#2") == "0000:03:00.0"

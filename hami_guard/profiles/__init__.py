@@ -158,6 +158,10 @@ class VendorProfile:
         """HAMi's register annotation of `resource`."""
         return self.hami.register.replace(NAME, resource.rsplit("/", 1)[-1])
 
+    def handshake_key(self, resource: str) -> str:
+        """HAMi's handshake annotation of `resource`."""
+        return self.hami.handshake.replace(NAME, resource.rsplit("/", 1)[-1])
+
     def is_device(self, device: str) -> bool:
         """`device` is a whole device's ID (of the form devices.id: NVML's UUID for NVIDIA)."""
         return self._id.match(device) is not None

@@ -31,8 +31,9 @@ OUT = Path(__file__).with_name("dashboard.json")
 UID = "hami-guard-fleet"
 DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 NODE = 'node=~"$node"'
-# The default vendor profile's register annotation (hami_guard/profiles): the texts name it and its resource.
+# The default vendor profile's annotations (hami_guard/profiles): the texts name them and its resource.
 REGISTER = PROFILE.register_key(PROFILE.resources.default)
+HANDSHAKE = PROFILE.handshake_key(PROFILE.resources.default)
 # The SLOs of the PrometheusRule's alerts (prometheusrule.yaml).
 REGISTRATION_SLO = 0.9995
 LISTANDWATCH_SLO = 2.0
@@ -233,7 +234,7 @@ def hami_registration() -> table.Panel:
         .description(
             "What HAMi's scheduler sees of each node: the sidecar's hami check reads the Node's "
             f"{REGISTER} annotation (HAMi's device plugin writes it) and "
-            f"{PROFILE.hami.handshake} (the scheduler stamps it), and compares the annotation with the GPUs "
+            f"{HANDSHAKE} (the scheduler stamps it), and compares the annotation with the GPUs "
             "the kubelet lists healthy. reason: ok; repairing (a difference within HAMi's own 30 s loop); "
             "no_evidence (the Node cannot be read, no scheduler handshake, or the plugin does not serve or "
             "register); missing, unparsable, mismatched (a stale annotation: liveness restarts the plugin "
