@@ -309,9 +309,15 @@ proto: $(STAMP) ## regenerate the protobuf code
 
 # Regenerate manifests/example-hami/hami.yaml: the chart fixture as the README's kustomize route renders
 # HAMi's chart (tests/test_manifests.py checks it is current).
-manifests: helm-binaries ## regenerate manifests/example-hami/hami.yaml
+manifests: profiles helm-binaries ## regenerate manifests/example-hami/hami.yaml and the profiles' copy
 	$(HELM_BIN)/helm-$(HELM3_VERSION) template hami tests/fixtures/hami-chart --namespace kube-system \
 		--kube-version 1.33.0 > manifests/example-hami/hami.yaml
+
+# The vendor profiles (hami_guard/profiles/*.toml) as JSON for the post-renderer, which runs with python3 and
+# PyYAML alone and cannot import the package (tests/test_profiles.py checks the committed copy is current).
+.PHONY: profiles
+profiles: $(STAMP) ## regenerate manifests/hami-patch/profiles.json from the vendor profiles
+	$(PY) -m hami_guard.profiles > manifests/hami-patch/profiles.json
 
 # Helm 3 and Helm 4, built from their Go modules at pinned versions (tests/test_manifests.py installs
 # with both). Kept in tests/helm/bin like the kubelet fixtures: a second run finds them and does nothing.

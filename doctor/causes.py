@@ -11,7 +11,14 @@ from dataclasses import dataclass
 
 from doctor.dra.causes import dra_causes
 from doctor.hami import hami_causes
-from doctor.patterns import ALREADY_CONNECTED, DRIVER_FIX, RESTART_PLUGIN, RUNTIME_FIX
+from doctor.patterns import (
+    ALREADY_CONNECTED,
+    DRIVER_FIX,
+    NO_DRIVER_ERROR,
+    OTHER_PLUGIN_FIX,
+    RESTART_PLUGIN,
+    RUNTIME_FIX,
+)
 from doctor.recovery import recovery_cause
 from doctor.shell import command
 from doctor.types import (
@@ -41,16 +48,6 @@ PERMISSION_CHECKS = frozenset(
     ("PERMISSION_DENIED", "OWNER_MISMATCH", "GROUP_MISMATCH", "MODE_MISMATCH", "MODE_TOO_OPEN")
 )
 # A fix line starting with "$ " is a command: printed so that it pastes (wrapped with backslashes).
-OTHER_PLUGIN_FIX = (
-    "two device plugins serve the same socket and resource on this node (the GPU Operator's NVIDIA "
-    "plugin beside HAMi): up to Kubernetes 1.36 the kubelet keeps whichever registered last; from "
-    "1.37 it refuses the second on the same socket path. Run one: turn the other off "
-    "(GPU Operator: the node label below, or devicePlugin.enabled=false in its chart), then restart "
-    "this plugin:",
-    "$ kubectl label node $(hostname) nvidia.com/gpu.deploy.device-plugin=false",
-    "$ kubectl get pods -A -o wide --field-selector spec.nodeName=$(hostname) | grep -i device-plugin",
-    RESTART_PLUGIN,
-)
 DRIVER_FIRST = (
     "the GPU driver or container runtime problem above explains this: fix it first, restarting the "
     "plugin alone does not help"
@@ -125,7 +122,7 @@ def initcheck_causes(findings: Iterable[Finding]) -> tuple[Cause, Cause]:
 
 def socket_name_cause(e: NodeEvidence) -> Cause:
     """A plugin's socket missing while a device plugin serves another in the folder: HAMi installed with
-    another resourceName (`nvidia.com/vgpu` serves nvidia-vgpu.sock) than the sidecar's --plugin says."""
+    another resourceName (another name, another socket: the vendor profile's) than --plugin says."""
     cause = Cause("socket-name", "ok")
     configured = {p.spec.socket for p in e.plugins} | {os.path.basename(e.kubelet_path)}
     served = [
@@ -188,7 +185,7 @@ def protocol_cause(kubelet: SocketProbe) -> Cause:
 
 
 def driver_cause(plugin_logs: Sequence[LogFindings], nodes: DriverNodes) -> Cause:
-    """The plugin cannot reach a GPU: its NVML errors, or no NVIDIA device nodes on the host."""
+    """The plugin cannot reach a GPU: its driver errors, or no device nodes of the vendor's on the host."""
     cause = Cause("driver-runtime", "ok")
     hits = [(f, h) for f in plugin_logs if f.read for h in f.current if h.pattern.cause == "driver-runtime"]
     for f, h in hits:
@@ -204,13 +201,13 @@ def driver_cause(plugin_logs: Sequence[LogFindings], nodes: DriverNodes) -> Caus
     if nodes.checked:
         if not nodes.control:
             cause.problem(
-                f"no {nodes.folder}/nvidiactl on the host: the NVIDIA driver is not loaded, or this node "
-                "has no GPU",
+                f"no {nodes.folder}/{nodes.control_node} on the host: the {nodes.vendor} driver is not "
+                "loaded, or this node has no GPU",
                 DRIVER_FIX,
             )
         else:
             cause.evidence.append(
-                f"{nodes.folder}/nvidiactl and {len(nodes.gpus)} GPU device node(s) on the host"
+                f"{nodes.folder}/{nodes.control_node} and {len(nodes.gpus)} GPU device node(s) on the host"
             )
     for f in plugin_logs:
         for h in f.history:
@@ -223,7 +220,7 @@ def driver_cause(plugin_logs: Sequence[LogFindings], nodes: DriverNodes) -> Caus
             "(--expect-devices auto with --device-glob on the host's /dev)"
         )
     elif cause.verdict == "ok" and not cause.evidence:
-        cause.evidence.append("the plugin's log shows no NVML error")
+        cause.evidence.append(NO_DRIVER_ERROR)
     return cause
 
 

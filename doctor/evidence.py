@@ -42,6 +42,7 @@ from doctor.types import (
     SocketFile,
     SocketProbe,
 )
+from hami_guard import profiles
 from hami_guard.flags import AUTO_DEVICES, PluginSpec
 from hami_guard.node.proc import process_visible
 from hami_guard.node.sockets import try_connect
@@ -56,6 +57,7 @@ from hami_guard.node.unixdiag import (
     kubelet_connections,
     socket_owner,
 )
+from hami_guard.profiles import VendorProfile
 from initcheck.checks import options_for, run_checks
 from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
 from sidecar.deviceplugin.probes import (
@@ -150,7 +152,8 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
         if s.expect_devices == AUTO_DEVICES
         else none
     )
-    nvidia = any(p.resource.startswith("nvidia.com/") for p in s.plugins)
+    # The device nodes of the first plugin's vendor that has a profile (its driver's control node).
+    vendor = next((v for p in s.plugins if (v := profiles.for_resource(p.resource)) is not None), None)
     return NodeEvidence(
         findings=findings,
         kubelet_socket=_socket_probe(s.kubelet_path, kubelet),
@@ -174,8 +177,8 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
         driver=g.take(
             "driver nodes",
             lambda: (
-                driver_nodes(s.device_glob)
-                if nvidia and s.expect_devices == AUTO_DEVICES
+                driver_nodes(s.device_glob, vendor)
+                if vendor is not None and s.expect_devices == AUTO_DEVICES
                 else DriverNodes(False)
             ),
             DriverNodes(False),
@@ -230,13 +233,16 @@ async def _hami_evidence(
 _NO_OWNER = SocketOwner("unknown", "could not be read")
 
 
-def driver_nodes(device_glob: str) -> DriverNodes:
-    """nvidiactl and the GPU nodes in the folder of the device glob (the host's /dev, as mounted)."""
+def driver_nodes(device_glob: str, vendor: VendorProfile = profiles.DEFAULT) -> DriverNodes:
+    """The driver's control node and the GPU nodes (the profile's) in the folder of the device glob (the
+    host's /dev, as mounted)."""
     folder = os.path.dirname(device_glob) or "/dev"
-    if not os.path.isdir(folder):
-        return DriverNodes(False, folder)
-    gpus = tuple(sorted(glob.glob(os.path.join(glob.escape(folder), "nvidia[0-9]*"))))
-    return DriverNodes(True, folder, os.path.exists(os.path.join(folder, "nvidiactl")), gpus)
+    d = vendor.devices
+    if not d.control or not os.path.isdir(folder):  # no control node: the driver's state is not told
+        return DriverNodes(False, folder, control_node=d.control, vendor=vendor.vendor)
+    gpus = tuple(sorted(glob.glob(os.path.join(glob.escape(folder), os.path.basename(d.glob)))))
+    control = os.path.exists(os.path.join(folder, d.control))
+    return DriverNodes(True, folder, control, gpus, d.control, vendor.vendor)
 
 
 def _socket_probe(path: str, result: ProbeResult) -> SocketProbe:

@@ -1,22 +1,30 @@
-"""The catalogue of log lines (doctor/patterns.toml), read and checked once, at import.
+"""The catalogue of log lines (doctor/patterns.toml and the profile's sets), read and checked once, at import.
 
 The data lives apart from its reader, as node-problem-detector keeps its rules in `config/`:
-adding a line the kubelet or a plugin prints is an entry in the TOML file, and `doctor.logscan`
-scans with whatever patterns it is given. Every entry is checked here before any log is read: an
-unknown key, a missing field, a row that does not exist, a reference to no shared text, a
-shared text nothing uses, two entries that match the same words: each is a `CatalogueError`
-that names the entry, so a bad catalogue stops the doctor at import, never mid-report.
+adding a line the kubelet or a plugin prints is an entry in a TOML file, and `doctor.logscan`
+scans with whatever patterns it is given. doctor/patterns.toml holds what every vendor shares;
+the default vendor profile names the sets that hold its plugin's lines and texts
+(hami_guard/profiles/patterns/<set>.toml), read with it as one catalogue whose files share their
+[shared] names; `{resource}` and `{selector}` in a text stand for the profile's default resource
+and DaemonSet label. Every entry is checked here before any log is read: an unknown key, a
+missing field, a row that does not exist, a reference to no shared text, a shared text nothing
+uses or defined twice, an unknown placeholder, two entries that match the same words: each is a
+`CatalogueError` that names the entry, so a bad catalogue stops the doctor at import, never
+mid-report.
 """
 
 from __future__ import annotations
 
+import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from doctor.types import TITLES, Kind, Pattern
+from hami_guard import profiles
+from hami_guard.profiles import VendorProfile
 
 FILE = "patterns.toml"
 # Each section of the file, and the rows its patterns may feed.
@@ -35,8 +43,11 @@ NAMED: Mapping[str, type] = {
     "driver-fix": list,
     "already-connected": str,
     "restart-driver": str,
+    "other-plugin-fix": list,
+    "no-driver-error": str,
 }
 REF = "@"
+PLACEHOLDER = re.compile(r"\{([a-z-]*)\}")
 
 
 class CatalogueError(ValueError):
@@ -55,15 +66,35 @@ class Catalogue:
 
 
 class _Shared:
-    """The [shared] table: "@name" references resolved, and which entries they used."""
+    """The [shared] tables of the catalogue's files, as one: "@name" references resolved, placeholders
+    filled, and which entries they used."""
 
-    def __init__(self, table: object, where: str) -> None:
-        if not isinstance(table, dict):
-            raise CatalogueError(f"{where}: [shared] must be a table")
-        self.table: dict[str, Any] = table
-        self.where = where
+    def __init__(self, values: Mapping[str, str]) -> None:
+        self.table: dict[str, Any] = {}
+        self.origin: dict[str, str] = {}  # where each entry is defined
+        self.values = values
         self.used: set[str] = set()
         self._resolving: list[str] = []
+
+    def add(self, table: object, where: str) -> None:
+        """One file's [shared] table."""
+        if not isinstance(table, dict):
+            raise CatalogueError(f"{where}: [shared] must be a table")
+        for name, value in table.items():
+            if name in self.table:
+                raise CatalogueError(f"{where}: [shared] {name}: defined in {self.origin[name]} already")
+            self.table[name], self.origin[name] = value, where
+
+    def fill(self, text: str, at: str) -> str:
+        """`text` with its placeholders filled."""
+
+        def one(m: re.Match[str]) -> str:
+            if m.group(1) not in self.values:
+                known = ", ".join(f"{{{k}}}" for k in self.values)
+                raise CatalogueError(f"{at}: {m.group(0)} is no placeholder (known: {known})")
+            return self.values[m.group(1)]
+
+        return PLACEHOLDER.sub(one, text)
 
     def get(self, ref: str, at: str) -> Any:
         """The resolved value `ref` ("@name") stands for."""
@@ -75,14 +106,14 @@ class _Shared:
         self.used.add(name)
         self._resolving.append(name)
         try:
-            return self.value(self.table[name], f"{self.where}: [shared] {name}")
+            return self.value(self.table[name], f"{self.origin[name]}: [shared] {name}")
         finally:
             self._resolving.pop()
 
     def value(self, value: Any, at: str) -> Any:
         """A value with its references resolved: a list's "@name" items spliced in (or inserted)."""
         if isinstance(value, str):
-            return self.get(value, at) if value.startswith(REF) else value
+            return self.get(value, at) if value.startswith(REF) else self.fill(value, at)
         if isinstance(value, list):
             out: list[Any] = []
             for i, item in enumerate(value):
@@ -165,42 +196,59 @@ def _pattern(entry: Any, at: str, causes: frozenset[str], shared: _Shared) -> Pa
     return pattern
 
 
-def _section(doc: Mapping[str, Any], name: str, source: str, shared: _Shared) -> tuple[Pattern, ...]:
-    """A section's patterns, checked, none matching the words of another."""
-    entries = doc.get(name)
-    if not isinstance(entries, list) or not entries:
+def _section(
+    docs: Sequence[tuple[Mapping[str, Any], str]], name: str, source: str, shared: _Shared
+) -> tuple[Pattern, ...]:
+    """A section's patterns from every file that has it, checked, none matching the words of another."""
+    patterns: list[Pattern] = []
+    for doc, where in docs:
+        entries = doc.get(name, [])
+        if not isinstance(entries, list):
+            raise CatalogueError(f"{where}: [[{name}]] must be a list of tables")
+        patterns += (
+            _pattern(entry, f"{where}: [[{name}]] #{i + 1}", SECTIONS[name], shared)
+            for i, entry in enumerate(entries)
+        )
+    if not patterns:
         raise CatalogueError(f"{source}: no [[{name}]] entry")
-    patterns = tuple(
-        _pattern(entry, f"{source}: [[{name}]] #{i + 1}", SECTIONS[name], shared)
-        for i, entry in enumerate(entries)
-    )
     seen: dict[str, str] = {}
     for p in patterns:
         key = p.text.lower()
         if key in seen:
             raise CatalogueError(f"{source}: [[{name}]] {p.text!r} matches the same words as {seen[key]!r}")
         seen[key] = p.text
-    return patterns
+    return tuple(patterns)
 
 
-def load(text: str, source: str = FILE) -> Catalogue:
-    """The catalogue in `text` (TOML), every entry checked; a `CatalogueError` names a bad one."""
-    try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise CatalogueError(f"{source}: not valid TOML: {e}") from None
-    unknown = sorted(set(doc) - {"shared", *SECTIONS})
-    if unknown:
-        raise CatalogueError(f"{source}: unknown table {', '.join(unknown)}")
-    shared = _Shared(doc.get("shared", {}), source)
-    kubelet, plugin, dra = (_section(doc, name, source, shared) for name in SECTIONS)
+def load(
+    text: str,
+    source: str = FILE,
+    sets: Sequence[tuple[str, str]] = (),
+    values: Mapping[str, str] | None = None,
+) -> Catalogue:
+    """The catalogue in `text` (TOML) and the `sets` ((text, source) pairs) read with it, every entry
+    checked, `values` filling the placeholders; a `CatalogueError` names a bad one."""
+    shared = _Shared(values or {})
+    docs = []
+    for body, where in ((text, source), *sets):
+        try:
+            doc = tomllib.loads(body)
+        except tomllib.TOMLDecodeError as e:
+            raise CatalogueError(f"{where}: not valid TOML: {e}") from None
+        unknown = sorted(set(doc) - {"shared", *SECTIONS})
+        if unknown:
+            raise CatalogueError(f"{where}: unknown table {', '.join(unknown)}")
+        shared.add(doc.get("shared", {}), where)
+        docs.append((doc, where))
+    kubelet, plugin, dra = (_section(docs, name, source, shared) for name in SECTIONS)
     unused = sorted(set(shared.table) - shared.used - set(NAMED))
     if unused:
-        raise CatalogueError(f"{source}: [shared] {', '.join(unused)}: used by no entry")
+        origins = sorted({shared.origin[name] for name in unused})
+        raise CatalogueError(f"{', '.join(origins)}: [shared] {', '.join(unused)}: used by no entry")
     texts: dict[str, str] = {}
     fixes: dict[str, tuple[str, ...]] = {}
     for name, kind in NAMED.items():
-        at = f"{source}: [shared] {name} (the rules read it)"
+        at = f"{shared.origin.get(name, source)}: [shared] {name} (the rules read it)"
         if name not in shared.table:
             raise CatalogueError(f"{at}: missing")
         value = shared.value(shared.table[name], at)
@@ -211,9 +259,14 @@ def load(text: str, source: str = FILE) -> Catalogue:
     return Catalogue(kubelet, plugin, dra, texts, fixes)
 
 
-def read() -> Catalogue:
-    """The catalogue shipped with the package."""
-    return load(resources.files("doctor").joinpath(FILE).read_text(encoding="utf-8"))
+def read(profile: VendorProfile = profiles.DEFAULT) -> Catalogue:
+    """The catalogue shipped with the package, with the sets `profile` names."""
+    sets = [
+        (profiles.pattern_set(name), f"{profiles.PATTERNS}/{name}{profiles.SUFFIX}")
+        for name in profile.doctor.log_patterns
+    ]
+    values = {"resource": profile.resources.default, "selector": profile.chart.selector}
+    return load(resources.files("doctor").joinpath(FILE).read_text(encoding="utf-8"), FILE, sets, values)
 
 
 CATALOGUE = read()
@@ -226,3 +279,7 @@ DRIVER_FIX = CATALOGUE.fixes["driver-fix"]
 # Kubernetes 1.37 (manager.go PluginConnected): an endpoint is still connected at the path.
 ALREADY_CONNECTED = CATALOGUE.texts["already-connected"]
 RESTART_DRIVER = CATALOGUE.texts["restart-driver"]
+# Another plugin on the same socket and resource (the vendor's own operator's): turn one off.
+OTHER_PLUGIN_FIX = CATALOGUE.fixes["other-plugin-fix"]
+# The driver row's evidence when the plugin's log holds none of the driver's errors.
+NO_DRIVER_ERROR = CATALOGUE.texts["no-driver-error"]

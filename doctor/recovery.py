@@ -17,6 +17,7 @@ import urllib.request
 from typing import Any
 
 from doctor.types import Cause
+from hami_guard import profiles
 from sidecar.deviceplugin.probes import Reading
 
 MAX_STATUS_BYTES = 1 << 20
@@ -105,6 +106,7 @@ def _resource(cause: Cause, r: str, rec: dict[str, Any]) -> None:
     really = [str(d)[:80] for d in list(gone)[:SHOWN]] if isinstance(gone, dict | list) else []
     asked = _devices(rec.get("restart_asked_for"))
     missing = _devices(rec.get("not_listed_healthy"))
+    inspect = (profiles.for_resource(r) or profiles.DEFAULT).devices.inspect  # the vendor's look at a GPU
     cause.evidence.append(
         f"{r}: the sidecar asked for {restarts} plugin restart(s) to re-read unhealthy devices"
         + (
@@ -125,7 +127,7 @@ def _resource(cause: Cause, r: str, rec: dict[str, Any]) -> None:
             f"{r}: {d} unhealthy again after the plugin restart that re-read it{when}: the GPU is really "
             "unhealthy; the sidecar asks for no more restarts for it",
             [
-                "look at the GPU: dmesg | grep -i xid; nvidia-smi -q",
+                f"look at the GPU: {inspect}",
                 "then drain the node and reset or replace the GPU (a reboot clears most XIDs):",
                 "$ kubectl drain $(hostname) --ignore-daemonsets --delete-emptydir-data",
             ],
@@ -134,5 +136,5 @@ def _resource(cause: Cause, r: str, rec: dict[str, Any]) -> None:
         cause.problem(
             f"{r}: restart budget spent: {rec.get('restarts_in_vain')} plugin restarts were followed by a "
             "device unhealthy again; the sidecar asks for none",
-            ["the GPUs above need a person: dmesg | grep -i xid; nvidia-smi -q"],
+            [f"the GPUs above need a person: {inspect}"],
         )

@@ -17,6 +17,7 @@ from hami_guard import flags
 from hami_guard.envflags import parse_with_env
 from hami_guard.flags import PluginSpec
 from hami_guard.node.sockets import DEFAULT_KUBELET_PROCESS
+from hami_guard.profiles import DEFAULT as DEFAULT_PROFILE
 from sidecar.config import DEFAULTS as SIDECAR
 from sidecar.config import dra_api, dra_drivers, dra_flags, hami_flags, hami_keys, hami_settings
 from sidecar.deviceplugin.hamiconfig import NODE_NAME_ENV
@@ -46,7 +47,7 @@ class DoctorSettings(flags.DeviceFolder):
     plugin_log: str = "auto"  # a file, or auto (the newest /var/log/pods/*device-plugin* log)
     since: float = 3600.0
     kubelet_process_name: str = DEFAULT_KUBELET_PROCESS
-    plugin_process_name: str = "nvidia-device-plugin"
+    plugin_process_name: str = DEFAULT_PROFILE.doctor.process
     sample_interval: float = 2.0
     rss_growth_mib: float = 20.0
     output: Output = "text"

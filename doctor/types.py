@@ -5,9 +5,9 @@ imports run one way (settings → evidence → causes → repairs → render →
 The types of the evidence (`NodeEvidence` and its parts), of the logs' findings (`Pattern`,
 `LogHit`, `LogFindings`), of the DRA drivers' readings (`DraReading`), of the verdicts
 (`Cause`, with the rows' ids and titles), of the repairs (`Repair`) and of the report
-(`Report`). The other packages' types are imported for annotations only (but `SocketOwner`, for
-a default): this module stays as light as the command line, which imports it before it knows
-whether grpc can be imported.
+(`Report`). The other packages' types are imported for annotations only (but `SocketOwner` and the
+default vendor profile, for defaults): this module stays as light as the command line, which imports
+it before it knows whether grpc can be imported.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from hami_guard.flags import ANY_DEVICES, DeviceExpectation
 from hami_guard.node.unixdiag import SocketOwner
+from hami_guard.profiles import DEFAULT
 
 if TYPE_CHECKING:
     from hami_guard.flags import PluginSpec
@@ -129,12 +130,15 @@ class KubeletProcess:
 
 @dataclass(frozen=True)
 class DriverNodes:
-    """The host's NVIDIA device nodes, in the folder of --device-glob (checked with --expect-devices auto)."""
+    """The host's device nodes of the plugin's vendor (its profile), in the folder of --device-glob
+    (checked with --expect-devices auto)."""
 
     checked: bool
     folder: str = ""
-    control: bool = False  # <folder>/nvidiactl exists: the driver is loaded
-    gpus: tuple[str, ...] = ()  # <folder>/nvidia[0-9]*
+    control: bool = False  # <folder>/<control_node> exists: the driver is loaded
+    gpus: tuple[str, ...] = ()  # the profile's device glob in <folder>
+    control_node: str = DEFAULT.devices.control  # the driver's control node, the profile's
+    vendor: str = DEFAULT.vendor
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ exception, or an answer of the wrong shape, is a finding (`make fuzz`; seeds in 
 
 from __future__ import annotations
 
-from sidecar.deviceplugin.hamiconfig import Gpu, NodeConfig, parse_gpu_information, parse_node_config
+from sidecar.deviceplugin.hamiconfig import NodeConfig, parse_node_config
+from sidecar.deviceplugin.hostdevices import Gpu, parse_gpu_information
 
 NODES = ("gpu-node-1", "", "your-node-name")
 

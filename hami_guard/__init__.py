@@ -1,2 +1,3 @@
-"""What the three programs share: the flag vocabulary (`flags`, `envflags`) and the readers of the node
-(`node`). Standard library and psutil only, so the init image carries it whole."""
+"""What the three programs share: the flag vocabulary (`flags`, `envflags`), the readers of the node
+(`node`) and the vendor profiles (`profiles`). Standard library and psutil only, so the init image carries
+what initcheck uses of it (all but the profiles)."""

@@ -17,6 +17,7 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple, NoReturn
 
 DAY = 86400.0
@@ -164,13 +165,13 @@ def octal(value: str) -> int:
     return mode
 
 
-def plugin_spec(value: str) -> PluginSpec:
-    """`RESOURCE=SOCKET`: an extended resource name (with a domain) and a file name in the folder."""
+def plugin_spec(value: str, example: PluginSpec | None = None) -> PluginSpec:
+    """`RESOURCE=SOCKET`: an extended resource name (with a domain) and a file name in the folder.
+    `example`, the caller's default, is shown in the error."""
     resource, sep, sock = value.strip().partition("=")
     if not sep or "/" not in resource or not sock or "/" in sock:
-        raise argparse.ArgumentTypeError(
-            f"expected RESOURCE=SOCKET (nvidia.com/gpu=nvidia-gpu.sock), got {value!r}"
-        )
+        shown = f" ({example.resource}={example.socket})" if example else ""
+        raise argparse.ArgumentTypeError(f"expected RESOURCE=SOCKET{shown}, got {value!r}")
     return PluginSpec(resource, sock)
 
 
@@ -296,7 +297,7 @@ def plugin_flags(
     p.add_argument(
         "--plugin",
         action="append",
-        type=plugin_spec,
+        type=partial(plugin_spec, example=plugins[0]) if plugins else plugin_spec,
         help=f"RESOURCE=SOCKET, repeatable (default {shown}); the variable takes a comma-separated list",
     )
     p.add_argument(

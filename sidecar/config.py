@@ -17,7 +17,10 @@ from hami_guard import flags
 from hami_guard.envflags import env_name, parse_with_env
 from hami_guard.flags import ANY_DEVICES, AUTO_DEVICES, DeviceExpectation, Expect, PluginSpec
 from hami_guard.node.sockets import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, DEFAULT_SOCKET
+from hami_guard.profiles import DEFAULT as PROFILE
+from hami_guard.profiles import NAME, PROFILES, for_resource
 from sidecar.deviceplugin import hamiconfig
+from sidecar.deviceplugin.hostdevices import VFIO_DIR
 from sidecar.dra.spec import (
     DEFAULT_CA_FILE,
     DEFAULT_REGISTRY,
@@ -45,13 +48,13 @@ __all__ = [
     "read_settings",
 ]
 
-# HAMi's real names (docs/kubelet.md#hami).
-DEFAULT_PLUGIN = PluginSpec("nvidia.com/gpu", "nvidia-gpu.sock")
+# HAMi's real names (docs/kubelet.md#hami): the default vendor profile's (docs/design.md#profiles).
+DEFAULT_PLUGIN = PluginSpec(PROFILE.resources.default, PROFILE.socket_for(PROFILE.resources.default))
 DEFAULT_POD_RESOURCES = "/var/lib/kubelet/pod-resources/kubelet.sock"
-DEFAULT_DEVICE_GLOB = "/dev/nvidia[0-9]*"
-# HAMi's NVIDIA annotations (pkg/device/nvidia/device.go: RegisterAnnos, HandshakeAnnos).
-HAMI_NVIDIA_REGISTER = "hami.io/node-nvidia-register"
-HAMI_HANDSHAKE = "hami.io/node-handshake"
+DEFAULT_DEVICE_GLOB = PROFILE.devices.glob
+# HAMi's annotations of the default resource (the profile's [hami]).
+HAMI_REGISTER = PROFILE.register_key(PROFILE.resources.default)
+HAMI_HANDSHAKE = PROFILE.handshake_key(PROFILE.resources.default)
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,8 @@ class Settings(flags.DeviceFolder):
     # HAMi's node configuration (its device-plugin ConfigMap's config.json) and this node's name in it.
     hami_config: str = hamiconfig.CONFIG_PATH
     node_name: str = ""
-    nvidia_gpus_dir: str = hamiconfig.GPUS_DIR  # the driver's GPUs, with their UUIDs
-    vfio_dir: str = hamiconfig.VFIO_DIR
+    driver_gpus_dir: str = PROFILE.devices.driver_gpus  # the driver's GPUs, with their UUIDs
+    vfio_dir: str = VFIO_DIR
     plugin_label: str = "hami"
     log_format: str = "text"
     log_level: str = "INFO"
@@ -115,7 +118,7 @@ class Settings(flags.DeviceFolder):
     # HAMi's own registration (sidecar.hami): the `hami:<resource>` checks, read from this node's Node.
     hami_registration: bool = True
     hami_api: ApiAccess | None = None  # None: no API server known (not in a Pod): no check at all
-    # (resource, register annotation key) besides HAMi's NVIDIA default for nvidia.com/* resources.
+    # (resource, register annotation key) besides the vendor profiles' keys for their resources.
     hami_annotations: tuple[tuple[str, str], ...] = ()
     hami_handshake_annotation: str = HAMI_HANDSHAKE
     hami_repair: float = 60.0  # HAMi's 30 s loop, its 5 s retry, two of our readings and a margin
@@ -127,11 +130,11 @@ class Settings(flags.DeviceFolder):
 
 
 def hami_keys(plugins: Sequence[PluginSpec], given: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
-    """(resource, register annotation key) of each plugin whose key is given, or HAMi's NVIDIA key for an
-    nvidia.com/* resource; other resources have no check."""
+    """(resource, register annotation key) of each plugin whose key is given, or its vendor profile's key
+    for a resource the profile owns; other resources have no check."""
     keys = dict(given)
-    nvidia = {p.resource: HAMI_NVIDIA_REGISTER for p in plugins if p.resource.startswith("nvidia.com/")}
-    return tuple((p.resource, k) for p in plugins if (k := keys.get(p.resource) or nvidia.get(p.resource)))
+    known = {p.resource: v.register_key(p.resource) for p in plugins if (v := for_resource(p.resource))}
+    return tuple((p.resource, k) for p in plugins if (k := keys.get(p.resource) or known.get(p.resource)))
 
 
 DEFAULTS = Settings()
@@ -290,7 +293,7 @@ def hami_flags(p: argparse.ArgumentParser, *, timing: bool = True) -> None:
         "--hami-annotation",
         action="append",
         help="RESOURCE=KEY, repeatable: HAMi's register annotation of a resource (default "
-        f"{HAMI_NVIDIA_REGISTER} for nvidia.com/* resources; other vendors have keys of their own)",
+        f"{_profile_keys()}; other vendors have keys of their own)",
     )
     p.add_argument(
         "--hami-handshake-annotation",
@@ -312,6 +315,12 @@ def hami_flags(p: argparse.ArgumentParser, *, timing: bool = True) -> None:
         default=d.hami_interval,
         help=f"seconds between two GETs of the Node (default {d.hami_interval:g})",
     )
+
+
+def _profile_keys() -> str:
+    """The vendor profiles' register annotations, for --hami-annotation's help."""
+    keys = (f"{p.hami.register} for {p.resources.pattern.replace(NAME, '*')} resources" for p in PROFILES)
+    return ", ".join(keys)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ class CheckKey:
 
     @property
     def name(self) -> str:
-        """The public spelling: `kubelet`, `registered:nvidia.com/gpu`."""
+        """The public spelling: `kubelet`, `registered:<resource>`."""
         return f"{self.kind.value}:{self.resource}" if self.resource else self.kind.value
 
 

@@ -31,7 +31,6 @@ import pytest
 from doctor.causes import (
     DRIVER_FIRST,
     ORDER,
-    OTHER_PLUGIN_FIX,
     REREGISTER_FIX,
     UNRECORDED_FIX,
     devices_cause,
@@ -61,6 +60,7 @@ from doctor.patterns import (
     DRA_PATTERNS,
     DRIVER_FIX,
     KUBELET_PATTERNS,
+    OTHER_PLUGIN_FIX,
     PLUGIN_PATTERNS,
     RESTART_PLUGIN,
     RUNTIME_FIX,
@@ -92,6 +92,7 @@ from doctor.types import (
 from hami_guard.flags import AUTO_DEVICES, DeviceExpectation, PluginSpec
 from hami_guard.node.sockets import try_connect
 from hami_guard.node.unixdiag import SocketOwner, kubelet_connections
+from hami_guard.profiles import DEFAULT as DEFAULT_PROFILE
 from initcheck.checks import Finding
 from sidecar.deviceplugin.checkpoint import Checkpoint, CheckpointError, read_checkpoint
 from sidecar.deviceplugin.evidence import iso
@@ -1415,9 +1416,20 @@ def test_each_real_line_names_its_cause_and_fix(text: str) -> None:
 
 # -- the catalogue as data: doctor/patterns.toml, loaded and checked by doctor/patterns.py -------------------
 def test_the_catalogue_ships_with_the_package_and_loads() -> None:
-    assert load((REPO / "doctor" / "patterns.toml").read_text()) == CATALOGUE == read()
+    """doctor/patterns.toml and the default profile's sets (hami_guard/profiles/patterns), as one."""
+    sets = [
+        ((REPO / "hami_guard" / "profiles" / "patterns" / f"{name}.toml").read_text(), f"{name}.toml")
+        for name in DEFAULT_PROFILE.doctor.log_patterns
+    ]
+    values = {"resource": DEFAULT_PROFILE.resources.default, "selector": DEFAULT_PROFILE.chart.selector}
+    shipped = load((REPO / "doctor" / "patterns.toml").read_text(), sets=sets, values=values)
+    assert shipped == CATALOGUE == read()
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert "patterns.toml" in pyproject["tool"]["setuptools"]["package-data"]["doctor"]
+    assert "profiles/patterns/*.toml" in pyproject["tool"]["setuptools"]["package-data"]["hami_guard"]
+    # The texts shared by every vendor name the profile's resource and DaemonSet, filled in.
+    assert DEFAULT_PROFILE.chart.selector in RESTART_PLUGIN and "{" not in RESTART_PLUGIN
+    assert OTHER_PLUGIN_FIX[-1] == RESTART_PLUGIN
     for name, patterns in {
         "kubelet": KUBELET_PATTERNS,
         "plugin": PLUGIN_PATTERNS,
@@ -1456,6 +1468,8 @@ runtime-fix = ["fix the runtime"]
 driver-fix = ["load the driver", "$ nvidia-smi -L"]
 already-connected = "already connected"
 restart-driver = "$ restart the driver"
+other-plugin-fix = ["turn the other plugin off"]
+no-driver-error = "no driver error"
 both = ["@runtime-fix", "@driver-fix"]
 
 [[kubelet]]
@@ -1557,6 +1571,41 @@ def test_a_bad_catalogue_entry_is_named(old: str, new: str, error: str) -> None:
     assert MINIMAL_CATALOGUE.count(old) == 1, old
     with pytest.raises(CatalogueError, match=re.escape(error)):
         load(MINIMAL_CATALOGUE.replace(old, new), "test.toml")
+
+
+def test_a_catalogue_reads_its_sets_as_one() -> None:
+    """A set (a vendor's plugin lines) shares [shared] names with the catalogue it is read with, both
+    ways; placeholders are filled with the values given."""
+    head, plugin = MINIMAL_CATALOGUE.split("[[plugin]]")
+    plugin, dra = plugin.split("[[dra]]")
+    neutral = head.replace('runtime-fix = ["fix the runtime"]\n', "") + "[[dra]]" + dra
+    vendor = '[shared]\nruntime-fix = ["fix the {vendor} runtime"]\n[[plugin]]' + plugin
+    c = load(neutral, "test.toml", [(vendor, "set.toml")], {"vendor": "ACME"})
+    assert c.plugin[0].fix == ("fix the ACME runtime", "load the driver", "$ nvidia-smi -L")
+    assert c == load(MINIMAL_CATALOGUE.replace("fix the runtime", "fix the ACME runtime"), "test.toml")
+
+
+@pytest.mark.parametrize(
+    ("vendor", "values", "error"),
+    [
+        (
+            '[shared]\nrestart-plugin = "$ again"\n',
+            {},
+            "set.toml: [shared] restart-plugin: defined in test.toml already",
+        ),
+        ('[shared]\nx = "y"\n', {}, "set.toml: [shared] x: used by no entry"),
+        ("[[plugin]\n", {}, "set.toml: not valid TOML"),
+        ("[plugins]\n", {}, "set.toml: unknown table plugins"),
+        (
+            '[[plugin]]\ntext = "the {word} failed"\ncause = "plugin-log"\nmeaning = "m"\nsource = "s"\n',
+            {"vendor": "ACME"},
+            "set.toml: [[plugin]] #1 ('the {word} failed') text: {word} is no placeholder (known: {vendor})",
+        ),
+    ],
+)
+def test_a_bad_set_is_named(vendor: str, values: dict[str, str], error: str) -> None:
+    with pytest.raises(CatalogueError, match=re.escape(error)):
+        load(MINIMAL_CATALOGUE, "test.toml", [(vendor, "set.toml")], values)
 
 
 def test_a_catalogue_without_a_section_is_refused() -> None:

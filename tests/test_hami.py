@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.config import HAMI_HANDSHAKE, HAMI_NVIDIA_REGISTER, parse_settings, read_settings
+from sidecar.config import HAMI_HANDSHAKE, HAMI_REGISTER, parse_settings, read_settings
 from sidecar.deviceplugin.naming import physical_devices
 from sidecar.hami import annotation as anno
 from sidecar.hami.verdicts import (
@@ -29,7 +29,7 @@ from sidecar.kube.access import KubeconfigError, from_kubeconfig
 from sidecar.server.metrics import HAMI_CODES
 
 R = "nvidia.com/gpu"
-KEYS = HamiKeys(R, HAMI_NVIDIA_REGISTER, HAMI_HANDSHAKE)
+KEYS = HamiKeys(R, HAMI_REGISTER, HAMI_HANDSHAKE)
 G1 = "GPU-0a1b2c3d-0000-1111-2222-333344445555"
 G2 = "GPU-9f8e7d6c-aaaa-bbbb-cccc-ddddeeeeffff"
 REPAIR = 60.0
@@ -71,9 +71,9 @@ def splits(*uuids: str, n: int = 3) -> frozenset[str]:
 
 
 HS = "Requesting_2026-01-01 00:00:00"
-ANNOTATIONS = {HAMI_NVIDIA_REGISTER: register((G1, True), (G2, True)), HAMI_HANDSHAKE: HS}
+ANNOTATIONS = {HAMI_REGISTER: register((G1, True), (G2, True)), HAMI_HANDSHAKE: HS}
 HS = "Requesting_2026-01-01 00:00:00"
-ANNOTATIONS = {HAMI_NVIDIA_REGISTER: register((G1, True), (G2, True)), HAMI_HANDSHAKE: HS}
+ANNOTATIONS = {HAMI_REGISTER: register((G1, True), (G2, True)), HAMI_HANDSHAKE: HS}
 HEALTHY = HamiEvidence(
     node=node(ANNOTATIONS),
     boot_id="b1",
@@ -157,12 +157,12 @@ def test_gpu_of_folds_hamis_splits_only() -> None:
 def test_node_is_read_totally() -> None:
     body = {
         "kind": "Node",
-        "metadata": {"name": "node-1", "annotations": {HAMI_NVIDIA_REGISTER: "[]", "other": "x", "n": 5}},
+        "metadata": {"name": "node-1", "annotations": {HAMI_REGISTER: "[]", "other": "x", "n": 5}},
         "status": {"allocatable": {R: "4", "memory": "10Gi", "x.io/y": "1k"}, "nodeInfo": {"bootID": "b1"}},
     }
-    n = anno.parse_node(json.dumps(body).encode(), [HAMI_NVIDIA_REGISTER, "n"])
+    n = anno.parse_node(json.dumps(body).encode(), [HAMI_REGISTER, "n"])
     assert isinstance(n, anno.NodeView)
-    assert n.annotations == {HAMI_NVIDIA_REGISTER: "[]"} and n.boot_id == "b1"
+    assert n.annotations == {HAMI_REGISTER: "[]"} and n.boot_id == "b1"
     assert n.allocatable[R] == 4 and n.allocatable["x.io/y"] is None
     for bad in (b"", b"[]", b'{"kind": "Pod"}', b"\xff", b"1e999999"):
         assert isinstance(anno.parse_node(bad, []), str | anno.NodeView)
@@ -199,25 +199,25 @@ def test_a_wrong_node_name_is_readiness_only(judge: HamiJudge) -> None:
     [
         ({HAMI_HANDSHAKE: HS}, splits(G1, G2), "missing", "is absent"),
         (
-            {HAMI_NVIDIA_REGISTER: "{broken", HAMI_HANDSHAKE: HS},
+            {HAMI_REGISTER: "{broken", HAMI_HANDSHAKE: HS},
             splits(G1, G2),
             "unparsable",
             "does not decode",
         ),
         (
-            {HAMI_NVIDIA_REGISTER: register((G1, True)), HAMI_HANDSHAKE: HS},
+            {HAMI_REGISTER: register((G1, True)), HAMI_HANDSHAKE: HS},
             splits(G1, G2),
             "mismatched",
             f"does not list: {G2}",
         ),
         (
-            {HAMI_NVIDIA_REGISTER: register((G1, True), (G2, False)), HAMI_HANDSHAKE: HS},
+            {HAMI_REGISTER: register((G1, True), (G2, False)), HAMI_HANDSHAKE: HS},
             splits(G1, G2),
             "mismatched",
             "marks unhealthy",
         ),
         (
-            {HAMI_NVIDIA_REGISTER: register((G1, True), (G2, True)), HAMI_HANDSHAKE: HS},
+            {HAMI_REGISTER: register((G1, True), (G2, True)), HAMI_HANDSHAKE: HS},
             splits(G1),
             "mismatched",
             "does not list healthy",
@@ -257,14 +257,12 @@ def test_without_hamis_scheduler_the_annotation_decides_nothing(judge: HamiJudge
 def test_hamis_own_repair_within_its_loop_fails_nothing(judge: HamiJudge, clock: Clock) -> None:
     stale = replace(
         HEALTHY,
-        node=node({**ANNOTATIONS, HAMI_NVIDIA_REGISTER: register((G1, True), (G2, True))}),
+        node=node({**ANNOTATIONS, HAMI_REGISTER: register((G1, True), (G2, True))}),
         kubelet=splits(G1),
     )
     assert judge.judge(R, stale).code == "repairing"
     clock.now += 30
-    fixed = replace(
-        stale, node=node({**ANNOTATIONS, HAMI_NVIDIA_REGISTER: register((G1, True), (G2, False))})
-    )
+    fixed = replace(stale, node=node({**ANNOTATIONS, HAMI_REGISTER: register((G1, True), (G2, False))}))
     assert judge.judge(R, fixed).code == "ok"
     clock.now += REPAIR
     assert judge.judge(R, stale).code == "repairing"  # a new difference gets the loop again
@@ -345,7 +343,7 @@ def test_on_by_default_in_a_pod_off_by_flag_or_variable() -> None:
     pod = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443", "NODE_NAME": "node-1"}
     s = parse_settings([], pod)
     assert s.hami_api is not None and s.hami_api.server == "https://10.96.0.1:443"
-    assert s.hami_keys() == ((R, HAMI_NVIDIA_REGISTER),)
+    assert s.hami_keys() == ((R, HAMI_REGISTER),)
     assert parse_settings(["--no-hami-registration"], pod).hami_api is None
     assert parse_settings([], {**pod, "HAMI_GUARD_HAMI_REGISTRATION": "false"}).hami_api is None
     assert parse_settings([], {}).hami_api is None  # outside a Pod: no API server known

@@ -16,13 +16,8 @@ from pathlib import Path
 import pytest
 
 from fuzz.fuzz_hamiconfig import TestOneInput
-from sidecar.deviceplugin.hamiconfig import (
-    Sources,
-    expectation,
-    parse_gpu_information,
-    parse_node_config,
-    read_gpus,
-)
+from sidecar.deviceplugin.hamiconfig import Sources, expectation, parse_node_config
+from sidecar.deviceplugin.hostdevices import parse_gpu_information, read_gpus
 
 NODE = "gpu-node-1"
 UUIDS = (

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.deviceplugin import checkpoint, hamiconfig
+from sidecar.deviceplugin import checkpoint, hamiconfig, hostdevices
 from sidecar.deviceplugin.checkpoint import CheckpointError, read_checkpoint
 from testing import free_port
 from tests.test_initcheck import catches
@@ -274,7 +274,7 @@ def test_the_checkpoint_and_the_gpu_attributes_are_not_followed(short_tmp: str) 
     gpus = os.path.join(short_tmp, "gpus")
     os.makedirs(os.path.join(gpus, "0000:01:00.0"))
     os.mkfifo(os.path.join(gpus, "0000:01:00.0", "information"))
-    assert hamiconfig.read_gpus(gpus) == ([], "")  # skipped, not waited on
+    assert hostdevices.read_gpus(gpus) == ([], "")  # skipped, not waited on
 
 
 def _checkpoint(registered: object) -> bytes:

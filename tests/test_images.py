@@ -226,6 +226,9 @@ def test_the_product_wheel_holds_no_test_rig(tmp_path: Path) -> None:
         top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
         assert top == PRODUCT_PACKAGES
         assert [n for n in names if n.endswith(".py") and any(m in z.read(n) for m in RIG_MARKERS)] == []
+        # The data the programs read at import: the vendor profiles, their log patterns, the catalogue.
+        data = {str(f.relative_to(ROOT)) for f in (ROOT / "hami_guard" / "profiles").rglob("*.toml")}
+        assert data | {"doctor/patterns.toml"} <= set(names)
 
 
 def test_sidecar_image_serves(image: Callable[[str], Image], listening: str) -> None:

@@ -42,11 +42,14 @@ LAYERS: Mapping[str, frozenset[str]] = {
             "hami_guard",
             "sidecar.watcher",
             "sidecar.deviceplugin.hamiconfig",
+            "sidecar.deviceplugin.hostdevices",
             "sidecar.dra.spec",
             "sidecar.kube.access",
         }
     ),
-    "sidecar.deviceplugin.hamiconfig": frozenset({"hami_guard"}),
+    "sidecar.deviceplugin.hamiconfig": frozenset({"hami_guard", "sidecar.deviceplugin.hostdevices"}),
+    # The host's GPUs (their driver's list, vfio-pci) and the bounded read of the host's files.
+    "sidecar.deviceplugin.hostdevices": frozenset({"hami_guard"}),
     "sidecar.dra.spec": frozenset({"hami_guard", "sidecar.kube.access"}),
     # The two halves mirror each other and never meet: their evidence and verdicts build on the
     # plumbing; their watches (the rounds) also read the settings.

@@ -256,7 +256,7 @@ async def sim_node(name: str, api: Nodes) -> AsyncIterator[SimNode]:
             probe_timeout=0.8,
             registration_grace=1.0,
             recover_unhealthy_after=RECOVER_AFTER,
-            nvidia_gpus_dir=os.path.join(root, "no-driver"),  # the device nodes say the GPUs are there
+            driver_gpus_dir=os.path.join(root, "no-driver"),  # the device nodes say the GPUs are there
             node_name=name,
             hami_api=api.access(),
             hami_interval=0.5,

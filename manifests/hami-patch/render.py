@@ -2,17 +2,20 @@
 
 Reads the rendered manifests on stdin and writes them on stdout with, through `kubectl kustomize`:
 
-- every DaemonSet labelled app.kubernetes.io/component=hami-device-plugin (HAMi's device plugin)
-  patched with the component beside this file (kustomization.yaml, patch.yaml), then adapted to the
-  chart: the resource and its socket from the device config HAMi's plugin reads (its `device-config`
-  ConfigMap: nvidia.resourceCountName; HAMi names the socket nvidia-<name>.sock), the pod-resources
-  folder beside HAMi's devicePlugin.pluginPath;
-- every DaemonSet whose containers run a DRA driver's kubelet plugin (DRA_BINARIES: HAMi's and
-  NVIDIA's charts; `dra-driver=` names others) patched with dra.yaml, then adapted: the drivers of
-  its containers, the plugin folders the chart mounts, and on each driver container the device
-  plugins' probes asking only about its own driver;
+- every DaemonSet with the label of HAMi's device plugin (a vendor profile's [chart] selector) patched
+  with patch.yaml beside this file, then adapted to the chart: the resource and its socket from the
+  device config HAMi's plugin reads (its `device-config` ConfigMap, at the profile's resource_value;
+  the socket the profile's for that resource), the pod-resources folder beside HAMi's
+  devicePlugin.pluginPath;
+- every DaemonSet whose containers run a DRA driver's kubelet plugin (DRA_BINARIES: the profiles'
+  [dra]; `dra-driver=` names others) patched with dra.yaml, then adapted: the drivers of its
+  containers, the plugin folders the chart mounts, and on each driver container the device plugins'
+  probes asking only about its own driver;
 - the settings, each `KEY=VALUE` as an argument (helm --post-renderer-args) or HAMI_GUARD_<KEY>
   in the environment (an argument wins): see SETTINGS.
+
+What it knows of each vendor is profiles.json beside it: hami-guard's vendor profiles
+(hami_guard/profiles), copied by `make profiles` because this script cannot import the package.
 
 Exits 1 with one line on stderr when nothing was patched or an input cannot be used, 2 for a bad
 setting. Needs python3 with PyYAML and kubectl on PATH.
@@ -21,6 +24,7 @@ setting. Needs python3 with PyYAML and kubectl on PATH.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import posixpath
 import re
@@ -35,17 +39,20 @@ from typing import Any
 import yaml
 
 HERE = Path(__file__).resolve().parent
-COMPONENT_LABEL = ("app.kubernetes.io/component", "hami-device-plugin")
+# The vendor profiles (hami_guard/profiles, copied by `make profiles`), the default one first.
+PROFILES: list[dict[str, Any]] = sorted(
+    json.loads((HERE / "profiles.json").read_text())["profiles"].values(), key=lambda p: not p["default"]
+)
+PROFILE = PROFILES[0]
+NAME = "{name}"  # in a profile's socket: the resource's name
+HOST_DEV = "/host"  # where patch.yaml mounts the host's /dev in the sidecar: the glob is under it
 PLACEHOLDER_REGISTRY = "registry.invalid"
 VERSION = "0.1.0"
 PORT = 9395
-DEFAULT_RESOURCE = "nvidia.com/gpu"
+DEFAULT_RESOURCE: str = PROFILE["resources"]["default"]
+DEVICE_GLOB: str = HOST_DEV + PROFILE["devices"]["glob"]
 # The kubelet plugins of the DRA drivers' charts, by the program their container runs: the driver's name.
-DRA_BINARIES = {
-    "hami-kubelet-plugin": "hami-core-gpu.project-hami.io",  # HAMi's k8s-dra-driver (hami-dra-driver)
-    "gpu-kubelet-plugin": "gpu.nvidia.com",  # NVIDIA's nvidia-dra-driver-gpu, container gpus
-    "compute-domain-kubelet-plugin": "compute-domain.nvidia.com",  # the same, container compute-domains
-}
+DRA_BINARIES: dict[str, str] = {program: driver for p in PROFILES for program, driver in p["dra"].items()}
 
 # key: (default, what it sets). None: required.
 SETTINGS: dict[str, tuple[str | None, str]] = {
@@ -53,7 +60,7 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
     "tag": (VERSION, "the images' tag"),
     "plugin": ("", "RESOURCE=SOCKET[,...]; default: read from HAMi's device config"),
     "expect-devices": ("auto", "N, auto, or none (no devices check)"),
-    "device-glob": ("/host/dev/nvidia[0-9]*", "the host's GPU device nodes, as the sidecar sees /dev"),
+    "device-glob": (DEVICE_GLOB, "the host's GPU device nodes, as the sidecar sees /dev"),
     "registration-grace": ("45", "seconds a plugin may take to register"),
     "probe-interval": ("10", "seconds between the sidecar's probe rounds"),
     "probe-timeout": ("2", "seconds one gRPC probe may take"),
@@ -148,9 +155,18 @@ def load(text: str) -> list[dict[str, Any]]:
     return [d for d in docs if isinstance(d, dict)]
 
 
-def is_target(obj: Mapping[str, Any]) -> bool:
+def profile_of(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The vendor profile whose device-plugin DaemonSet `obj` is (labelled with its [chart] selector)."""
     labels = (obj.get("metadata") or {}).get("labels") or {}
-    return obj.get("kind") == "DaemonSet" and labels.get(COMPONENT_LABEL[0]) == COMPONENT_LABEL[1]
+    for p in PROFILES:
+        key, _, value = p["chart"]["selector"].partition("=")
+        if obj.get("kind") == "DaemonSet" and labels.get(key) == value:
+            return p
+    return None
+
+
+def is_target(obj: Mapping[str, Any]) -> bool:
+    return profile_of(obj) is not None
 
 
 def by_name(items: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
@@ -158,22 +174,26 @@ def by_name(items: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
 
 
 def chart_plugins(ds: Mapping[str, Any], objects: Sequence[Mapping[str, Any]]) -> str:
-    """RESOURCE=SOCKET from the device config HAMi's plugin reads, or the default."""
+    """RESOURCE=SOCKET from the device config HAMi's plugin reads, or the default (of the DaemonSet's
+    vendor profile)."""
+    profile = profile_of(ds) or PROFILE
     volume = by_name(ds["spec"]["template"]["spec"].get("volumes")).get("device-config") or {}
     name = (volume.get("configMap") or {}).get("name")
     namespace = ds["metadata"].get("namespace")
-    resource = DEFAULT_RESOURCE
+    resource: str = profile["resources"]["default"]
     for o in objects:
         meta = o.get("metadata") or {}
         if o.get("kind") == "ConfigMap" and meta.get("name") == name and meta.get("namespace") == namespace:
             try:
-                config = yaml.safe_load((o.get("data") or {}).get("device-config.yaml", "")) or {}
-                found = (config.get("nvidia") or {}).get("resourceCountName")
+                found = yaml.safe_load((o.get("data") or {}).get("device-config.yaml", "")) or {}
+                for key in profile["chart"]["resource_value"].split("."):
+                    found = (found or {}).get(key)
             except (yaml.YAMLError, AttributeError):
                 found = None
             if isinstance(found, str) and "/" in found:
                 resource = found
-    return f"{resource}=nvidia-{resource.rsplit('/', 1)[1]}.sock"
+    socket = profile["resources"]["socket"].replace(NAME, resource.rsplit("/", 1)[1])
+    return f"{resource}={socket}"
 
 
 def readiness_path(plugins: str) -> str:
@@ -349,8 +369,9 @@ def render(text: str, s: Mapping[str, str]) -> str:
     targets = [o for o in objects if is_target(o)]
     dra = {id(o): d for o in objects if (d := dra_drivers(o, s))}
     if not targets and not dra:
+        labels = " or ".join(p["chart"]["selector"] for p in PROFILES)
         raise Refused(
-            "no DaemonSet labelled app.kubernetes.io/component=hami-device-plugin and no DRA kubelet plugin "
+            f"no DaemonSet labelled {labels} and no DRA kubelet plugin "
             "in the rendered chart: nothing patched (is devicePlugin.enabled false, or is this not HAMi's "
             "chart nor a DRA driver's? dra-driver=CONTAINER=DRIVER names a kubelet plugin)"
         )
@@ -369,8 +390,15 @@ def render(text: str, s: Mapping[str, str]) -> str:
         work = Path(tmp)
         (work / "rendered.yaml").write_text(yaml.safe_dump_all(objects, sort_keys=False))
         (work / "hami-patch").mkdir()
-        for name in ("kustomization.yaml", "patch.yaml"):
-            shutil.copy(HERE / name, work / "hami-patch" / name)
+        shutil.copy(HERE / "patch.yaml", work / "hami-patch" / "patch.yaml")
+        # kustomization.yaml's component, targeted at the profiles' labels (that file names the default's).
+        labelled = [{"kind": "DaemonSet", "labelSelector": p["chart"]["selector"]} for p in PROFILES]
+        hami = {
+            "apiVersion": "kustomize.config.k8s.io/v1alpha1",
+            "kind": "Component",
+            "patches": [{"path": "patch.yaml", "target": target} for target in labelled],
+        }
+        (work / "hami-patch" / "kustomization.yaml").write_text(yaml.safe_dump(hami))
         components = ["hami-patch"]
         if drivers:  # dra.yaml on exactly these DaemonSets (names are anchored regular expressions)
             (work / "dra").mkdir()

@@ -25,10 +25,15 @@ from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
+from hami_guard.profiles import DEFAULT as PROFILE
+
 OUT = Path(__file__).with_name("dashboard.json")
 UID = "hami-guard-fleet"
 DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 NODE = 'node=~"$node"'
+# The default vendor profile's annotations (hami_guard/profiles): the texts name them and its resource.
+REGISTER = PROFILE.register_key(PROFILE.resources.default)
+HANDSHAKE = PROFILE.handshake_key(PROFILE.resources.default)
 # The SLOs of the PrometheusRule's alerts (prometheusrule.yaml).
 REGISTRATION_SLO = 0.9995
 LISTANDWATCH_SLO = 2.0
@@ -123,7 +128,7 @@ def fleet_stats() -> list[stat.Panel]:
             "GPU nodes without GPU capacity",
             'count(ALERTS{alertname="HamiGPUNodeWithoutGPUCapacity", alertstate="firing"}) or vector(0)',
             "The runbook's cluster rule (kube-state-metrics): Ready, schedulable gpu=on nodes whose "
-            "status lists no nvidia.com/gpu, whether or not a sidecar runs there.",
+            f"status lists no {PROFILE.resources.default}, whether or not a sidecar runs there.",
             "red",
         ),
     ]
@@ -228,8 +233,8 @@ def hami_registration() -> table.Panel:
         .title("HAMi's registration per node")
         .description(
             "What HAMi's scheduler sees of each node: the sidecar's hami check reads the Node's "
-            "hami.io/node-nvidia-register annotation (HAMi's device plugin writes it) and "
-            "hami.io/node-handshake (the scheduler stamps it), and compares the annotation with the GPUs "
+            f"{REGISTER} annotation (HAMi's device plugin writes it) and "
+            f"{HANDSHAKE} (the scheduler stamps it), and compares the annotation with the GPUs "
             "the kubelet lists healthy. reason: ok; repairing (a difference within HAMi's own 30 s loop); "
             "no_evidence (the Node cannot be read, no scheduler handshake, or the plugin does not serve or "
             "register); missing, unparsable, mismatched (a stale annotation: liveness restarts the plugin "

@@ -13,7 +13,7 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sidecar.deviceplugin.hamiconfig import file_kind
+from sidecar.deviceplugin.hostdevices import file_kind
 
 CHECKPOINT_NAME = "kubelet_internal_checkpoint"
 # Bounds on what a kubelet's checkpoint can be, generous for the largest node HAMi serves:

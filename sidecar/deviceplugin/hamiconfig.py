@@ -1,10 +1,9 @@
 """What HAMi registers on this node: its node configuration's device filter, and the host's GPUs.
 
-`--expect-devices auto` counts the host's device nodes (`--device-glob`, /dev/nvidia[0-9]*). HAMi
-leaves out the GPUs its node configuration filters, so auto subtracts them. The facts mirrored here
-are HAMi's (Project-HAMi/HAMi v2.10: `readFromConfigFile` in
-pkg/device-plugin/nvidiadevice/nvinternal/plugin/server.go, `DevicePluginConfigs`, `FilterDevice` and
-`FilterDeviceToRegister` in pkg/device/nvidia/device.go, the chart's device-plugin ConfigMap):
+`--expect-devices auto` counts the host's device nodes (`--device-glob`, the vendor profile's glob by
+default). HAMi leaves out the GPUs its node configuration filters, so auto subtracts them. The facts
+mirrored here are HAMi's (Project-HAMi/HAMi v2.10; where upstream: the profile's `sources`,
+node-configuration):
 
 - the file is JSON, `/config/config.json` in the plugin's container (the ConfigMap
   `<release>-device-plugin`, key `config.json`, or the chart's `externalConfigName`);
@@ -17,35 +16,31 @@ pkg/device-plugin/nvidiadevice/nvinternal/plugin/server.go, `DevicePluginConfigs
 - a GPU is filtered when its UUID is listed, or its NVML index (decimal) is; a MIG device's index is
   `<gpu>:<mig>`, which no `index` entry matches, so only its UUID filters it.
 
-The host's GPUs and their UUIDs come from the NVIDIA driver's /proc/driver/nvidia/gpus/<bus>/information
-(`GPU UUID`, `Bus Location`, `Device Minor`); NVML's index is a GPU's rank in PCI bus order, excluded
-GPUs left out. GPUs bound to vfio-pci (handed to virtual machines) have no /dev/nvidiaN node: the glob
-never counts them, and they are named from /sys/bus/pci/drivers/vfio-pci.
+The host's GPUs and their UUIDs come from their driver (sidecar.deviceplugin.hostdevices, where the
+profile says); NVML's index is a GPU's rank in PCI bus order, excluded GPUs left out. GPUs bound to
+vfio-pci have no device node: the glob never counts them, and they are named.
 
 Every parser here is total: any input gives an answer, never an exception.
 """
 
 from __future__ import annotations
 
-import errno
 import glob
 import json
 import os
 import re
-import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hami_guard import profiles
+from hami_guard.profiles import VendorProfile
+from sidecar.deviceplugin.hostdevices import VFIO_DIR, read_bounded, read_gpus, vfio_gpus
+
 CONFIG_PATH = "/config/config.json"  # where HAMi's chart mounts the node configuration
-GPUS_DIR = "/proc/driver/nvidia/gpus"
-VFIO_DIR = "/sys/bus/pci/drivers/vfio-pci"
 NODE_NAME_ENV = "NODE_NAME"  # HAMi's own pod takes its node's name from this variable
 MAX_CONFIG_BYTES = 1 << 20
-MAX_INFO_BYTES = 64 << 10
-MAX_GPUS = 4096
 SHOWN = 8  # devices named in one reason
-NVIDIA_VENDOR = "0x10de"
 _U64 = 2**64 - 1
 _I64 = 2**63
 
@@ -231,39 +226,10 @@ def _parse(data: bytes, node: str) -> NodeConfig:
 
 
 @dataclass(frozen=True)
-class Gpu:
-    """One GPU the NVIDIA driver knows (/proc/driver/nvidia/gpus/<bus>/information)."""
-
-    bus: str
-    uuid: str = ""
-    minor: int | None = None
-    excluded: bool = False
-
-    def node(self, folder: str) -> str:
-        """The GPU's device node in `folder`, or "no device node" when the driver names no minor."""
-        return os.path.join(folder, f"nvidia{self.minor}") if self.minor is not None else "no device node"
-
-
-def parse_gpu_information(text: str, bus: str) -> Gpu:
-    """The driver's `information` file of the GPU at `bus` (`Key:   value` lines). Total."""
-    info: dict[str, str] = {}
-    for line in text.splitlines()[:200]:
-        key, sep, value = line.partition(":")
-        if sep:
-            info.setdefault(key.strip().lower(), value.strip())
-    minor_text = info.get("device minor", "")
-    minor = int(minor_text) if minor_text.isascii() and minor_text.isdigit() and len(minor_text) < 8 else None
-    uuid = info.get("gpu uuid", "")
-    uuid = uuid if re.fullmatch(r"[A-Za-z0-9-]{1,80}", uuid) else ""
-    location = info.get("bus location", "") or bus
-    return Gpu(location[:64], uuid, minor, info.get("gpu excluded", "").lower().startswith("yes"))
-
-
-@dataclass(frozen=True)
 class Filtered:
     """A GPU HAMi's node configuration leaves out, and the entry that does."""
 
-    device: str  # "index 1, GPU-..., /dev/nvidia1"
+    device: str  # "index 1, <UUID>, <its device node>"
     why: str  # which filter entry names it
 
 
@@ -308,99 +274,14 @@ class Sources:
     device_glob: str
     config_path: str = CONFIG_PATH
     node_name: str = ""
-    gpus_dir: str = GPUS_DIR
+    gpus_dir: str = profiles.DEFAULT.devices.driver_gpus
     vfio_dir: str = VFIO_DIR
+    profile: VendorProfile = profiles.DEFAULT  # the GPUs' vendor: their device nodes, PCI vendor ID
 
 
 @dataclass
 class _Read:
     notes: list[str] = field(default_factory=list)
-
-
-class NotAFile(OSError):
-    """The path names something that is not a regular file (a FIFO, a socket, a device, a folder)."""
-
-
-def file_kind(mode: int) -> str:
-    for test, kind in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISLNK, "a symbolic link"),
-    ):
-        if test(mode):
-            return kind
-    return "not a regular file"
-
-
-def _read_bounded(path: str, limit: int, *, follow: bool = False) -> bytes:
-    """At most `limit + 1` bytes of the regular file at `path`, without ever blocking on what it is.
-
-    O_NONBLOCK: a FIFO at the path (nothing writing) would otherwise hold the reader thread forever,
-    and with it every later read and the sidecar's exit. The opened descriptor is fstat'ed, so what
-    is read is what was judged. `follow` for HAMi's config, a ConfigMap file: a symlink into `..data/`;
-    the sysfs and procfs attributes are read with O_NOFOLLOW. Raises OSError (NotAFile with a reason).
-    """
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        if e.errno == errno.ELOOP and not follow:
-            raise NotAFile(errno.ELOOP, "a symbolic link, not followed") from None
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotAFile(errno.EINVAL, f"{file_kind(mode)}, not a regular file")
-        chunks: list[bytes] = []
-        left = limit + 1
-        while left > 0:
-            chunk = os.read(fd, left)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def read_gpus(gpus_dir: str) -> tuple[list[Gpu], str]:
-    """The driver's GPUs, or [] and why not. Never raises."""
-    try:
-        names = sorted(os.listdir(gpus_dir))[:MAX_GPUS]
-    except OSError as e:
-        return [], f"{gpus_dir} cannot be read ({e.strerror or type(e).__name__})"
-    gpus = []
-    for name in names:
-        try:
-            raw = _read_bounded(os.path.join(gpus_dir, name, "information"), MAX_INFO_BYTES)
-        except OSError:
-            continue
-        gpus.append(parse_gpu_information(raw[:MAX_INFO_BYTES].decode("utf-8", errors="replace"), name))
-    return gpus, ""
-
-
-def vfio_gpus(vfio_dir: str) -> list[str]:
-    """PCI addresses of NVIDIA display devices bound to vfio-pci. Never raises."""
-    out = []
-    try:
-        names = sorted(os.listdir(vfio_dir))[:MAX_GPUS]
-    except OSError:
-        return []
-    for name in names:
-        if not re.fullmatch(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]", name):
-            continue
-        try:
-            vendor = _read_bounded(os.path.join(vfio_dir, name, "vendor"), 64).decode("ascii", "replace")
-            cls = _read_bounded(os.path.join(vfio_dir, name, "class"), 64).decode("ascii", "replace")
-        except OSError:
-            continue
-        if vendor.strip().lower() == NVIDIA_VENDOR and cls.strip().lower().startswith("0x03"):
-            out.append(name)
-    return out
 
 
 def expectation(src: Sources) -> Expectation:
@@ -423,14 +304,14 @@ def _expectation(src: Sources) -> Expectation:
     nodes = sorted(glob.glob(src.device_glob))
     folder = os.path.dirname(src.device_glob) or "/dev"
     notes: list[str] = []
-    vfio = vfio_gpus(src.vfio_dir)
+    vfio = vfio_gpus(src.vfio_dir, src.profile.devices.pci_vendor)
     if vfio:
         notes.append(
-            f"{len(vfio)} NVIDIA GPU(s) bound to vfio-pci (handed to virtual machines) have no device node "
-            f"and are not counted: {', '.join(vfio)}"
+            f"{len(vfio)} {src.profile.vendor} GPU(s) bound to vfio-pci (handed to virtual machines) have no "
+            f"device node and are not counted: {', '.join(vfio)}"
         )
     try:
-        raw = _read_bounded(src.config_path, MAX_CONFIG_BYTES, follow=True)
+        raw = read_bounded(src.config_path, MAX_CONFIG_BYTES, follow=True)
     except FileNotFoundError:
         notes.append(f"no HAMi node configuration at {src.config_path}: nothing filtered")
         return Expectation(len(nodes), len(nodes), tuple(nodes), (), tuple(notes))
@@ -480,12 +361,13 @@ def _subtract(src: Sources, cfg: NodeConfig, nodes: list[str], folder: str, note
         )
         return Expectation(len(nodes) - n, len(nodes), (), guessed[:n], tuple(notes), src.config_path)
     listed = set(nodes)
+    node = src.profile.devices.node  # a GPU's device node by its minor
     # NVML's index: rank in PCI bus order of the GPUs the driver does not exclude.
     ranked = sorted((g for g in gpus if not g.excluded), key=lambda g: g.bus.lower())
     expected: list[str] = []
     filtered: list[Filtered] = []
     for index, gpu in enumerate(ranked):
-        path = gpu.node(folder)
+        path = gpu.node(folder, node)
         name = f"index {index}, {gpu.uuid or 'no UUID'}, {path}"
         if gpu.uuid and gpu.uuid in uuids:
             filtered.append(Filtered(name, f"uuid listed in {where}"))
@@ -494,12 +376,12 @@ def _subtract(src: Sources, cfg: NodeConfig, nodes: list[str], folder: str, note
         elif path in listed:
             expected.append(name)
     for gpu in gpus:
-        if gpu.excluded and gpu.node(folder) in listed:  # NVML does not list it, so HAMi cannot
+        if gpu.excluded and gpu.node(folder, node) in listed:  # NVML does not list it, so HAMi cannot
             filtered.append(
-                Filtered(f"{gpu.uuid or 'no UUID'}, {gpu.node(folder)}", "the driver excludes it")
+                Filtered(f"{gpu.uuid or 'no UUID'}, {gpu.node(folder, node)}", "the driver excludes it")
             )
     # Device nodes no GPU of the driver's list explains are counted as before.
-    known = {g.node(folder) for g in gpus}
+    known = {g.node(folder, node) for g in gpus}
     expected += [n for n in nodes if n not in known]
     gone = [f for f in filtered if f.device.rsplit(", ", 1)[-1] in listed]
     want = max(0, len(nodes) - len(gone))

@@ -1,47 +1,41 @@
 """What a device plugin's names say: the resource a socket serves, and the physical device behind an ID.
 
-HAMi's socket and device-ID forms are the ones known here; a plugin of another kind keeps its names as
-they are.
+The forms known are the vendor profiles' (hami_guard/profiles: a resource's socket, the device IDs
+that name a share of one device); a plugin of another kind keeps its names as they are.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
+from hami_guard import profiles
 from hami_guard.flags import PluginSpec
-
-# HAMi's socket for resource `nvidia.com/<name>` is `nvidia-<name>.sock` (getPluginSocketPath,
-# pkg/device-plugin/nvidiadevice/nvinternal/plugin/server.go in Project-HAMi/HAMi).
-_HAMI_SOCKET = re.compile(r"^nvidia-([A-Za-z0-9][A-Za-z0-9._-]{0,62})\.sock$")
-# HAMi advertises each GPU as `<GPU-UUID>-<n>`; NVIDIA's time-slicing as `<id>::<n>`.
-_HAMI_SPLIT = re.compile(r"^(GPU-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12})-\d+$")
-_REPLICA = re.compile(r"^(.+)::\d+$")
 
 
 def physical_devices(ids: Iterable[str]) -> set[str]:
-    """Devices as a user counts them: HAMi's split IDs and time-slicing replicas once per GPU.
+    """Devices as a user counts them: the IDs the default profile folds (HAMi's split IDs, time-slicing
+    replicas) once per device.
 
-    Only those two forms are folded: other vendors' IDs may end in `-<n>` for distinct devices.
+    Only the profile's forms are folded: other vendors' IDs may end in `-<n>` for distinct devices.
     """
     return {physical_device(device) for device in ids}
 
 
 def physical_device(device: str) -> str:
-    """The physical device of one ID: a HAMi split ID's GPU, a time-slicing replica's device."""
-    m = _HAMI_SPLIT.match(device) or _REPLICA.match(device)
-    return m.group(1) if m else device
+    """The physical device of one ID: the device a share's ID names (the default profile's folds)."""
+    return profiles.DEFAULT.physical_device(device)
 
 
 def hami_resource(socket: str) -> str | None:
-    """The resource HAMi registers when it serves `socket` (`nvidia-vgpu.sock`: nvidia.com/vgpu)."""
-    m = _HAMI_SOCKET.match(socket)
-    return f"nvidia.com/{m.group(1)}" if m else None
+    """The resource HAMi registers when it serves `socket` (its profile's socket for a resource name)."""
+    found = profiles.for_socket(socket)
+    return found[1] if found else None
 
 
 def matching_plugins(plugins: Iterable[PluginSpec], plugin: PluginSpec, found: str) -> tuple[PluginSpec, ...]:
     """The plugins setting with `plugin` replaced by the one serving `found` (a socket in the folder)."""
-    resource = hami_resource(found) if plugin.resource.startswith("nvidia.com/") else None
+    vendor = profiles.for_resource(plugin.resource)
+    resource = vendor.resource_for(found) if vendor else None
     new = PluginSpec(resource or plugin.resource, found)
     return tuple(new if p == plugin else p for p in plugins)
 
@@ -52,8 +46,10 @@ def socket_found_instead(plugins: Iterable[PluginSpec], plugin: PluginSpec, foun
     new = next(p for p in specs if p.socket == found)
     flags = " ".join(f"--plugin {p.resource}={p.socket}" for p in specs)
     env = ",".join(f"{p.resource}={p.socket}" for p in specs)
+    vendor = profiles.for_resource(plugin.resource) or profiles.DEFAULT  # whose naming renamed it
     hami = (
-        f" (HAMi serves nvidia-<name>.sock for resourceName nvidia.com/<name>: {new.resource})"
+        f" (HAMi serves {vendor.shown(vendor.resources.socket)} for resourceName "
+        f"{vendor.shown(vendor.resources.pattern)}: {new.resource})"
         if new.resource != plugin.resource
         else ""
     )

@@ -1,17 +1,16 @@
 """Devices HAMi can never mark healthy again, brought back by one plugin restart (--recover-unhealthy-after).
 
 HAMi's device plugin marks a device Unhealthy on an XID event and never marks it Healthy again
-(`ListAndWatch` in pkg/device-plugin/nvidiadevice/nvinternal/plugin/server.go, Project-HAMi/HAMi:
-"FIXME: there is no way to recover from the Unhealthy state."). A restart of the plugin re-reads every
-device and lists it Healthy unless it fails again: after a transient XID the GPU is back. This module
-decides, pure and clock-injected, when liveness asks for that restart and when it stops asking
-(docs/design.md#liveness); `sidecar.deviceplugin.devices` feeds it each round and reports its verdict
-as the `recover:<resource>` check.
+(Project-HAMi/HAMi, `ListAndWatch`: where upstream, the vendor profile's `sources`, unhealthy). A
+restart of the plugin re-reads every device and lists it Healthy unless it fails again: after a
+transient XID the GPU is back. This module decides, pure and clock-injected, when liveness asks for
+that restart and when it stops asking (docs/design.md#liveness); `sidecar.deviceplugin.devices` feeds
+it each round and reports its verdict as the `recover:<resource>` check.
 
 - *Unhealthy*: a physical device the kubelet listed healthy for the resource since the plugin's socket
   was served (pod-resources `GetAllocatableResources`, which lists healthy devices only, as the
   checkpoint records them) and has not listed healthy for `after` seconds while it holds the plugin,
-  and the host still shows: the NVIDIA driver lists its UUID (an ID that is no GPU UUID, or a driver
+  and the host still shows: its driver lists its UUID (an ID that is no GPU UUID, or a driver
   that cannot be read: the host shows at least as many `--device-glob` nodes as the devices the kubelet
   listed). A device the host no longer shows was *removed*: no restart brings it back.
 - A restart is asked for (the check fails liveness) only while no running pod holds a device not listed
@@ -24,16 +23,15 @@ as the `recover:<resource>` check.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hami_guard import profiles
 from sidecar.deviceplugin.probes import Reading
 
 logger = logging.getLogger(__name__)
 
-_UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
 SHOWN = 4  # devices named in one reason
 
 
@@ -43,7 +41,7 @@ class RecoveryEvidence:
 
     # Per resource: each device ID a running pod's container holds, and that pod (`namespace/name`).
     pod_devices: Reading[dict[str, dict[str, str]]]
-    driver_uuids: Reading[frozenset[str]]  # the GPUs' UUIDs the NVIDIA driver lists
+    driver_uuids: Reading[frozenset[str]]  # the GPUs' UUIDs their driver lists
     device_nodes: int | None = None  # `--device-glob` matches; None: not read
 
 
@@ -83,6 +81,7 @@ class DeviceRecovery:
 
     def __init__(self, resource: str, after: float, budget: int, iso: Callable[[float], str]) -> None:
         self.resource = resource
+        self.vendor = profiles.for_resource(resource) or profiles.DEFAULT  # its IDs, its driver
         self.after = after
         self.budget = budget
         self._iso = iso
@@ -246,8 +245,8 @@ class DeviceRecovery:
             )
             reason = (
                 f"{_names(again)} unhealthy again after the plugin restart that re-read "
-                f"{'it' if len(again) == 1 else 'them'}: the GPU is really unhealthy (dmesg | grep -i xid; "
-                "nvidia-smi); no more restarts for it"
+                f"{'it' if len(again) == 1 else 'them'}: the GPU is really unhealthy "
+                f"({self.vendor.devices.check}); no more restarts for it"
             )
         elif unknown:
             why = "the host's devices cannot be read: unhealthy cannot be told from removed"
@@ -296,7 +295,7 @@ class DeviceRecovery:
     def _on_host(self, device: str, ev: RecoveryEvidence) -> bool | None:
         """Does the host still show the device? None: it cannot be told."""
         uuids = ev.driver_uuids.value
-        if _UUID.match(device) and uuids:
+        if self.vendor.is_device(device) and uuids:
             return device.lower() in {u.lower() for u in uuids}
         if ev.device_nodes is None:
             return None
@@ -304,12 +303,12 @@ class DeviceRecovery:
 
     def _host_says(self, devices: list[str], ev: RecoveryEvidence) -> str:
         uuids = ev.driver_uuids.value
-        if all(_UUID.match(d) for d in devices) and uuids:
+        if all(self.vendor.is_device(d) for d in devices) and uuids:
             shown = [d for d in devices if d.lower() in {u.lower() for u in uuids}]
             return (
-                "the NVIDIA driver still lists them"
+                f"the {self.vendor.vendor} driver still lists them"
                 if len(shown) == len(devices)
-                else "the NVIDIA driver no longer lists them"
+                else f"the {self.vendor.vendor} driver no longer lists them"
             )
         if ev.device_nodes is None:
             return f"the host's devices cannot be read (the driver: {ev.driver_uuids.error or 'no GPU'})"

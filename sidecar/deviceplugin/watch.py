@@ -38,7 +38,7 @@ from hami_guard.node.unixdiag import (
     socket_owner,
 )
 from sidecar.config import PluginSpec, Settings
-from sidecar.deviceplugin import hamiconfig
+from sidecar.deviceplugin import hamiconfig, hostdevices
 from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME, Checkpoint
 from sidecar.deviceplugin.evidence import (
     AfterDeletion,
@@ -403,13 +403,13 @@ class DevicePluginWatch:
         s = self.settings
         held = await pod_resources_held(s.pod_resources_socket, s.probe_timeout)
         late: tuple[Reading[frozenset[str]], int | None] = (Reading.failed("not read in time"), None)
-        uuids, nodes = await self._off_loop(partial(_host_gpus, s.nvidia_gpus_dir, s.device_glob), late)
+        uuids, nodes = await self._off_loop(partial(_host_gpus, s.driver_gpus_dir, s.device_glob), late)
         return RecoveryEvidence(held, uuids, nodes)
 
     def _expected(self) -> hamiconfig.Expectation:
         s = self.settings
         return hamiconfig.expectation(
-            hamiconfig.Sources(s.device_glob, s.hami_config, s.node_name, s.nvidia_gpus_dir, s.vfio_dir)
+            hamiconfig.Sources(s.device_glob, s.hami_config, s.node_name, s.driver_gpus_dir, s.vfio_dir)
         )
 
     async def _off_loop(self, read: Callable[[], T], fallback: T) -> T:
@@ -439,8 +439,8 @@ def _served_elsewhere(folder: str, mine: set[str]) -> tuple[tuple[str, SocketId]
 
 
 def _host_gpus(gpus_dir: str, device_glob: str) -> tuple[Reading[frozenset[str]], int | None]:
-    """The GPUs' UUIDs the NVIDIA driver lists (or why none), and the `device_glob` matches."""
-    gpus, unread = hamiconfig.read_gpus(gpus_dir)
+    """The GPUs' UUIDs their driver lists (or why none), and the `device_glob` matches."""
+    gpus, unread = hostdevices.read_gpus(gpus_dir)
     uuids = frozenset(g.uuid for g in gpus if g.uuid)
     reading = Reading(uuids) if uuids or not unread else Reading[frozenset[str]].failed(unread)
     try:

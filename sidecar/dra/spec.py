@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hami_guard.profiles import DEFAULT as PROFILE
 from sidecar.kube.access import DEFAULT_CA_FILE, DEFAULT_TOKEN_FILE, SA_DIR, ApiAccess, in_cluster
 
 __all__ = [
@@ -31,6 +32,8 @@ DEFAULT_GRACE = 150.0
 
 # The kubelet's plugin watcher folder, and the helper's default registration socket name.
 DEFAULT_REGISTRY = "/var/lib/kubelet/plugins_registry"
+# A driver's name for the examples: the default vendor profile's first DRA driver.
+EXAMPLE = next((driver for _, driver in PROFILE.dra), "gpu.example.com")
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ def dra_spec(value: str, registry: str = DEFAULT_REGISTRY) -> DraSpec:
     name, _, sock = value.strip().partition("=")
     name, sock = name.strip(), sock.strip()
     if not name or "/" in name or any(c.isspace() for c in name) or "," in name:
-        raise ValueError(f"expected NAME[=SOCKET] (gpu.nvidia.com=gpu.nvidia.com-reg.sock), got {value!r}")
+        raise ValueError(f"expected NAME[=SOCKET] ({EXAMPLE}={EXAMPLE}-reg.sock), got {value!r}")
     if "\0" in sock:
         raise ValueError(f"a socket path has no NUL: {value!r}")
     sock = sock or f"{name}-reg.sock"

@@ -2,14 +2,14 @@
 
 What HAMi writes (Project-HAMi/HAMi, docs/kubelet.md#hami-registration):
 
-- The device plugin's register annotation (`hami.io/node-nvidia-register` for NVIDIA; other vendors
-  have keys of their own): the JSON array of HAMi's `DeviceInfo` (pkg/device/devices.go,
+- The device plugin's register annotation (its key the vendor profile's: hami_guard/profiles, [hami]
+  register): the JSON array of HAMi's `DeviceInfo` (pkg/device/devices.go,
   `MarshalNodeDevices`): `id` (the GPU's UUID), `index`, `count` (the split count), `devmem`,
   `devcore`, `type`, `numa`, `mode`, `health`, `migProfiles`, every field `omitempty`: a GPU at index
   0 has no `index`, an unhealthy one no `health`. The scheduler decodes it with Go's `json.Unmarshal`
   (`UnMarshalNodeDevices`): a value of the wrong JSON type fails the whole decode, and the node is then
   "unregistered" for HAMi. So does this parser; unknown fields pass, as in Go.
-- The scheduler's handshake (`hami.io/node-handshake` for NVIDIA): `Requesting_<time>` (the
+- The scheduler's handshake (the profile's [hami] handshake): `Requesting_<time>` (the
   scheduler's local time, `2006-01-02 15:04:05`), or, before HAMi v2.10, `Deleted_<time>` written when
   it cleaned the node up (`2006.01.02 15:04:05` up to v2.4).
 
@@ -19,17 +19,16 @@ Every function here takes any text and returns a value or a reason: `fuzz/fuzz_h
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
+from hami_guard import profiles
+
 MAX_NODE = 4 * 1024 * 1024  # a Node object read from the API server; more is not read
 MAX_VALUE = 1024 * 1024  # an annotation's value (the API server caps all of a Node's at 256 KiB)
 MAX_GPUS = 4096
-# HAMi's GPU IDs are NVML's UUIDs; what the kubelet lists are those, or HAMi's split IDs `<UUID>-<n>`.
-GPU_UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
 _STAMP_FORMATS = ("%Y-%m-%d %H:%M:%S", "%Y.%m.%d %H:%M:%S")  # Go's time.DateTime; HAMi up to v2.4
 _INT32 = (-(2**31), 2**31 - 1)
 _INTEGERS = {  # DeviceInfo's integer fields and their Go types' ranges
@@ -211,11 +210,13 @@ def _dict(v: Any) -> dict[str, Any]:
 
 
 def gpu_of(device: str) -> str | None:
-    """The GPU a kubelet device ID stands for: the UUID itself, or HAMi's split ID `<UUID>-<n>`
-    folded to its UUID; None for any other ID (MIG devices, other vendors')."""
-    if GPU_UUID.match(device):
+    """The GPU a kubelet device ID stands for: the GPU's ID itself (the default profile's form: NVML's
+    UUID, which HAMi's annotation carries), or HAMi's split ID `<ID>-<n>` folded to it; None for any
+    other ID (MIG devices, other vendors')."""
+    vendor = profiles.DEFAULT
+    if vendor.is_device(device):
         return device
     head, sep, tail = device.rpartition("-")
-    if sep and tail.isascii() and tail.isdigit() and GPU_UUID.match(head):
+    if sep and tail.isascii() and tail.isdigit() and vendor.is_device(head):
         return head
     return None

@@ -31,7 +31,7 @@ FAST = Settings(
     host="127.0.0.1",
     # Never the machine's own: HAMi's node configuration, the driver's GPUs, vfio-bound devices.
     hami_config="/nonexistent/hami/config.json",
-    nvidia_gpus_dir="/nonexistent/nvidia/gpus",
+    driver_gpus_dir="/nonexistent/nvidia/gpus",
     vfio_dir="/nonexistent/vfio-pci",
 )
 

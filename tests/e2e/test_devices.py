@@ -61,7 +61,7 @@ async def test_auto_with_two_of_four_gpus_filtered_by_hamis_node_configuration_i
         "device_glob": os.path.join(host.dev, "nvidia[0-9]*"),
         "hami_config": host.config,
         "node_name": NODE,
-        "nvidia_gpus_dir": host.gpus,
+        "driver_gpus_dir": host.gpus,
         "vfio_dir": host.vfio,
     }
     async with make_node(plugin_kwargs={"devices": hami_device_ids(served)}, **settings) as node:

@@ -36,7 +36,7 @@ def driver(tmp_path: Path) -> dict[str, Any]:
         )
     return {
         "recover_unhealthy_after": AFTER,
-        "nvidia_gpus_dir": str(gpus),
+        "driver_gpus_dir": str(gpus),
         "device_glob": str(tmp_path / "no-dev" / "nvidia[0-9]*"),
     }
 

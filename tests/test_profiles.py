@@ -1,0 +1,563 @@
+"""The vendor profiles (hami_guard/profiles, docs/design.md#profiles).
+
+The loader refuses each kind of bad entry, naming the file and the field; the names a profile defines
+read both ways; profiles of other vendors' forms fit the schema as they are. Every consumer reads the
+profile: a copy of the product whose only profile is another vendor's shows that vendor everywhere, and
+so does the post-renderer given another copy. The post-renderer's copy is current, and the manifests
+that must carry the default vendor's values (the kustomize component, the alerts, node-problem-detector's
+command) hold the profile's. NVIDIA is named nowhere else in the product.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import yaml
+
+from doctor.patterns import PLUGIN_PATTERNS
+from hami_guard import profiles
+from hami_guard.profiles import DEFAULT, PROFILES, ProfileError, export, load, load_all
+from tests.conftest import require_tool
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDER = ROOT / "hami_guard" / "profiles"
+NVIDIA = (FOLDER / "nvidia.toml").read_text()
+PATCH = ROOT / "manifests" / "hami-patch"
+SETS = ("nvidia",)
+UUID = "GPU-6b8a5c0e-2f0e-4d4c-9c4b-0a1b2c3d4e5f"
+
+
+def render_module() -> ModuleType:
+    """manifests/hami-patch/render.py, imported from its file as the post-renderer runs it."""
+    spec = importlib.util.spec_from_file_location("hami_patch_render", PATCH / "render.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- the loader ----------------------------------------------------------------------------------------------
+def test_the_shipped_profiles_load_and_nvidia_is_the_default() -> None:
+    assert profiles.read() == PROFILES and PROFILES[0] is DEFAULT
+    assert [p.name for p in PROFILES] == ["nvidia"]
+    assert load(NVIDIA, "nvidia", SETS) == DEFAULT
+    assert DEFAULT.default and DEFAULT.doctor.log_patterns == SETS
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    data = pyproject["tool"]["setuptools"]["package-data"]["hami_guard"]
+    assert {"profiles/*.toml", "profiles/patterns/*.toml"} <= set(data)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "error"),
+    [
+        ("[devices]\n", "[devices\n", "nvidia.toml: not valid TOML"),
+        ('vendor = "NVIDIA"', 'vendr = "NVIDIA"', "nvidia.toml: vendor: missing"),
+        ("default = true", "default = true\ncolour = 1", "nvidia.toml: unknown key colour (known: "),
+        ("[chart]\n", "[charts]\n", "nvidia.toml: [chart]: missing"),
+        ('control = "nvidiactl"', 'control = "nvidiactl"\ncontrl = ""', "[devices] unknown key contrl"),
+        ('process = "nvidia-device-plugin"\n', "", "nvidia.toml: [doctor] process: missing"),
+        ("default = true", 'default = "yes"', "nvidia.toml: default: must be true or false"),
+        ('vendor = "NVIDIA"', 'vendor = ""', "nvidia.toml: vendor: must be a non-empty string"),
+        ('vendor = "NVIDIA"', 'vendor = " NVIDIA"', "vendor: must be one line without leading or"),
+        ('vendor = "NVIDIA"', 'vendor = ["NVIDIA"]', "nvidia.toml: vendor: must be a non-empty string"),
+        (
+            "[resources]\n",
+            'resources = "nvidia.com/gpu"\n[resource]\n',
+            "nvidia.toml: [resources]: must be a table",
+        ),
+        (
+            'pattern = "nvidia.com/{name}"',
+            'pattern = "nvidia.com/gpu"',
+            "[resources] pattern: 'nvidia.com/gpu' must hold {name} once",
+        ),
+        (
+            'pattern = "nvidia.com/{name}"',
+            'pattern = "{name}"',
+            "[resources] pattern: '{name}' must be <domain>/ then {name}",
+        ),
+        (
+            'default = "nvidia.com/gpu"',
+            'default = "amd.com/gpu"',
+            "[resources] default: 'amd.com/gpu' is not of 'nvidia.com/{name}'",
+        ),
+        (
+            'socket = "nvidia-{name}.sock"',
+            'socket = "plugins/nvidia-{name}.sock"',
+            "[resources] socket: 'plugins/nvidia-{name}.sock' is a file name: no /",
+        ),
+        ("id = 'GPU-", "id = '(GPU-", "[devices] id: not a regular expression"),
+        ("folds = ['^({id})-", "folds = ['^{id}-", "[devices] folds[0]: must have one group, the device it"),
+        ("'^(.+)::\\d+$'", "'^(.+)::(\\d+)$'", "[devices] folds[1]: must have one group"),
+        ("'^(.+)::\\d+$'", "'^(.+::\\d+$'", "[devices] folds[1]: not a regular expression"),
+        ("folds = [", "folds = 3\nfoldz = [", "[devices] folds: must be a list of regular expressions"),
+        (
+            'glob = "/dev/nvidia[0-9]*"',
+            'glob = "dev/nvidia*"',
+            "[devices] glob: 'dev/nvidia*' is not an absolute",
+        ),
+        ('node = "nvidia{minor}"', 'node = "nvidia0"', "[devices] node: 'nvidia0' must hold {minor} once"),
+        (
+            'control = "nvidiactl"',
+            'control = "/dev/nvidiactl"',
+            "[devices] control: '/dev/nvidiactl' is not a",
+        ),
+        (
+            'pci_vendor = "0x10de"',
+            'pci_vendor = "10de"',
+            "[devices] pci_vendor: '10de' is not a PCI vendor ID",
+        ),
+        (
+            'register = "hami.io/node-nvidia-register"',
+            'register = "node-nvidia-register"',
+            "[hami] register: 'node-nvidia-register' is not an annotation key",
+        ),
+        (
+            'register_format = "device-info-json"',
+            'register_format = "csv"',
+            "[hami] register_format: 'csv' is not one of device-info-json",
+        ),
+        (
+            'handshake_writer = "scheduler"',
+            'handshake_writer = "operator"',
+            "[hami] handshake_writer: 'operator' is not one of device-plugin, scheduler",
+        ),
+        (
+            'selector = "app.kubernetes.io/component=hami-device-plugin"',
+            'selector = "app.kubernetes.io/component"',
+            "[chart] selector: 'app.kubernetes.io/component' is not a label selector key=value",
+        ),
+        (
+            'resource_value = "nvidia.resourceCountName"',
+            'resource_value = "nvidia..resourceCountName"',
+            "[chart] resource_value: 'nvidia..resourceCountName' is not a dotted path",
+        ),
+        (
+            'log_patterns = ["nvidia"]',
+            'log_patterns = ["nvidia", "ascend"]',
+            "[doctor] log_patterns[1]: 'ascend' names no set (patterns/ascend.toml)",
+        ),
+        ('log_patterns = ["nvidia"]', "log_patterns = []", "[doctor] log_patterns: must be a list of names"),
+        (
+            'gpu-kubelet-plugin = "gpu.nvidia.com"',
+            'gpu-kubelet-plugin = "GPU NVIDIA"',
+            "[dra] gpu-kubelet-plugin: 'GPU NVIDIA' is not a DRA driver's name",
+        ),
+        (
+            'gpu-kubelet-plugin = "gpu.nvidia.com"',
+            '"/bin/x" = "gpu.nvidia.com"',
+            "'/bin/x' is not a program's",
+        ),
+        ("[sources]\n", "[sources]\nlinks = 4\n", "nvidia.toml: [sources] links: must be a non-empty string"),
+    ],
+)
+def test_a_bad_profile_is_named(old: str, new: str, error: str) -> None:
+    assert NVIDIA.count(old) == 1, old
+    with pytest.raises(ProfileError, match=re.escape(error)):
+        load(NVIDIA.replace(old, new), "nvidia", SETS)
+
+
+def test_a_profiles_file_name_is_a_lowercase_name() -> None:
+    with pytest.raises(
+        ProfileError, match=re.escape("NVIDIA.toml: a profile's file name is a lowercase name")
+    ):
+        load(NVIDIA, "NVIDIA", SETS)
+
+
+def test_optional_tables_and_fields() -> None:
+    """Without DRA drivers, sources, a control node or a driver's GPU list, a profile still loads."""
+    text = NVIDIA[: NVIDIA.index("[dra]")]
+    text = text.replace('control = "nvidiactl"', 'control = ""').replace(
+        'driver_gpus = "/proc/driver/nvidia/gpus"', 'driver_gpus = ""'
+    )
+    p = load(text, "nvidia", SETS)
+    assert (p.dra, p.sources, p.devices.control, p.devices.driver_gpus) == ((), (), "", "")
+
+
+def test_profiles_are_checked_together() -> None:
+    other = NVIDIA.replace("nvidia.com/", "example.com/").replace("default = true", "default = false")
+    assert [p.name for p in load_all({"other": other, "nvidia": NVIDIA}, SETS)] == ["nvidia", "other"]
+    with pytest.raises(ProfileError, match=re.escape("exactly one profile must be the default")):
+        load_all({"other": NVIDIA.replace("default = true", "default = false")}, SETS)
+    with pytest.raises(ProfileError, match=re.escape("(default = true): nvidia.toml, other.toml")):
+        load_all({"other": NVIDIA.replace("nvidia.com/", "example.com/"), "nvidia": NVIDIA}, SETS)
+    twin = NVIDIA.replace("default = true", "default = false")
+    with pytest.raises(
+        ProfileError, match=re.escape("twin.toml [resources] default: 'nvidia.com/gpu' is also")
+    ):
+        load_all({"twin": twin, "nvidia": NVIDIA}, SETS)
+
+
+# -- the names, read both ways -------------------------------------------------------------------------------
+def test_the_default_profiles_names_read_both_ways() -> None:
+    p = DEFAULT
+    assert p.socket_for("nvidia.com/vgpu") == "nvidia-vgpu.sock"
+    assert p.socket_for("example.com/gpu") == "nvidia-gpu.sock"  # HAMi names it after the name alone
+    assert p.resource_for("nvidia-vgpu.sock") == "nvidia.com/vgpu"
+    assert [p.resource_for(s) for s in ("nvidia-.sock", "nvidia-a/b.sock", "gpu.sock")] == [None] * 3
+    assert (p.owns("nvidia.com/gpu"), p.owns("nvidia.comx/gpu"), p.owns("amd.com/gpu")) == (
+        True,
+        False,
+        False,
+    )
+    assert p.register_key("nvidia.com/vgpu") == "hami.io/node-nvidia-register"
+    assert p.physical_device(f"{UUID}-3") == UUID
+    assert p.physical_device("MIG-1::2") == "MIG-1"
+    assert p.physical_device("MIG-1-2") == "MIG-1-2"  # only a UUID's split is folded
+    assert (p.is_device(UUID), p.is_device(f"{UUID}-1")) == (True, False)
+    assert p.shown(p.resources.socket) == "nvidia-<name>.sock"
+
+
+ASCEND = """
+vendor = "Ascend"
+default = false
+[resources]
+pattern = "huawei.com/{name}"
+default = "huawei.com/Ascend910B"
+socket = "{name}.sock"
+[devices]
+id = 'Ascend910B-[0-9]+'
+folds = []
+glob = "/dev/davinci[0-9]*"
+node = "davinci{minor}"
+control = "davinci_manager"
+driver_gpus = ""
+pci_vendor = "0x19e5"
+check = "npu-smi info"
+inspect = "npu-smi info -t health"
+[hami]
+register = "hami.io/node-register-{name}"
+register_format = "device-info-json"
+register_writer = "device-plugin"
+handshake = "hami.io/node-handshake-{name}"
+handshake_writer = "scheduler"
+[chart]
+selector = "app.kubernetes.io/component=hami-ascend-device-plugin"
+resource_value = "huawei.resourceName"
+[doctor]
+process = "ascend-device-plugin"
+log_patterns = ["nvidia"]
+"""
+KUBEVIRT = (
+    ASCEND.replace("huawei.com/Ascend910B", "amd.com/gpu")
+    .replace("huawei.com/{name}", "amd.com/{name}")
+    .replace('socket = "{name}.sock"', 'socket = "amd.com_{name}"')
+    .replace("folds = []", "folds = ['^(.+)#\\d+$']")
+)
+
+
+def test_other_vendors_forms_fit_the_profile_as_data() -> None:
+    """An Ascend profile (huawei.com/<CommonWord> on <CommonWord>.sock) and a kubevirt device plugin's
+    (amd.com/gpu on amd.com_gpu, IDs <id>#<n>) load beside NVIDIA's, and read their names, unchanged code."""
+    nvidia, amd, ascend = load_all({"nvidia": NVIDIA, "ascend": ASCEND, "amd": KUBEVIRT}, SETS)
+    assert nvidia is not None and nvidia.default
+    assert ascend.socket_for("huawei.com/Ascend910B") == "Ascend910B.sock"
+    assert ascend.resource_for("Ascend310P.sock") == "huawei.com/Ascend310P"
+    assert ascend.register_key("huawei.com/Ascend910B") == "hami.io/node-register-Ascend910B"
+    assert ascend.handshake_key("huawei.com/Ascend910B") == "hami.io/node-handshake-Ascend910B"
+    assert amd.socket_for("amd.com/gpu") == "amd.com_gpu"
+    assert amd.resource_for("amd.com_gpu") == "amd.com/gpu"
+    assert amd.physical_device("0000:03:00.0#2") == "0000:03:00.0"
+    assert [p.name for p in (nvidia, amd, ascend) if p.owns("amd.com/gpu")] == ["amd"]
+
+
+# -- every consumer reads the profile ------------------------------------------------------------------------
+# Another vendor in NVIDIA's place: every value differs from NVIDIA's.
+ACME = """
+vendor = "ACME"
+default = true
+[resources]
+pattern = "acme.example/{name}"
+default = "acme.example/xpu"
+socket = "acme_{name}.socket"
+[devices]
+id = 'XPU-[0-9]{4}'
+folds = ['^({id})#\\d+$']
+glob = "/dev/acme-xpu[0-9]*"
+node = "acme-xpu{minor}"
+control = "acme-ctl"
+driver_gpus = "/proc/acme/xpus"
+pci_vendor = "0x1234"
+check = "acme-smi"
+inspect = "acme-smi --all"
+[hami]
+register = "hami.io/node-register-{name}"
+register_format = "device-info-json"
+register_writer = "device-plugin"
+handshake = "hami.io/node-handshake-acme"
+handshake_writer = "scheduler"
+[chart]
+selector = "app.kubernetes.io/component=acme-device-plugin"
+resource_value = "acme.resourceName"
+[doctor]
+process = "acme-device-plugin"
+log_patterns = ["acme"]
+[dra]
+acme-kubelet-plugin = "xpu.acme.example"
+"""
+
+# Run in the copy: what each consumer says, as JSON.
+CONSUMERS = r"""
+import json, os, sys
+folder = sys.argv[1]
+out = {}
+from hami_guard import profiles
+out["where"] = profiles.__file__
+from sidecar.config import DEFAULTS, build_parser, read_settings
+out["plugins"] = [list(p) for p in DEFAULTS.plugins]
+out["glob"] = DEFAULTS.device_glob
+out["driver_gpus_dir"] = DEFAULTS.driver_gpus_dir
+out["hami_keys"] = [list(k) for k in DEFAULTS.hami_keys()]
+out["handshake"] = DEFAULTS.hami_handshake_annotation
+out["help"] = " ".join(build_parser().format_help().split())
+out["plugin_error"] = read_settings(["--plugin", "bad"], {}).error
+out["dra_error"] = read_settings(["--dra-driver", "a b"], {}).error
+from sidecar.deviceplugin import naming
+spec = DEFAULTS.plugins[0]
+out["hami_resource"] = naming.hami_resource("acme_vpu.socket")
+out["physical"] = sorted(naming.physical_devices(["XPU-0001#1", "XPU-0001#2", "XPU-0002"]))
+out["instead"] = naming.socket_found_instead([spec], spec, "acme_vpu.socket")
+out["pick"] = naming.pick_found(spec, ["b.sock", "acme_vpu.socket"])
+from sidecar.deviceplugin import hamiconfig, hostdevices
+out["gpus_dir"] = hamiconfig.Sources("x").gpus_dir
+out["node"] = hostdevices.Gpu("b", minor=3).node("/d")
+vfio = os.path.join(folder, "vfio")
+os.makedirs(os.path.join(vfio, "0000:01:00.0"))
+for name, text in (("vendor", "0x1234\n"), ("class", "0x030000\n")):
+    with open(os.path.join(vfio, "0000:01:00.0", name), "w") as f:
+        f.write(text)
+out["vfio"] = hamiconfig.expectation(hamiconfig.Sources(os.path.join(folder, "x*"), vfio_dir=vfio)).notes[0]
+from sidecar.hami.annotation import gpu_of
+out["gpu_of"] = [gpu_of("XPU-0001-2"), gpu_of("XPU-0001")]
+from sidecar.deviceplugin.probes import Reading
+from sidecar.deviceplugin.recovery import DeviceRecovery, RecoveryEvidence
+rec = DeviceRecovery(spec.resource, 60.0, 3, str)
+ev = RecoveryEvidence(Reading({}), Reading(frozenset({"XPU-0001"})))
+out["host_says"] = rec._host_says(["XPU-0001"], ev)
+from doctor.settings import DEFAULTS as DOCTOR
+out["process"] = DOCTOR.plugin_process_name
+from doctor import patterns
+out["restart"] = patterns.RESTART_PLUGIN
+out["other"] = patterns.OTHER_PLUGIN_FIX[0]
+out["plugin_lines"] = [p.text for p in patterns.PLUGIN_PATTERNS]
+out["register_fix"] = [p.fix for p in patterns.KUBELET_PATTERNS if p.text.startswith("Bad registration")][0]
+dev = os.path.join(folder, "dev")
+os.makedirs(dev)
+for name in ("acme-ctl", "acme-xpu0", "acme-xpu1", "nvidia0"):
+    open(os.path.join(dev, name), "w").close()
+from doctor.evidence import driver_nodes
+from doctor.causes import driver_cause
+from doctor.types import DriverNodes
+nodes = driver_nodes(os.path.join(dev, "acme-xpu[0-9]*"))
+out["nodes"] = [nodes.control, [os.path.basename(g) for g in nodes.gpus]]
+out["driver_cause"] = driver_cause((), DriverNodes(True, "/dev", False, (), "acme-ctl", "ACME")).evidence
+from doctor.recovery import recovery_cause
+doc = {spec.resource: {"really_unhealthy": {"XPU-0001": 1.0}}}
+out["doctor_recovery"] = recovery_cause(Reading(doc)).fix
+print(json.dumps(out))
+"""
+
+
+def product_copy(tmp_path: Path) -> Path:
+    """The product's packages in `tmp_path`/lib, ACME's profile the only one."""
+    lib = tmp_path / "lib"
+    for package in ("hami_guard", "sidecar", "doctor", "initcheck"):
+        shutil.copytree(ROOT / package, lib / package, ignore=shutil.ignore_patterns("__pycache__"))
+    folder = lib / "hami_guard" / "profiles"
+    (folder / "nvidia.toml").unlink()
+    (folder / "acme.toml").write_text(ACME)
+    nvidia_set = (folder / "patterns" / "nvidia.toml").read_text()
+    (folder / "patterns" / "nvidia.toml").unlink()
+    (folder / "patterns" / "acme.toml").write_text(nvidia_set.replace("NVIDIA", "ACME"))
+    return lib
+
+
+def test_every_consumer_reads_the_profile(tmp_path: Path) -> None:
+    """The product with ACME's profile in NVIDIA's place: each consumer says ACME's names, none NVIDIA's."""
+    lib = product_copy(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(lib), "PYTHONNOUSERSITE": "1"}
+    result = subprocess.run(  # from tmp_path: the checkout's packages are not on the path
+        [sys.executable, "-c", CONSUMERS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out.pop("where") == str(lib / "hami_guard" / "profiles" / "__init__.py")
+    assert out.pop("plugins") == [["acme.example/xpu", "acme_xpu.socket"]]
+    assert out.pop("glob") == "/dev/acme-xpu[0-9]*"
+    assert out.pop("driver_gpus_dir") == out.pop("gpus_dir") == "/proc/acme/xpus"
+    assert out.pop("hami_keys") == [["acme.example/xpu", "hami.io/node-register-xpu"]]
+    assert out.pop("handshake") == "hami.io/node-handshake-acme"
+    help_text = out.pop("help")
+    assert "(default acme.example/xpu=acme_xpu.socket)" in help_text
+    assert "(default /dev/acme-xpu[0-9]*)" in help_text
+    assert "hami.io/node-register-{name} for acme.example/* resources" in help_text
+    assert "(acme.example/xpu=acme_xpu.socket), got 'bad'" in out.pop("plugin_error")
+    assert "(xpu.acme.example=xpu.acme.example-reg.sock), got 'a b'" in out.pop("dra_error")
+    assert out.pop("hami_resource") == "acme.example/vpu"
+    assert out.pop("physical") == ["XPU-0001", "XPU-0002"]
+    assert (
+        "(HAMi serves acme_<name>.socket for resourceName acme.example/<name>: acme.example/vpu)"
+        in out.pop("instead")
+    )
+    assert out.pop("pick") == "acme_vpu.socket"
+    assert out.pop("node") == "/d/acme-xpu3"
+    assert out.pop("vfio").startswith("1 ACME GPU(s) bound to vfio-pci")
+    assert out.pop("gpu_of") == ["XPU-0001", "XPU-0001"]
+    assert out.pop("host_says") == "the ACME driver still lists them"
+    assert out.pop("process") == "acme-device-plugin"
+    assert "-l app.kubernetes.io/component=acme-device-plugin " in out.pop("restart")
+    assert "(the GPU Operator's ACME plugin beside HAMi)" in out.pop("other")
+    assert out.pop("plugin_lines") == [p.text for p in PLUGIN_PATTERNS]  # the set the profile names
+    assert out.pop("register_fix")[0].endswith("(HAMi chart: resourceName, e.g. acme.example/xpu)")
+    assert out.pop("nodes") == [True, ["acme-xpu0", "acme-xpu1"]]
+    assert out.pop("driver_cause") == [
+        "no /dev/acme-ctl on the host: the ACME driver is not loaded, or this node has no GPU"
+    ]
+    assert out.pop("doctor_recovery")[0] == "look at the GPU: acme-smi --all"
+    assert out == {}
+
+
+def test_the_post_renderer_reads_its_copy_of_the_profiles(tmp_path: Path) -> None:
+    """render.py with ACME's profile as its copy: ACME's DaemonSet is found by ACME's label, its resource
+    read where ACME's chart sets it, its socket and glob ACME's, and ACME's DRA driver known."""
+    require_tool("kubectl")
+    plugin = tmp_path / "hami-patch"
+    shutil.copytree(PATCH, plugin)
+    (plugin / "profiles.json").write_text(export([load(ACME, "acme", ["acme"])]))
+    chart = (ROOT / "manifests" / "example-hami" / "hami.yaml").read_text()
+    chart = chart.replace("component: hami-device-plugin", "component: acme-device-plugin")
+    old = "    nvidia:\n      resourceCountName: nvidia.com/gpu\n"
+    assert chart.count(old) == 1
+    chart = chart.replace(old, "    acme:\n      resourceName: acme.example/vpu\n")
+    driver = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": "acme-kubelet-plugin", "namespace": "acme"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "acme"}},
+            "template": {
+                "metadata": {"labels": {"app": "acme"}},
+                "spec": {
+                    "containers": [{"name": "xpus", "image": "acme", "command": ["acme-kubelet-plugin"]}],
+                    "volumes": [
+                        {
+                            "name": "plugins-registry",
+                            "hostPath": {"path": "/var/lib/kubelet/plugins_registry"},
+                        },
+                        {"name": "plugins", "hostPath": {"path": "/var/lib/kubelet/plugins"}},
+                    ],
+                },
+            },
+        },
+    }
+    chart += "---\n" + yaml.safe_dump(driver)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_GUARD_")}
+    result = subprocess.run(
+        [sys.executable, str(plugin / "render.py"), "registry=registry.example.org"],
+        input=chart,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    ds = {
+        o["metadata"]["name"]: o for o in yaml.safe_load_all(result.stdout) if o and o["kind"] == "DaemonSet"
+    }
+    pod = ds["hami-device-plugin"]["spec"]["template"]["spec"]
+    sidecar = {c["name"]: c for c in pod["initContainers"]}["hami-sidecar"]
+    env_of = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env_of["HAMI_GUARD_PLUGIN"] == "acme.example/vpu=acme_vpu.socket"
+    assert env_of["HAMI_GUARD_DEVICE_GLOB"] == "/host/dev/acme-xpu[0-9]*"
+    ready = {c["name"]: c for c in pod["containers"]}["device-plugin"]["readinessProbe"]["httpGet"]["path"]
+    assert "exclude=devices:acme.example/vpu" in ready
+    driver_pod = ds["acme-kubelet-plugin"]["spec"]["template"]["spec"]
+    dra_sidecar = {c["name"]: c for c in driver_pod["initContainers"]}["hami-sidecar"]
+    assert {"name": "HAMI_GUARD_DRA_DRIVER", "value": "xpu.acme.example"} in dra_sidecar["env"]
+    # The default vendor's label no longer finds anything.
+    nothing = subprocess.run(
+        [sys.executable, str(plugin / "render.py"), "registry=registry.example.org"],
+        input=(ROOT / "manifests" / "example-hami" / "hami.yaml").read_text(),
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert "no DaemonSet labelled app.kubernetes.io/component=acme-device-plugin and" in nothing.stderr
+
+
+# -- the copies and the manifests ----------------------------------------------------------------------------
+def test_the_post_renderers_copy_is_current() -> None:
+    """manifests/hami-patch/profiles.json is `make profiles`' output (render.py cannot import the package)."""
+    assert (PATCH / "profiles.json").read_text() == export(PROFILES), "run make profiles"
+    assert json.loads((PATCH / "profiles.json").read_text())["profiles"]["nvidia"] == DEFAULT.as_data()
+
+
+def test_the_manifests_hold_the_default_profiles_values() -> None:
+    """The static manifests that carry the default vendor's values (kustomize applies them as they are)."""
+    render = render_module()
+    resource = DEFAULT.resources.default
+    plugin = f"{resource}={DEFAULT.socket_for(resource)}"
+    glob = "/host" + DEFAULT.devices.glob  # where patch.yaml mounts the host's /dev
+    assert (render.DEFAULT_RESOURCE, render.SETTINGS["device-glob"][0]) == (resource, glob)
+    assert dict(DEFAULT.dra) == render.DRA_BINARIES
+    # The kustomize component.
+    component = yaml.safe_load((PATCH / "kustomization.yaml").read_text())
+    assert [p["target"]["labelSelector"] for p in component["patches"]] == [DEFAULT.chart.selector]
+    patch = yaml.safe_load((PATCH / "patch.yaml").read_text())
+    pod = patch["spec"]["template"]["spec"]
+    sidecar = {c["name"]: c for c in pod["initContainers"]}["hami-sidecar"]
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert (env["HAMI_GUARD_PLUGIN"], env["HAMI_GUARD_DEVICE_GLOB"]) == (plugin, glob)
+    ready = {c["name"]: c for c in pod["containers"]}["device-plugin"]["readinessProbe"]["httpGet"]["path"]
+    assert ready == render.readiness_path(plugin)
+    # node-problem-detector runs hami-doctor on the host's /dev, mounted where the sidecar has it.
+    npd = json.loads((ROOT / "manifests" / "npd" / "hami-guard-monitor.json").read_text())
+    (args,) = [r["args"] for r in npd["rules"]]
+    assert args[args.index("--device-glob") + 1] == glob
+    # The cluster rule: kube-state-metrics' sanitized resource name, and the resource in its texts.
+    rules = yaml.safe_load((ROOT / "manifests" / "monitoring" / "prometheusrule.yaml").read_text())
+    (rule,) = [
+        r
+        for g in rules["spec"]["groups"]
+        for r in g["rules"]
+        if r.get("alert") == "HamiGPUNodeWithoutGPUCapacity"
+    ]
+    sanitized = re.sub(r"[^A-Za-z0-9_]", "_", resource)
+    assert f'kube_node_status_capacity{{resource="{sanitized}", unit="integer"}}' in rule["expr"]
+    assert f"has no {resource} capacity" in rule["annotations"]["summary"]
+    # The dashboard (generated by dashboard.py, which reads the profile; test_monitoring checks it current).
+    dashboard = (ROOT / "manifests" / "monitoring" / "dashboard.json").read_text()
+    assert DEFAULT.register_key(resource) in dashboard and f"lists no {resource}," in dashboard
+
+
+def test_nvidia_is_named_only_in_its_profile() -> None:
+    """The product (and the post-renderer's folder) names NVIDIA only in its profile, the profile's log
+    patterns, the post-renderer's generated copy and the kustomize component's defaults (checked above)."""
+    allowed = {
+        "hami_guard/profiles/nvidia.toml",
+        "hami_guard/profiles/patterns/nvidia.toml",
+        "manifests/hami-patch/profiles.json",
+        "manifests/hami-patch/patch.yaml",
+    }
+    found = set()
+    for top in ("hami_guard", "sidecar", "doctor", "initcheck", "manifests/hami-patch"):
+        for path in (ROOT / top).rglob("*"):
+            readable = path.is_file() and "__pycache__" not in path.parts and path.suffix != ".md"
+            if readable and b"nvidia" in path.read_bytes():
+                found.add(str(path.relative_to(ROOT)))
+    assert found == allowed
