@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 
+import sidecar.deviceplugin.budget as new_budget
 import sidecar.deviceplugin.evidence as new_evidence
 import sidecar.deviceplugin.verdicts as new_verdicts
 from hami_guard.flags import DeviceExpectation, Expect, PluginSpec
@@ -1161,7 +1162,7 @@ def test_a_changed_drop_confirmation_is_caught() -> None:
 
 
 def test_a_changed_restart_budget_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(new_verdicts, "RESTART_BUDGET", 4)
+    monkeypatch.setattr(new_budget, "RESTART_BUDGET", 4)
     caught(Plant())
 
 
