@@ -51,7 +51,7 @@ test: lint typecheck pytest ## lint, types and every test (builds the Go fixture
 CHECK_TESTS := tests/test_layers.py tests/test_registration.py tests/test_health.py tests/test_dra.py \
 	tests/test_config.py tests/test_hamiconfig.py tests/test_proto.py tests/test_dra_proto.py \
 	tests/test_serving.py tests/test_sidecar_cli.py tests/test_simulator.py tests/test_doctor_dra.py \
-	tests/test_hami.py tests/test_judge_differential.py
+	tests/test_hami.py
 check: lint typecheck ## lint, types and the tests that need no Go build (under a minute)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(CHECK_TESTS)
 

@@ -630,7 +630,7 @@ def test_a_vanished_plugin_socket_in_either_removal_order(
     reg, _, _ = make()
     reg.round(Node().round())
     reg.plugin_socket_deleted(GPU)
-    seen = AfterDeletion(plugin=None, kubelet=kubelet_now, kubelet_refuses=refuses)
+    seen = AfterDeletion(plugin=None, kubelet=kubelet_now, kubelet_refuses=refuses, listening=False)
     waits = reg.judge_vanished(GPU, seen, restart_window_over=False)
     assert waits is (verdict == "stopped")  # the plugin gets its restart window first
     if waits:
@@ -645,7 +645,8 @@ def test_a_vanished_plugin_socket_in_either_removal_order(
     [
         (True, ("pending", False)),  # its listener is there, unlinked: someone else removed the file
         (False, ("failed", True)),  # the listener closed with the file: the plugin stopped
-        (None, ("failed", True)),  # sock_diag cannot tell: the kubelet.sock rule alone
+        # Cannot be told (no sock_diag, or a listener never found): never a crash on that alone.
+        (None, ("pending", False)),
     ],
 )
 def test_a_socket_removed_under_a_plugin_that_still_listens_is_no_crash_however_late_the_kubelet(
@@ -666,7 +667,9 @@ def test_a_socket_removed_under_a_plugin_that_still_listens_is_no_crash_however_
     clock.now += 1
     reg.round(node.round())
     assert status(reg, f"plugin:{GPU}") == expected
-    if listening:
+    if listening is None:
+        assert "cannot be told" in reason(reg, f"plugin:{GPU}")
+    if listening is not False:
         assert "still listens" in reason(reg, f"plugin:{GPU}")
         clock.now += 5  # no kubelet restart came within the grace: the plugin's restart serves it again
         reg.round(node.round())
@@ -678,8 +681,8 @@ def test_a_plugin_that_serves_a_new_socket_within_its_window_is_no_crash() -> No
     reg, _, seen = make()
     reg.round(Node().round())
     reg.plugin_socket_deleted(GPU)
-    assert reg.judge_vanished(GPU, AfterDeletion(None, K1, False), restart_window_over=False)
-    reg.judge_vanished(GPU, AfterDeletion(P2, K1, False), restart_window_over=True)
+    assert reg.judge_vanished(GPU, AfterDeletion(None, K1, False, listening=False), restart_window_over=False)
+    reg.judge_vanished(GPU, AfterDeletion(P2, K1, False, listening=False), restart_window_over=True)
     assert status(reg, f"plugin:{GPU}") == ("pending", False)  # a new cycle: the next round probes it
     assert seen.attempts == 1
 
@@ -692,7 +695,9 @@ def test_a_probe_that_saw_the_new_kubelet_first_does_not_turn_the_cleanup_into_a
     node.plugin = down("absent")
     reg.plugin_socket_deleted(GPU)
     reg.round(node.round())
-    assert not reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=False)
+    assert not reg.judge_vanished(
+        GPU, AfterDeletion(None, K2, False, listening=False), restart_window_over=False
+    )
     assert status(reg, f"plugin:{GPU}") == ("pending", False)
     assert reg.kubelet_restarts == 1  # the probe counted it; the removal's verdict is the same restart
 
@@ -702,8 +707,8 @@ def test_a_plugin_socket_newer_than_the_answering_kubelet_sock_was_not_removed_b
     node = Node(kubelet=alive(K2), plugin=alive(P2))  # P2 was created after K2 listened
     reg.round(node.round())
     reg.plugin_socket_deleted(GPU)
-    assert reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=False)
-    reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=True)
+    assert reg.judge_vanished(GPU, AfterDeletion(None, K2, False, listening=False), restart_window_over=False)
+    reg.judge_vanished(GPU, AfterDeletion(None, K2, False, listening=False), restart_window_over=True)
     assert status(reg, f"plugin:{GPU}") == ("failed", True)
 
 
@@ -794,7 +799,9 @@ def test_a_round_begun_before_a_kubelet_restart_was_seen_is_dropped() -> None:
     reg.round(node.round())
     stale = replace(node.round(), generation=reg.generation)
     reg.plugin_socket_deleted(GPU)
-    reg.judge_vanished(GPU, AfterDeletion(None, K1, kubelet_refuses=True), restart_window_over=False)
+    reg.judge_vanished(
+        GPU, AfterDeletion(None, K1, kubelet_refuses=True, listening=False), restart_window_over=False
+    )
     assert reg.kubelet_restarts == 1
     reg.round(stale)  # the in-flight round lands: ignored
     node.kubelet = alive(K2)  # the new kubelet answers: the same restart, not a second one
@@ -962,7 +969,7 @@ def test_another_socket_coming_and_going_spends_nothing_for_a_plugin_that_had_se
     reg.round(node.round())
     node.plugin, node.connections = down("absent"), 0
     reg.plugin_socket_deleted(GPU)  # it stopped: the same kubelet.sock answers
-    reg.judge_vanished(GPU, AfterDeletion(None, K1, False), restart_window_over=True)
+    reg.judge_vanished(GPU, AfterDeletion(None, K1, False, listening=False), restart_window_over=True)
     for n in range(RESTART_BUDGET + 2):
         node.others = {VGPU_SOCK: SocketId(30 + n, n)}
         clock.now += 1
@@ -983,7 +990,7 @@ def test_a_plugin_whose_own_socket_came_and_went_between_two_rounds_had_served(
     reg.round(node.round())  # started before the plugin: its socket is missing, within the grace
     reg.plugin_socket_created(GPU, identity)  # the event; no round probes it before it goes
     reg.plugin_socket_deleted(GPU)
-    reg.judge_vanished(GPU, AfterDeletion(None, K1, False), restart_window_over=True)
+    reg.judge_vanished(GPU, AfterDeletion(None, K1, False, listening=False), restart_window_over=True)
     assert status(reg, f"plugin:{GPU}") == ("failed", True)  # a crash: at once
     for n in range(RESTART_BUDGET + 2):
         node.others = {VGPU_SOCK: SocketId(30 + n, n)} if n % 2 == 0 else {}
@@ -1337,7 +1344,7 @@ def restarted(grace: float = 45.0, **rules: object) -> tuple[DevicePluginJudge, 
     node = Node()
     reg.round(node.round())
     reg.plugin_socket_deleted(GPU)
-    reg.judge_vanished(GPU, AfterDeletion(None, None, False), restart_window_over=False)
+    reg.judge_vanished(GPU, AfterDeletion(None, None, False, listening=False), restart_window_over=False)
     node.kubelet, node.plugin, node.connections = alive(K2), ProbeResult("absent", "gone", 0.001, None), 0
     clock.now += 0.5
     reg.round(node.round())
@@ -1485,8 +1492,8 @@ def held_after_a_kubelet_restart() -> tuple[DevicePluginJudge, Clock, Node]:
 
 def judge_past_the_window(reg: DevicePluginJudge) -> None:
     """The deleted socket's verdict under the new kubelet K2, after the restart window where it waits."""
-    if reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=False):
-        reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=True)
+    if reg.judge_vanished(GPU, AfterDeletion(None, K2, False, listening=False), restart_window_over=False):
+        reg.judge_vanished(GPU, AfterDeletion(None, K2, False, listening=False), restart_window_over=True)
 
 
 def judged_a_crash(reg: DevicePluginJudge) -> None:
@@ -1590,7 +1597,7 @@ def test_records_name_only_the_first_socket_the_kubelet_held(records: str) -> No
     reg, clock, _, node = restarted()
     held_by_records(reg, clock, node, P2, records)
     assert reg.plugin_socket_deleted(GPU)  # P2 replaced by P3
-    reg.judge_vanished(GPU, AfterDeletion(P3, K2, False), restart_window_over=False)
+    reg.judge_vanished(GPU, AfterDeletion(P3, K2, False, listening=False), restart_window_over=False)
     for _ in range(2):
         held_by_records(reg, clock, node, P3, records)
     node.plugin = down("absent")
@@ -1612,11 +1619,11 @@ def test_after_the_kubelet_held_it_a_new_socket_that_comes_and_goes_is_still_a_f
     assert status(reg, f"registered:{GPU}") == ("ok", False)
     clock.now += 30
     assert reg.plugin_socket_deleted(GPU)  # HAMi's restart: P2 removed, P3 served
-    reg.judge_vanished(GPU, AfterDeletion(P3, K2, False), restart_window_over=False)
+    reg.judge_vanished(GPU, AfterDeletion(P3, K2, False, listening=False), restart_window_over=False)
     clock.now += 0.2
     node.plugin = down("absent")  # P3's Register failed: HAMi stops it
     assert reg.plugin_socket_deleted(GPU)
-    reg.judge_vanished(GPU, AfterDeletion(None, K2, False), restart_window_over=True)
+    reg.judge_vanished(GPU, AfterDeletion(None, K2, False, listening=False), restart_window_over=True)
     assert status(reg, f"plugin:{GPU}") == ("pending", False)
     assert "a failed start" in reason(reg, f"plugin:{GPU}")
 
@@ -1634,5 +1641,5 @@ def test_a_creation_event_that_never_comes_holds_back_no_deletion_for_long() -> 
     assert not reg.plugin_socket_deleted(GPU)  # P1's deletion event
     clock.now += EVENT_LAG
     assert reg.plugin_socket_deleted(GPU)  # P2's, its creation event lost
-    reg.judge_vanished(GPU, AfterDeletion(None, K1, False), restart_window_over=True)
+    reg.judge_vanished(GPU, AfterDeletion(None, K1, False, listening=False), restart_window_over=True)
     assert status(reg, f"plugin:{GPU}") == ("failed", True)

@@ -8,9 +8,10 @@ serves a socket someone else removed (docs/design.md#rule-families, S4).
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 
-from hami_guard.node.netunix import LISTEN
+from hami_guard.node.netunix import LISTEN, normalise
 from hami_guard.node.unixdiag import DiagUnavailable, diag_dump, diag_one
 
 
@@ -19,26 +20,47 @@ class PluginListener:
     """A plugin socket's listener: the file it bound (st_dev, st_ino) and its own socket inode."""
 
     bound: tuple[int, int]
-    ino: int | None  # None: no listener bound to that file in this network namespace
+    # None: not found (yet): a Go server binds its file before it listens, and a lookup between the two
+    # finds no listener; the next round, and a verdict that rests on it, ask again.
+    ino: int | None
 
 
-def listener_of(bound: tuple[int, int]) -> int | None:
+def listener_of(bound: tuple[int, int], names: Collection[str] = ()) -> int | None:
     """The socket inode of the listener bound to the file `bound` in this network namespace (the pod's,
-    which the plugin shares), or None."""
+    which the plugin shares), or None (none, or it cannot be told: `find_listener` tells them apart)."""
+    found = find_listener(bound, names)
+    return None if found is None or found is False else found
+
+
+def find_listener(bound: tuple[int, int], names: Collection[str] = ()) -> int | bool | None:
+    """The listener bound to the file `bound` in this network namespace: its socket inode; False when
+    the kernel lists none; None when it cannot be asked. With `names` (the plugin socket's paths as
+    bound), a listener bound to that file under another name is none: a file's inode number is free for
+    another file the moment the listener that held it closes, and the next socket bound anywhere on that
+    filesystem may carry it."""
     try:
         found = diag_dump({bound})
     except DiagUnavailable:
         return None
-    return next((u.ino for u in found if u.state == LISTEN and u.vfs == bound), None)
+    wanted = {normalise(n) for n in names}
+    for u in found:
+        if u.state == LISTEN and u.vfs == bound and (not wanted or u.path in wanted):
+            return u.ino
+    return False
 
 
-def still_listening(listener: PluginListener | None) -> bool | None:
+def still_listening(listener: PluginListener | None, names: Collection[str] = ()) -> bool | None:
     """Is this listener still open? The kernel keeps a socket's bound file identity after the file is
     unlinked (UNIX_DIAG_VFS). Asked by the socket's own inode, never by the file's: a file's inode number
     is free for another file the moment the listener closes (ext4 hands it out again at once), and the
-    next socket bound to that file would pass for this one. None: unknown."""
-    if listener is None or listener.ino is None:
+    next socket bound to that file would pass for this one. A listener never found (a lookup between its
+    bind and its listen) is looked up again now by its file, under the plugin's own names. None: it
+    cannot be told."""
+    if listener is None:
         return None
+    if listener.ino is None:
+        again = find_listener(listener.bound, names)
+        return None if again is None else again is not False
     try:
         found = diag_one(listener.ino)
     except DiagUnavailable:

@@ -3,8 +3,9 @@
 S1 the kubelet.sock of the plugin socket's time tells a kubelet restart's cleanup from the plugin's
 own stop; S2 a plugin socket newer than the answering kubelet.sock was not removed by that kubelet;
 S3 a socket back within the restart window is a new cycle, one still missing a crash; S4 a socket
-removed while its listener is still there is pending, never a crash; S5 a socket the plugin served for
-a new kubelet that went before the kubelet held it is HAMi's failed start, pending for the grace;
+removed while its listener is still there, or while that cannot be told, is pending, never a crash;
+S5 a socket the plugin served for a new kubelet that went before the kubelet held it is HAMi's
+failed start, pending for the grace;
 S6 an event a round ran ahead of judges nothing; S7 the `plugin:` check fails on a second failed
 probe, never in a round that starved the kubelet's probe too, and never for another plugin's socket;
 S8 a socket never served names the one served in its place.
@@ -219,6 +220,17 @@ class SocketLife:
         if not restart and not restart_window_over:
             return True
         p.judging = False
+        if not restart and seen.listening is None:
+            # S4: whether the plugin still listens cannot be told (no sock_diag, or its listener was never
+            # found): a crash is never judged on that alone. Pending for the grace, which a plugin that
+            # stopped fails at its end, late; a restart within it opens a new cycle.
+            verdict = (
+                f"{plugin.socket} was removed while the kubelet kept running, and whether the plugin "
+                "still listens on it cannot be told: waiting for the plugin to serve it again"
+            )
+            self.state.reset([name])
+            self._fail(r, verdict, gone=False, definitive=False, restarts=not self.kubelet.down)
+            return False
         if not restart and self.rules.missed_restart_after and p.since_restart and not p.held_this_cycle:
             # S5: the socket it served for the new kubelet went before the kubelet held it: HAMi's failed
             # start (its Register refused or failed), which it retries 30 s later by itself. Pending for

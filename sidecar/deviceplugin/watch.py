@@ -222,7 +222,8 @@ class DevicePluginWatch:
         try:
             await asyncio.sleep(s.vanish_settle)
             # A sock_diag dump: off the loop (a host's namespace may hold 100,000 sockets).
-            look = partial(still_listening, self._listeners.get(plugin.resource))
+            names = (s.plugin_path(plugin), *_bound_as(plugin))
+            look = partial(still_listening, self._listeners.get(plugin.resource), names)
             for window_over in (False, True):
                 listening = await self._off_loop(look, None)
                 seen = AfterDeletion(
@@ -239,15 +240,18 @@ class DevicePluginWatch:
             self.judge.end_judgement(plugin.resource)
 
     async def _find_listeners(self) -> None:
-        """Each plugin socket's listener, looked up (off the loop) only when its file is a new one."""
+        """Each plugin socket's listener, looked up (off the loop) when its file is a new one, and again
+        each round until it is found: a Go server binds its file before it listens, and a lookup in
+        between finds none. A file gone keeps the listener last found: it outlives its file."""
         for plugin in self.settings.plugins:
-            bound = file_id(self.settings.plugin_path(plugin))
+            path = self.settings.plugin_path(plugin)
+            bound = file_id(path)
             known = self._listeners.get(plugin.resource)
-            if bound is None:
-                self._listeners.pop(plugin.resource, None)
-            elif known is None or known.bound != bound:
-                ino = await self._off_loop(partial(listener_of, bound), None)
-                self._listeners[plugin.resource] = PluginListener(bound, ino)
+            if bound is None or (known is not None and known.bound == bound and known.ino is not None):
+                continue
+            names = (path, *_bound_as(plugin))
+            ino = await self._off_loop(partial(listener_of, bound, names), None)
+            self._listeners[plugin.resource] = PluginListener(bound, ino)
 
     async def _kubelet_rules(self, generation: int) -> KubeletRules:
         """The rules of the kubelet's release: the setting, else its binary, read again after each kubelet
