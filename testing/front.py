@@ -19,9 +19,15 @@ from sidecar.tasks import TaskSet
 
 
 class SocketFront:
-    def __init__(self, path: str, backend: str) -> None:
+    """Listens on `path` as a Go server does (`net.Listen("unix")`): bind(2), then listen(2) `listen_delay`
+    later (the file exists, and its creation event fires, before anything listens: connections to it
+    are refused meanwhile); and, when it stops, unlinks the file before it closes the socket
+    (`UnixListener.Close`: remove, then close)."""
+
+    def __init__(self, path: str, backend: str, listen_delay: float = 0.0) -> None:
         self.path = path
         self.backend = backend
+        self.listen_delay = listen_delay
         self._server: asyncio.Server | None = None
         self._flowing = asyncio.Event()
         self._flowing.set()
@@ -44,24 +50,27 @@ class SocketFront:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(self.path)
+            if self.listen_delay:
+                await asyncio.sleep(self.listen_delay)
             sock.listen(128)
-        except OSError:
+        except (OSError, asyncio.CancelledError):
             sock.close()
             raise
         extra: dict[str, Any] = {"cleanup_socket": False} if sys.version_info >= (3, 13) else {}
         self._server = await asyncio.start_unix_server(self._accept, sock=sock, **extra)
 
     async def close(self, unlink: bool) -> None:
-        """Stop listening. Without unlink the file stays behind, refusing connections."""
+        """Stop listening: the file unlinked first, as Go's listener does; without unlink it stays behind,
+        refusing connections (a process that died)."""
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
         if self._server is not None:
             self._server.close()
             self._server = None
         for w in list(self._writers):
             w.close()
         await self._tasks.cancel()
-        if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._tasks.spawn(self._serve(reader, writer))

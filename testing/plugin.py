@@ -87,6 +87,9 @@ class FakeDevicePlugin:
         # HAMi's failed start: a refused Register stops the plugin (its socket goes) and the whole start
         # (serve, Register) is tried again `retry_interval` later; False: Register alone is retried.
         self.stop_on_register_failure = False
+        # Go's net.Listen binds the socket file, then listens: the gap between the two, in seconds (the
+        # file's creation event comes before anything listens on it).
+        self.listen_delay = 0.0
         self._devices: dict[str, str] = dict.fromkeys(devices, "Healthy")
         self.numa: dict[str, list[int]] = {d: list(n) for d, n in (numa or {}).items()}
         # Fault switches.
@@ -205,7 +208,7 @@ class FakeDevicePlugin:
         await server.start()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
-        front = SocketFront(self.socket_path, backend)
+        front = SocketFront(self.socket_path, backend, self.listen_delay)
         await front.start()
         front.hung = self._hung
         self._server, self._front = server, front

@@ -218,6 +218,7 @@ async def serve(args: argparse.Namespace) -> None:
     plugin.first_gpu = tuple(devices[: args.split])
     plugin.stop_on_register_failure = True
     plugin.retry_interval = args.retry_interval
+    plugin.listen_delay = args.listen_delay
     held = parse_faults(args.faults)
     if held:
         logger.info("faults held on: %s", ", ".join(sorted(held)))
@@ -249,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         help="GPU UUIDs: GPU-<prefix><4 digits>, the NVIDIA driver's shape (HAMi's split IDs map to them)",
     )
     parser.add_argument("--control", default="/run/hami-standin", help="folder of fault files")
+    parser.add_argument(
+        "--listen-delay",
+        type=float,
+        default=0.002,
+        help="seconds between binding the socket file and listening on it (Go's net.Listen binds first)",
+    )
     parser.add_argument(
         "--retry-interval", type=float, default=30.0, help="seconds before a failed start is tried again"
     )

@@ -302,7 +302,9 @@ class Connections:
         names = {normalise(path), *bound_as}
         return frozenset(s.ino for s in self.sockets if s.state == ESTABLISHED and s.path in names)
 
-    def accepted(self, path: str, bound_as: tuple[str, ...] = ()) -> frozenset[int] | str:
+    def accepted(
+        self, path: str, bound_as: tuple[str, ...] = (), gone_as: tuple[tuple[int, int], int] | None = None
+    ) -> frozenset[int] | str:
         """The accepted ends (by inode: which one came or went between two reads) of the open
         connections on the listener that owns the socket file at `path` now, or why they cannot be
         told.
@@ -317,13 +319,23 @@ class Connections:
         kubelet's). None, while a line that may be a part of another socket's name claims one, or
         while a listener is bound at that path in the kubelet's own namespace (not this pod's plugin:
         whose connection is whose cannot be told by path), is no count either.
+
+        sock_diag matches the file by its identity, never through a symbolic link (a link at the path
+        to another plugin's socket is not this one's). Once the file is gone, the identity it had still
+        matches while the plugin's listener that bound it is in the table (`gone_as`: that file and the
+        listener's own inode; the kernel keeps a socket's bound identity after an unlink, and the inode
+        number is another file's only once the listener closed); otherwise whose connections are whose
+        cannot be told: no count, never 0.
         """
         if self.exact:
-            try:
-                st = os.stat(path)
-            except OSError:
-                return frozenset()
-            vfs = (st.st_dev, st.st_ino)
+            vfs = _socket_file(path)
+            if vfs is None and gone_as is not None:
+                bound, listener = gone_as
+                alive = any(s.ino == listener and s.state == LISTEN and s.vfs == bound for s in self.sockets)
+                vfs = bound if alive else None
+            if vfs is None:
+                name = os.path.basename(path)
+                return f"{name} is gone (or not a socket): whose connections are whose cannot be told"
             ends = {s.ino: s for s in self.sockets}
             ids: set[int] = set()
             for s in self.sockets:
@@ -459,6 +471,16 @@ def kubelet_connections(
         "the kubelet's network namespace is not visible from this pod (neither hostNetwork nor a "
         "kubelet process under hostPID)"
     )
+
+
+def _socket_file(path: str) -> tuple[int, int] | None:
+    """The socket file at `path` as (st_dev, st_ino), not following a symbolic link; None when there is
+    no socket file there."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
 
 
 def _listener_sockets(path: str, proc: str) -> frozenset[int] | str:
@@ -622,7 +644,7 @@ def socket_owner(
     `diag_dump()` taken by the caller, else one is taken here.
     """
     try:
-        st = os.stat(path)
+        st = os.lstat(path)  # never through a symbolic link: a link's target is not this socket
     except OSError as e:
         return SocketOwner("unknown", f"{path}: {e.strerror or e}")
     if not stat.S_ISSOCK(st.st_mode):

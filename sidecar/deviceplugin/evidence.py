@@ -135,7 +135,9 @@ class PluginEvidence:
     kubelet's connections to the listener serving that file."""
 
     probe: ProbeResult
-    identity_after: SocketId | None  # the socket file right after the probe (replaced while probed?)
+    # The socket file right after the probe (replaced while probed?); where it is gone while its
+    # listener still holds the kubelet's connections, the file that listener bound.
+    identity_after: SocketId | None
     connections: Reading[int]  # the kubelet's open connections to the listener of that file
     # Whose listener serves the file: "elsewhere" is another device plugin (not this pod's).
     owner: Owner = "unknown"

@@ -69,9 +69,10 @@ class ProbeResult:
 
 
 def socket_identity(path: str) -> SocketId | None:
-    """The socket file at `path`, or None when there is none (absent, or another kind of file)."""
+    """The socket file at `path`, or None when there is none (absent, or another kind of file: a symbolic
+    link to a socket is not one, whatever it points at)."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except OSError:
         return None
     return SocketId(st.st_ino, st.st_mtime_ns) if stat.S_ISSOCK(st.st_mode) else None
@@ -86,14 +87,17 @@ def _socket_or_result(path: str, absent: str) -> SocketId | ProbeResult:
     """The socket's identity, or the probe's result when there is no socket to call.
 
     One stat decides: asking twice (is it a socket? does anything exist?) would call a socket
-    created between the two questions "not a socket", a definitive failure.
+    created between the two questions "not a socket", a definitive failure. It never follows a symbolic
+    link: a link at the path to another plugin's socket, which the kubelet holds, is not this socket.
     """
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return ProbeResult("absent", absent, 0.0)
     except OSError as e:
         return ProbeResult("error", f"cannot stat {path}: {e.strerror}", 0.0)
+    if stat.S_ISLNK(st.st_mode):
+        return ProbeResult("not-socket", f"{path} is a symbolic link, not a socket", 0.0)
     if not stat.S_ISSOCK(st.st_mode):
         return ProbeResult("not-socket", f"{path} is not a socket", 0.0)
     return SocketId(st.st_ino, st.st_mtime_ns)

@@ -245,13 +245,15 @@ class DevicePluginWatch:
         between finds none. A file gone keeps the listener last found: it outlives its file."""
         for plugin in self.settings.plugins:
             path = self.settings.plugin_path(plugin)
-            bound = file_id(path)
+            identity, bound = socket_identity(path), file_id(path)
+            if identity is None or bound is None or bound[1] != identity.ino:
+                continue  # gone (its listener, if found, is kept), or replaced between the two looks
             known = self._listeners.get(plugin.resource)
-            if bound is None or (known is not None and known.bound == bound and known.ino is not None):
+            if known is not None and known.identity == identity and known.ino is not None:
                 continue
             names = (path, *_bound_as(plugin))
             ino = await self._off_loop(partial(listener_of, bound, names), None)
-            self._listeners[plugin.resource] = PluginListener(bound, ino)
+            self._listeners[plugin.resource] = PluginListener(bound, ino, identity)
 
     async def _kubelet_rules(self, generation: int) -> KubeletRules:
         """The rules of the kubelet's release: the setting, else its binary, read again after each kubelet
@@ -376,7 +378,13 @@ class DevicePluginWatch:
             if result.ok and not isinstance(table.mine, str) and file_id(path) in table.listed
             else SocketOwner("unknown", "")
         )
-        return PluginEvidence(result, socket_identity(path), held, owner.verdict, owner.reason, ids)
+        identity = socket_identity(path)
+        listener = self._listeners.get(plugin.resource)
+        if identity is None and ids is not None and listener is not None:
+            # The file is gone and its listener, still there, holds the kubelet's connections: they are
+            # that file's, which the kernel keeps for the listener.
+            identity = listener.identity
+        return PluginEvidence(result, identity, held, owner.verdict, owner.reason, ids)
 
     async def _checkpoint(self) -> Reading[Checkpoint]:
         """The kubelet's checkpoint, read off the loop within the probe timeout."""

@@ -1,0 +1,61 @@
+"""A plugin socket removed by someone else while its plugin still listens: pending for the grace, never
+the crash that fails liveness at once, and the kubelet's connections still matched by the listener's
+own identity (docs/design.md#plugin-listener)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from functools import partial
+
+from tests.conftest import wait_for
+from tests.e2e.conftest import GPU, Node, NodeFactory, Watch
+
+GRACE = 30.0  # long against the test: any 503 here is the crash verdict, never the grace
+
+
+async def test_registered_never_says_no_connection_while_the_listener_holds_the_kubelet(
+    make_node: NodeFactory,
+) -> None:
+    async with make_node(registration_grace=GRACE) as node:
+        await node.until("/healthz", 200)
+        os.unlink(node.plugin.socket_path)  # the plugin listens on, the kubelet keeps its stream
+        await node.wait_rounds(rounds=3)
+        assert node.plugin.serving and node.kubelet.healthy_devices(GPU)
+        _, body = await node.get("/readyz?verbose")
+        registered = next(line for line in body.splitlines() if f"registered:{GPU}" in line)
+        assert registered == f"[+]registered:{GPU} ok", body
+        assert "still listens" in (await node.get("/healthz?verbose"))[1]
+        assert (await node.get("/healthz"))[0] == 200
+
+
+def registered_again(node: Node, target: int) -> bool:
+    return node.plugin.registrations >= target
+
+
+async def test_a_socket_removed_after_an_in_process_reserve_is_pending_never_a_crash(
+    make_node: NodeFactory,
+) -> None:
+    """HAMi re-serves its socket in-process when kubelet.sock is created, and Go binds the new file
+    before it listens: the round the creation event asks for looks for the listener in between. A
+    later removal by someone else must still find it: pending, never a 503 before the grace."""
+    async with make_node(registration_grace=GRACE) as node:
+        await node.until("/healthz", 200)
+        for trial in range(3):
+            node.plugin.listen_delay = 0.4  # the round the new file's event asks for looks in the gap
+            target = node.plugin.registrations + 1
+            await node.plugin.restart()
+            await wait_for(partial(registered_again, node, target), what="registered again")
+            await node.until("/healthz", 200, timeout=10.0)
+            watch = Watch(node, "/healthz")
+            await watch.started()
+            os.unlink(node.plugin.socket_path)
+            await node.wait_rounds(rounds=2)
+            await asyncio.sleep(0.3)  # past the restart window, where a crash would be judged
+            codes = await watch.stop()
+            assert 503 not in codes, f"trial {trial}: a 503 before the grace"
+            _, body = await node.get("/healthz?verbose")
+            assert "still listens" in body, body
+            # The plugin serves its file again, as a plugin restart would.
+            node.plugin.listen_delay = 0.0
+            await node.plugin.restart()
