@@ -7,7 +7,8 @@ lists the resource's devices healthy, the stale-endpoint trap once `refusal_conf
 left of a pair seen held is a drop, confirmed once, `drop_confirm` later; an unknown count keeps the
 last readable "not held" of the pair, never upgrades it. 2 where the connections cannot be seen:
 pod-resources listing the devices is held, a resource the checkpoint recorded healthy that it no longer
-lists was dropped. 3 the checkpoint dates an acceptance.
+lists was dropped. 3 the checkpoint dates an acceptance: with neither live reading, it is past evidence,
+never registered (readiness only).
 """
 
 from __future__ import annotations
@@ -345,7 +346,21 @@ class ConnectionEvidence:
         accepted = self.accepted(r, seen, obs)
         if accepted is None:
             return Held(False, f"{self._not_held(r, seen, obs)} ({obs.connections.error})")
-        if live is not None and accepted:
+        if live is None:
+            # Rule 3 alone: the checkpoint is history, and the kubelet does not rewrite it when it drops a
+            # plugin. Where the connection cannot be read either (a neighbour's look-alike pair at the
+            # plugin's path makes it unknown), nothing live says the plugin is held: never registered on
+            # that record, and no restart either (it would not tell more). Readiness only.
+            cp = seen.checkpoint.value
+            when = iso(cp.mtime_ns / 1e9) if cp is not None else "?"
+            return Held(
+                False,
+                f"the kubelet's checkpoint recorded the plugin at {when} ({accepted} healthy device(s)); "
+                f"no live evidence in this layout: the connection cannot be read ({obs.connections.error}) "
+                f"and pod-resources cannot be read ({seen.pod_resources.error}); mount pod-resources",
+                mends=False,
+            )
+        if accepted:
             return Held(
                 False,
                 f"pod-resources lists no device of {r} although the kubelet recorded {accepted} healthy: "

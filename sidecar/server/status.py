@@ -55,6 +55,7 @@ def status_document(sidecar: Sidecar) -> dict[str, Any]:
             "pod-resources": _socket_info(s.pod_resources_socket),
         },
         "kubelet_connections_from": sidecar.device_plugins.connections_source,
+        "live_evidence": _live_evidence(sidecar),
         # Processes named as the kubelet that do not listen on the kubelet.sock this pod sees: not read.
         "kubelet_processes_ignored": list(sidecar.device_plugins.kubelets_ignored),
         "socket_table_read_seconds": round(sidecar.device_plugins.table_read_seconds, 4),
@@ -76,6 +77,25 @@ def status_document(sidecar: Sidecar) -> dict[str, Any]:
             "registration_grace": s.registration_grace,
             "plugins": {p.resource: p.socket for p in s.plugins},
         },
+    }
+
+
+def _live_evidence(sidecar: Sidecar) -> dict[str, Any]:
+    """What says the kubelet holds a plugin now besides its connections, and what that layout costs."""
+    read = sidecar.device_plugins.pod_resources
+    if read is None:
+        return {"pod_resources": "not read yet"}
+    if read.value is not None:
+        return {"pod_resources": "read"}
+    return {
+        "pod_resources": f"cannot be read: {read.error}",
+        "unsafe": (
+            "without pod-resources, where the kubelet's connections cannot be read (the /proc route "
+            "without the plugin's descriptors), nothing live tells a registration: a neighbour's "
+            "look-alike connection at the plugin's path can hide a drop from liveness; registered: "
+            "then says 'no live evidence in this layout' (readiness only). Mount pod-resources "
+            "(docs/deploy.md)"
+        ),
     }
 
 

@@ -5,6 +5,7 @@ own identity (docs/design.md#plugin-listener)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from functools import partial
 
@@ -59,3 +60,17 @@ async def test_a_socket_removed_after_an_in_process_reserve_is_pending_never_a_c
             # The plugin serves its file again, as a plugin restart would.
             node.plugin.listen_delay = 0.0
             await node.plugin.restart()
+
+
+async def test_status_names_a_layout_without_pod_resources_unsafe(make_node: NodeFactory) -> None:
+    """Without pod-resources nothing live tells a registration where the connections cannot be read:
+    /status says so, and says nothing of it while pod-resources is read."""
+    async with make_node() as node:
+        await node.until("/healthz", 200)
+        status = json.loads((await node.get("/status"))[1])
+        assert status["live_evidence"] == {"pod_resources": "read"}
+        os.unlink(node.settings.pod_resources_socket)  # as if the folder were not mounted
+        await node.wait_rounds(rounds=2)
+        status = json.loads((await node.get("/status"))[1])
+        assert "look-alike" in status["live_evidence"]["unsafe"]
+        assert (await node.get("/healthz"))[0] == 200  # the connection, readable here, still decides
