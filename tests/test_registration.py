@@ -1648,3 +1648,22 @@ def test_a_creation_event_that_never_comes_holds_back_no_deletion_for_long() -> 
     assert reg.plugin_socket_deleted(GPU)  # P2's, its creation event lost
     reg.judge_vanished(GPU, AfterDeletion(None, K1, False, listening=False), restart_window_over=True)
     assert status(reg, f"plugin:{GPU}") == ("failed", True)
+
+
+def test_a_confirmed_drop_asks_for_no_more_rounds() -> None:
+    """wake_at is for confirmations to come: once a drop (or a failed probe) is confirmed, a time in the
+    past would have the sidecar probe every few milliseconds for as long as the failure lasts."""
+    reg, clock, _ = make(drop_confirm=0.2)
+    node = Node()
+    reg.round(node.round())
+    node.connections = 0
+    clock.now += 1
+    reg.round(node.round())
+    assert reg.wake_at() == clock.now + 0.2  # the drop's confirmation
+    clock.now += 0.2
+    reg.round(node.round())
+    assert status(reg, f"registered:{GPU}") == ("failed", True)
+    clock.now += 1
+    reg.round(node.round())
+    wake = reg.wake_at()
+    assert wake is None or wake > clock.now

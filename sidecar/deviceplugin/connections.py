@@ -95,8 +95,8 @@ class ConnectionEvidence:
         """When a lost connection or an unrecorded one beside live devices comes due for confirmation."""
         drop, refusal = self.rules.drop_confirm, self.rules.refusal_confirm
         due = [s.lost_at + drop for s in self._plugins.values() if s.lost_at is not None]
-        shadowed = [s.shadowed[1] + refusal for s in self._plugins.values() if s.shadowed]
-        return due + [t for t in shadowed if t > now]
+        due += [s.shadowed[1] + refusal for s in self._plugins.values() if s.shadowed]
+        return [t for t in due if t > now]  # once confirmed, nothing is due: no round is asked for
 
     # -- the judge's fan-out ----------------------------------------------------------------------
     def new_socket(self, r: str) -> None:

@@ -116,10 +116,11 @@ class SocketLife:
         """S5: the kubelet held this cycle's socket: its end is a crash, not a failed start."""
         self._plugins[r].held_this_cycle = True
 
-    def due(self) -> list[float]:
-        """When a failed probe of an answering plugin comes due for its confirmation."""
+    def due(self, now: float) -> list[float]:
+        """When a failed probe of an answering plugin comes due for its confirmation (none once due)."""
         drop = self.rules.drop_confirm
-        return [p.failed_at + drop for p in self._plugins.values() if p.failed_at is not None]
+        due = [p.failed_at + drop for p in self._plugins.values() if p.failed_at is not None]
+        return [t for t in due if t > now]
 
     # -- the judge's fan-out ----------------------------------------------------------------------
     def new(self, r: str, identity: SocketId | None, since_restart: bool) -> None:

@@ -149,7 +149,7 @@ class DevicePluginJudge:
         held plugin or a refusal, or a missed kubelet restart (monotonic), if one must."""
         now = self.clock()
         missing = any(not self.sockets.since_restart(p.resource) for p in self.rules.plugins)
-        due = self.connections.due(now) + self.sockets.due() + self.kubelet.due(missing, now)
+        due = self.connections.due(now) + self.sockets.due(now) + self.kubelet.due(missing, now)
         due += self.streams.due(now)
         return min(due) if due else None
 
