@@ -7,12 +7,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from dataclasses import replace
 from functools import partial
 
+import aiohttp
+
+from sidecar.config import PluginSpec
+from testing import FakeDevicePlugin, FakeKubelet, free_port
 from tests.conftest import wait_for
-from tests.e2e.conftest import GPU, Node, NodeFactory, Watch
+from tests.e2e.conftest import FAST, GPU, Node, NodeFactory, Watch, sidecar_running
 
 GRACE = 30.0  # long against the test: any 503 here is the crash verdict, never the grace
+OTHER = "example.com/dev"  # another plugin's resource, which the kubelet holds
 
 
 async def test_registered_never_says_no_connection_while_the_listener_holds_the_kubelet(
@@ -74,3 +80,39 @@ async def test_status_names_a_layout_without_pod_resources_unsafe(make_node: Nod
         status = json.loads((await node.get("/status"))[1])
         assert "look-alike" in status["live_evidence"]["unsafe"]
         assert (await node.get("/healthz"))[0] == 200  # the connection, readable here, still decides
+
+
+async def test_a_symbolic_link_to_a_held_socket_never_passes_for_a_dropped_plugin(
+    dp_dir: str, short_tmp: str
+) -> None:
+    """After a drop, the plugin's path replaced by a symbolic link to another plugin's socket, which the
+    kubelet holds: the link is not the plugin's socket (its identity is never read through a link), so
+    neither the probe nor the kubelet's connections to the other socket count for it."""
+    settings = replace(
+        FAST,
+        device_plugin_dir=dp_dir,
+        pod_resources_socket="/nonexistent",  # the connections alone decide
+        port=free_port(),
+        plugins=(PluginSpec(GPU, "nvidia-gpu.sock"),),
+    )
+    async with (
+        FakeKubelet(dp_dir, dial_timeout=0.5) as kubelet,
+        FakeDevicePlugin(dp_dir, register_timeout=5) as gpu,
+        FakeDevicePlugin(dp_dir, OTHER, "other.sock", ["dev-0"], register_timeout=5) as other,
+    ):
+        await wait_for(lambda: kubelet.healthy_devices(GPU) and kubelet.healthy_devices(OTHER))
+        async with sidecar_running(settings), aiohttp.ClientSession() as http:
+            node = Node(dp_dir, kubelet, gpu, None, settings, http)  # type: ignore[arg-type]
+            await node.until("/healthz", 200)
+            await kubelet.drop(GPU)
+            await node.until("/healthz?verbose", 503, contains="dropped the plugin")
+            os.unlink(gpu.socket_path)
+            os.symlink(other.socket_path, gpu.socket_path)
+            watch = Watch(node, "/healthz?verbose")
+            await watch.started()
+            await asyncio.sleep(2.5)  # rounds past the grace (2 s)
+            answers = watch.seen[:]
+            await watch.stop()
+            assert {code for _, code, _ in answers} == {503}, answers[-1][2]
+            assert not any(f"[+]registered:{GPU}" in body for _, _, body in answers), answers[-1][2]
+            assert "is a symbolic link" in answers[-1][2]
