@@ -1,0 +1,81 @@
+"""HAMi's vendors' plugins side by side on one node whose kubelet is the real device manager.
+
+Each plugin is the fixture's (tests/realkubelet), shaped as the vendor's plugin registers, from each
+plugin's code: NVIDIA's (HAMi in-tree: `nvidia.com/gpu` on `nvidia-gpu.sock`, IDs `<GPU-UUID>-<n>`),
+Ascend's (Project-HAMi/ascend-device-plugin: `huawei.com/<CommonWord>` on `<CommonWord>.sock`, IDs
+`<NPU UUID>-<i>`), a kubevirt device-plugin-manager plugin's (AMD's, Project-HAMi/amd-device-plugin:
+`amd.com/gpu` on `amd.com_gpu`, no `.sock`, IDs `<PCI id>#<n>`) and a capacity-only one's (Cambricon's
+default mode: `cambricon.com/mlu` on `cambricon.sock`; HAMi reads the Node's capacity, no annotation).
+The sidecar judges each by the same rules: every one registered, and a drop of one fails that one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import aiohttp
+
+from sidecar.config import PluginSpec
+from testing import free_port
+from testing.realkubelet import RealKubelet, RealPlugin, Release
+from tests.e2e.realnode import SETTINGS, UUIDS, RealNode
+from tests.e2e.running import sidecar_running
+
+ASCEND_UUID = "a3c9f1d2-6b7e-4c8a-9d0f-1e2b3c4d5e6f"
+PLUGINS = (
+    ("nvidia.com/gpu", "nvidia-gpu.sock", [f"{u}-{n}" for u in UUIDS for n in range(2)]),
+    ("huawei.com/Ascend910B3", "Ascend910B3.sock", [f"{ASCEND_UUID}-{i}" for i in range(4)]),
+    ("amd.com/gpu", "amd.com_gpu", [f"0000:c1:00.0#{n}" for n in range(3)]),
+    ("cambricon.com/mlu", "cambricon.sock", ["MLU-20240001", "MLU-20240002"]),
+)
+
+
+@contextlib.asynccontextmanager
+async def vendors_node(dp_dir: str, short_tmp: str, release: Release) -> AsyncIterator[RealNode]:
+    pod_resources = os.path.join(short_tmp, "pod-resources", "kubelet.sock")
+    settings = replace(
+        SETTINGS,
+        device_plugin_dir=dp_dir,
+        pod_resources_socket=pod_resources,
+        port=free_port(),
+        plugins=tuple(PluginSpec(r, s) for r, s, _ in PLUGINS),
+    )
+    plugins: list[RealPlugin] = []
+    async with RealKubelet(dp_dir, pod_resources, release=release) as kubelet:
+        try:
+            for resource, socket, devices in PLUGINS:
+                p = RealPlugin(dp_dir, resource, socket, devices, release=release)
+                plugins.append(p)
+                mark = p.mark()
+                await p.start()
+                await p.wait_event("stream-open", after=mark)
+            async with sidecar_running(settings) as (sidecar, _), aiohttp.ClientSession() as http:
+                yield RealNode(dp_dir, kubelet, sidecar, settings, http, release, plugins)
+        finally:
+            for p in plugins:
+                await p.close()
+
+
+async def test_every_vendors_plugin_registers_and_a_drop_fails_that_one_alone(
+    release: Release, dp_dir: str, short_tmp: str
+) -> None:
+    async with vendors_node(dp_dir, short_tmp, release) as node:
+        await node.until("/readyz", 200)
+        body = (await node.get("/readyz?verbose"))[1]
+        for resource, _, _ in PLUGINS:
+            for kind in ("plugin", "registered", "kubelet-client", "devices"):
+                assert f"[+]{kind}:{resource} ok" in body, body
+        counts = node.sidecar.judge.devices()
+        assert counts["huawei.com/Ascend910B3"]["pod_resources"] == 4
+        assert counts["cambricon.com/mlu"]["pod_resources"] == 2
+        amd = next(p for p in node.plugins if p.resource == "amd.com/gpu")
+        await amd.end_stream("oldest")  # the kubelet drops the dpm-shaped plugin
+        await node.until("/healthz?verbose", 503, contains="[-]registered:amd.com/gpu failed")
+        _, body = await node.get("/healthz?verbose")
+        assert "dropped the plugin" in body, body
+        for resource, _, _ in PLUGINS:
+            if resource != "amd.com/gpu":
+                assert f"[+]registered:{resource} ok" in body, body
