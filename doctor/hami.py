@@ -4,9 +4,12 @@ hami-handshake.
 The evidence is the sidecar's (`sidecar.hami.watch`): this node's Node from the API server (the Pod's
 ServiceAccount, or --kubeconfig), the kubelet's healthy devices from pod-resources, judged with no wait
 for HAMi's 30 s loop (a snapshot: a difference may be HAMi's loop at work, which the plugin's log tells
-apart: `patch node error` then `Device info unchanged, skipping annotation update` is its stuck cache).
-The handshake is judged as it stands: a `Deleted_` handshake and an expired-looking `Requesting_` with no
-allocatable GPU are what HAMi's scheduler cleans a node up for (docs/kubelet.md#hami-registration).
+apart: `patch node error` then `Device info unchanged, skipping annotation update` is its cache skipping
+the patch, which it may do until the plugin restarts). A Node that cannot be read is "unknown" with the
+API's answer; a plugin that does not serve or register is "unknown" too, said as not judged, with what
+HAMi's scheduler does meanwhile. The handshake is judged as it stands: a `Deleted_` handshake and a
+`Requesting_` one with no allocatable GPU are what HAMi's scheduler cleans a node up for
+(docs/kubelet.md#hami-registration).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from doctor.patterns import RESTART_PLUGIN
 from doctor.types import Cause, HamiReading, LogFindings, LogHit
 from sidecar.deviceplugin.probes import Reading
 from sidecar.hami.annotation import parse_handshake
-from sidecar.hami.verdicts import HAMI_LOOP, HamiKeys
+from sidecar.hami.facts import HAMI_LOOP, cache_note
+from sidecar.hami.verdicts import DIFFERS, HamiKeys
 from sidecar.hami.watch import HamiWatch
 from sidecar.health import Status
 from sidecar.kube.access import ApiAccess
@@ -75,43 +79,50 @@ def registration_cause(readings: Sequence[HamiReading], logs: Sequence[LogFindin
     cause = Cause("hami-registration", "ok")
     stuck = _defect_lines(logs)
     for r in readings:
-        v, key = r.verdict, r.keys.register
-        if v.code == "no_evidence" and r.evidence.node is None:
+        v, key, res = r.verdict, r.keys.register, r.keys.resource
+        if v.code in ("no_evidence", "plugin_down"):
             cause.verdict = "unknown" if cause.verdict == "ok" else cause.verdict
-            cause.evidence.append(f"{r.keys.resource}: {v.reason} ({r.api})")
+            where = f" ({r.api})" if v.code == "no_evidence" else ""
+            cause.evidence.append(f"{res}: {v.reason}{where}")
         elif v.code == "wrong_node":
             cause.problem(
-                f"{r.keys.resource}: {v.reason}",
+                f"{res}: {v.reason}",
                 [
                     "run hami-doctor with NODE_NAME set to this node's name (the Pod sets it from "
                     "spec.nodeName)"
                 ],
             )
-        elif v.status is Status.FAILED and v.code in ("missing", "unparsable", "mismatched"):
-            cause.problem(f"{r.keys.resource}: {_snapshot(v.reason)}", _fix(stuck, key))
+        elif v.status is Status.FAILED and v.code in DIFFERS:
+            cause.problem(f"{res}: {_snapshot(v.reason)}", _fix(stuck, key, v.code))
+            cause.note_first(f"{res}: HAMi's scheduler {v.scheduler}")
             for line in stuck:
                 cause.evidence.insert(1, line)
         else:
-            cause.evidence.append(f"{r.keys.resource}: {v.reason}")
+            cause.evidence.append(f"{res}: {v.reason}")
     return cause
 
 
 def _snapshot(reason: str) -> str:
-    """The verdict's reason with the sidecar's timing left out (a snapshot has none)."""
-    return reason.split(" for 0s", 1)[0]
+    """The verdict's reason and the harm it names, without the sidecar's timing and HAMi's loop (a
+    snapshot has none: the fix says it)."""
+    return reason.split(". HAMi's loop would have", 1)[0].replace(" for 0s while", " while", 1)
 
 
-def _fix(stuck: list[str], key: str) -> list[str]:
+def _fix(stuck: list[str], key: str, code: str) -> list[str]:
+    why = {
+        "stale_health": "until then HAMi's scheduler places GPU Pods on the GPU(s) the kubelet took out: ",
+        "last_copy": "until then HAMi's scheduler schedules on its last copy: ",
+    }.get(code, "")
     if stuck:
         return [
             f"HAMi's plugin cached {key}'s new content before a patch that failed, and now skips the patch "
-            "as unchanged (its log, above): restart the plugin pod, which writes it again:",
+            f"as unchanged (its log, above); {why}restart the plugin pod, which writes it again:",
             RESTART_PLUGIN,
         ]
     return [
         f"HAMi's loop rewrites a changed device list within {HAMI_LOOP:.0f} s: run hami-doctor again in a "
-        "minute; if it still differs, the plugin's patch failed once and its cache skips it since (raise its "
-        "log level to -v=3 to see `Device info unchanged`): restart the plugin pod:",
+        f"minute; if it still differs, {cache_note(0)} (raise its log level to -v=3 to see `Device info "
+        f"unchanged`); {why}restart the plugin pod:",
         RESTART_PLUGIN,
     ]
 
@@ -149,15 +160,16 @@ def handshake_cause(readings: Sequence[HamiReading]) -> Cause:
             )
         elif hs.state == "requesting" and not r.allocatable:
             cause.problem(
-                f"{name}, and the Node's allocatable {r.keys.resource} is {r.allocatable or 0}: once the "
-                "stamp is 60 s old HAMi's scheduler removes the node's devices (`Device is unhealthy, "
-                "cleaning up node`)",
+                f"{name}, and the Node's allocatable {r.keys.resource} is {r.allocatable or 0}: HAMi's "
+                "scheduler drops the node's devices (`Device is unhealthy, cleaning up node`) once the stamp "
+                "is 60 s old; v2.10 at once, then adds them back from the annotation for a minute at a time",
                 ["the kubelet does not report the GPUs in the Node's status: see the rows above"],
             )
         elif hs.state == "absent":
             cause.evidence.append(
                 f"{r.keys.resource}: no {r.keys.handshake}: HAMi's scheduler has not looked at this node "
-                "yet, or does not select it (its node selector, gpu=on by default) or does not run"
+                "yet, or does not select it (its node selector, gpu=on by default) or does not run, or "
+                "cleaned it up within the last 15 s (v2.10 removes the handshake then)"
             )
         else:
             cause.evidence.append(f"{r.keys.resource}: {name}; allocatable {r.allocatable}")

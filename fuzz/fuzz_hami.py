@@ -8,6 +8,8 @@ of the wrong shape, is a finding (`make fuzz`; seeds in fuzz/corpus/hami/).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from sidecar.hami.annotation import (
     Handshake,
     NodeView,
@@ -17,7 +19,7 @@ from sidecar.hami.annotation import (
     parse_node,
     parse_register,
 )
-from sidecar.hami.verdicts import CODES, HamiEvidence, HamiJudge, HamiKeys
+from sidecar.hami.verdicts import CODES, DIFFERS, HamiEvidence, HamiJudge, HamiKeys
 from sidecar.health import Status
 
 KEYS = HamiKeys("nvidia.com/gpu", "hami.io/node-nvidia-register", "hami.io/node-handshake")
@@ -37,7 +39,14 @@ def TestOneInput(data: bytes) -> None:
         g = gpu_of(device)
         assert g is None or device.startswith(g)
     if isinstance(node, NodeView):
-        judge = HamiJudge((KEYS,), "gpu-node-1", 60.0, lambda: 0.0)
+        now = [0.0]
+        judge = HamiJudge((KEYS,), "gpu-node-1", 60.0, lambda: now[0])
         ev = HamiEvidence(node, kubelet=ids, plugin_ok=True, registered_ok=True, boot_id=node.boot_id)
-        v = judge.judge(KEYS.resource, ev)
-        assert v.code in CODES and isinstance(v.status, Status) and v.reason
+        # Read twice a scheduler tick apart (the scheduler's copy), then without the annotation, then with
+        # the plugin down: every path a Node's text can reach.
+        gone = NodeView(node.name, {k: v for k, v in node.annotations.items() if k != KEYS.register})
+        for e in (ev, ev, replace(ev, node=gone), replace(ev, node=gone, plugin_ok=False)):
+            v = judge.judge(KEYS.resource, e)
+            assert v.code in CODES and isinstance(v.status, Status) and v.reason
+            assert v.live_failed == (v.code in DIFFERS and v.status is Status.FAILED and not v.budget_spent)
+            now[0] += 61.0

@@ -2,16 +2,26 @@
 (testing/standin.py) runs it against the node's API server, tests/hamifixture.py against a test's.
 
 Written from HAMi's behaviour as docs/kubelet.md#hami-registration states it (Project-HAMi/HAMi, read at
-v2.10), never from its code. `Registrar` is the plugin's `WatchAndRegister` loop
-(pkg/device-plugin/nvidiadevice/nvinternal/plugin/register.go): each round GETs the Node (an error:
-logged, retried after the error interval, the cache untouched), encodes the GPUs as `MarshalNodeDevices`
-does (pkg/device/devices.go: a JSON array of DeviceInfo with `omitempty`), and when the encoding equals
-its cache logs `Device info unchanged, skipping annotation update` and patches nothing; otherwise it
-stores the encoding in its cache **before** the merge PATCH of `hami.io/node-nvidia-register`, and a
-failed PATCH logs `patch node error` and retries after the error interval: with the cache already
-holding the new content, every later round skips. HAMi waits 30 s after a success and 5 s after an
-error. A new `Registrar` (a plugin restart: a new process, or HAMi's new plugin objects after a
-kubelet restart) starts with an empty cache.
+v2.10.0), never from its code. `Registrar` is the plugin's `WatchAndRegister` loop
+(pkg/device-plugin/nvidiadevice/nvinternal/plugin/register.go), and mirrors these facts:
+
+- each round GETs the Node (an error: logged, retried after the error interval, the cache untouched);
+- it lists its GPUs in the order of a Go map (`getAPIDevices` ranges over `rm.Devices` with no sort):
+  a new order each round, drawn as Go's runtime draws it (`go_map_order`: a random start slot of the
+  map's group of 8; `sidecar.hami.facts.same_order_odds` gives how often two rounds agree), each GPU
+  with its own `index`;
+- it encodes them as `MarshalNodeDevices` does (pkg/device/devices.go: a JSON array of DeviceInfo with
+  `omitempty`, in that order) and compares the encoding **as a string** with its cache: equal, it logs
+  `Device info unchanged, skipping annotation update` and patches nothing; otherwise it stores the
+  encoding in its cache **before** the merge PATCH of `hami.io/node-nvidia-register` (as v2.10.0 does),
+  and a failed PATCH logs `patch node error` and retries after the error interval;
+- so after a failed PATCH a round that lists the GPUs in the cached order skips it, and one that lists
+  them in another order patches again: on one GPU never, on two about one round in five;
+- HAMi waits 30 s after a success and 5 s after an error. A new `Registrar` (a plugin restart: a new
+  process, or HAMi's new plugin objects after a kubelet restart) starts with an empty cache.
+
+`held_order` keeps one order for every round, as a one-GPU node's map always does: a test's way to keep a
+stale annotation stale on two GPUs.
 
 `InCluster` is the Pod's way to the API server (the ServiceAccount's token and CA, KUBERNETES_SERVICE_*),
 on urllib: no client library, the standard library only.
@@ -24,6 +34,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import ssl
 import urllib.error
 import urllib.request
@@ -31,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from sidecar.hami.facts import MAP_GROUP
 from sidecar.kube.access import DEFAULT_CA_FILE, DEFAULT_TOKEN_FILE, in_cluster
 
 logger = logging.getLogger(__name__)
@@ -50,10 +62,35 @@ class Gpu:
     healthy: bool = True
 
 
-def marshal(gpus: Sequence[Gpu], split: int = 10, memory: int = 81920) -> str:
-    """HAMi's MarshalNodeDevices of these GPUs: Go's encoding, `omitempty` fields left out."""
+Order = Callable[[int], Sequence[int]]
+_RANDOM = random.Random()
+
+
+def go_map_order(n: int, rng: random.Random = _RANDOM) -> list[int]:
+    """The order in which one round lists n GPUs kept in a Go map in the order they were added: Go
+    starts each range at a random slot of the map's group of 8 (go1.26 `internal/runtime/maps`,
+    `Iter.Init`: `entryOffset = rand()`), and with n <= 8 GPUs in slots 0..n-1 the order is the rotation
+    from the first filled slot at or after it. Above 8 the map has several groups: one of 8 rotations,
+    which agrees with the 1-in-8 measured with go1.26 (not the order itself)."""
+    offset = rng.randrange(MAP_GROUP)
+    start = (offset if offset < n else 0) if n <= MAP_GROUP else offset % n
+    return [(start + i) % n for i in range(n)]
+
+
+def held_order(n: int) -> list[int]:
+    """One order for every round: a one-GPU node's, or a test's that keeps a stale annotation stale."""
+    return list(range(n))
+
+
+def marshal(
+    gpus: Sequence[Gpu], order: Sequence[int] | None = None, split: int = 10, memory: int = 81920
+) -> str:
+    """HAMi's MarshalNodeDevices of these GPUs, listed in `order` (positions in `gpus`; default: as given),
+    each with its own index (its position in `gpus`, NVML's index): Go's encoding, `omitempty` fields left
+    out."""
     out: list[dict[str, Any]] = []
-    for i, g in enumerate(gpus):
+    for i in range(len(gpus)) if order is None else order:
+        g = gpus[i]
         d: dict[str, Any] = {"id": g.uuid}
         if i:
             d["index"] = i
@@ -63,6 +100,20 @@ def marshal(gpus: Sequence[Gpu], split: int = 10, memory: int = 81920) -> str:
             d["health"] = True
         out.append(d)
     return json.dumps(out, separators=(",", ":"))
+
+
+def same_devices(a: str | None, b: str | None) -> bool:
+    """Whether two register annotations list the same devices, in whatever order (HAMi's own order
+    changes from round to round); False when either is absent or not a JSON list."""
+    try:
+        la, lb = json.loads(a or "null"), json.loads(b or "null")
+    except ValueError:
+        return False
+    if not isinstance(la, list) or not isinstance(lb, list):
+        return False
+    return sorted(json.dumps(x, sort_keys=True) for x in la) == sorted(
+        json.dumps(x, sort_keys=True) for x in lb
+    )
 
 
 class NodeApi(Protocol):
@@ -122,8 +173,9 @@ class InCluster:
 
 class Registrar:
     """The device plugin's WatchAndRegister loop for one Node. `gpus` gives the plugin's own view of its
-    GPUs each round; `fail_patch`, asked before each PATCH, True: this PATCH is sent with a stale
-    resourceVersion, which the API server refuses (409 Conflict), a failed PATCH as any other."""
+    GPUs each round (in the order they were added to its map); `order`, the order a round lists them in;
+    `fail_patch`, asked before each PATCH, True: this PATCH is sent with a stale resourceVersion, which the
+    API server refuses (409 Conflict), a failed PATCH as any other."""
 
     def __init__(
         self,
@@ -134,6 +186,7 @@ class Registrar:
         interval: float = INTERVAL,
         error_interval: float = ERROR_INTERVAL,
         fail_patch: Callable[[], bool] = lambda: False,
+        order: Order = go_map_order,
     ) -> None:
         self.api = api
         self.node = node
@@ -141,6 +194,7 @@ class Registrar:
         self.interval = interval
         self.error_interval = error_interval
         self.fail_patch = fail_patch
+        self.order = order
         self.cache = ""
         self.log: list[str] = []
         self.patches = 0  # PATCHes the API server took
@@ -161,8 +215,8 @@ class Registrar:
             self.say(f"get node error {e}")
             return False
         gpus = self.gpus()
-        encoded = marshal(gpus)
-        if encoded == self.cache:
+        encoded = marshal(gpus, self.order(len(gpus)))
+        if encoded == self.cache:  # a string: the same devices in another order differ
             self.say("Device info unchanged, skipping annotation update")
             return True
         self.cache = encoded  # HAMi's order: the cache first, then the patch

@@ -21,16 +21,20 @@ life of the process (the FIXME in HAMi's nvinternal/plugin/server.go). Faults ar
 - `dead-gpu`: the first GPU's devices (its split IDs) are reported Unhealthy, healthy again once the file
   is removed;
 - `annotation-patch-fails`: the next PATCH of HAMi's node annotation fails (the file is removed as the
-  PATCH is sent; the API server refuses it, 409).
+  PATCH is sent; the API server refuses it, 409);
+- `map-order-held`: HAMi's annotation loop lists the GPUs in one order every round, as a one-GPU node's
+  Go map always does (without it, a new order each round, as Go's map iteration gives HAMi's plugin:
+  a round in another order patches a stale annotation again).
 
 In a Pod (KUBERNETES_SERVICE_HOST and NODE_NAME set), it also writes HAMi's node annotation
 `hami.io/node-nvidia-register` as HAMi's plugin does, with the ServiceAccount's token: after each
 Register the kubelet accepts, a `WatchAndRegister` loop with an empty cache (testing/hamiwriter.py:
-the cache written before the PATCH; `--annotation-interval`, `--annotation-error-interval`: HAMi's 30 s
-and 5 s). HAMi's restart on a new `kubelet.sock` builds new plugin objects with a loop of their own; the
+the GPUs in Go's map order, a new one each round, compared as a string with the cache, the cache written
+before the PATCH; `--annotation-interval`, `--annotation-error-interval`: HAMi's 30 s and 5 s).
+HAMi's restart on a new `kubelet.sock` builds new plugin objects with a loop of their own; the
 stand-in's new loop replaces the old one (HAMi leaves the old one running on its old plugin objects:
-not mirrored), so one loop writes, and one failed PATCH sticks as it does in a plugin that never saw a
-kubelet restart.
+not mirrored), so one loop writes, and one failed PATCH sticks (until a round in another order) as it
+does in a plugin that never saw a kubelet restart.
 
 `--faults` (default: the environment's HAMI_STANDIN_FAULTS), comma-separated names of the lasting faults
 above, holds them on whatever the folder says: a pod template that carries a fault (a plugin version
@@ -60,8 +64,9 @@ DEAD_GPU = "dead-gpu"
 FAIL_REGISTER = "fail-register"
 XID = "xid"
 ANNOTATION_PATCH_FAILS = "annotation-patch-fails"
+MAP_ORDER_HELD = "map-order-held"
 UNSUPPORTED_VERSION = "v1alpha0"  # no kubelet supports it: its Register is refused
-LASTING = frozenset({IGNORE_KUBELET_RESTART, NOREGISTER, DEAD_GPU})
+LASTING = frozenset({IGNORE_KUBELET_RESTART, NOREGISTER, DEAD_GPU, MAP_ORDER_HELD})
 CONTROL_INTERVAL = 0.5
 UUID_PREFIX = "e2e00000-0000-0000-0000-00000000"  # GPU-<prefix><nnnn>: NVML's UUID shape, 8-4-4-4-12 hex
 # The lasting fault files last applied, comma-separated: a test that must know the plugin acts on a
@@ -77,6 +82,7 @@ class StandInPlugin(FakeDevicePlugin):
     gpu_dead = False
     xid = False  # an XID event was seen on the first GPU: Unhealthy for the life of the process
     fail_next_register = False
+    order_held = False  # MAP_ORDER_HELD: the annotation loop lists the GPUs in one order
     applied: str | None = None  # what APPLIED says, once written
 
     async def register(self) -> bool:
@@ -136,6 +142,7 @@ def apply_control(plugin: StandInPlugin, control: str, held: frozenset[str] = fr
     names = files | held
     plugin.ignore_kubelet_restart = IGNORE_KUBELET_RESTART in names
     plugin.register_enabled = NOREGISTER not in names
+    plugin.order_held = MAP_ORDER_HELD in names
     if FAIL_REGISTER in names:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(control, FAIL_REGISTER))
@@ -200,6 +207,7 @@ async def write_annotations(plugin: StandInPlugin, args: argparse.Namespace) -> 
         interval=args.annotation_interval,
         error_interval=args.annotation_error_interval,
         fail_patch=lambda: take_one_shot(args.control, ANNOTATION_PATCH_FAILS),
+        order=lambda n: hamiwriter.held_order(n) if plugin.order_held else hamiwriter.go_map_order(n),
     )
     started = 0
     try:

@@ -41,6 +41,7 @@ from manifests.monitoring import dashboard
 from sidecar.app import Sidecar
 from sidecar.cli import serve
 from sidecar.config import AUTO_DEVICES, Settings
+from sidecar.hami.verdicts import DIFFERS, NOT_JUDGED, SCHEDULER_TICK, UNSEEN
 from sidecar.kube.access import ApiAccess
 from sidecar.server.metrics import HAMI_CODES
 from testing import FakeDevicePlugin, FakeKubelet, free_port
@@ -396,6 +397,7 @@ BUDGET = "HamiDevicePluginRestartBudgetSpent"
 KUBELET = "HamiNodeKubeletFault"
 UNRECOVERABLE = "HamiNodeGPUUnrecoverable"
 SCHEDULER = "HamiSchedulerCannotSeeGPUs"
+LAST_COPY = "HamiSchedulerSchedulesFromLastCopy"
 
 
 async def test_live_prometheus_scrapes_three_sidecars_and_alerts_for_the_faulty_node_only(
@@ -545,16 +547,25 @@ async def test_live_prometheus_scrapes_three_sidecars_and_alerts_for_the_faulty_
         a.plugin.set_health("GPU-1", True)
         await resolved("a GPU unhealthy again after the restart that re-read it")
 
-        # 6. HAMi's register annotation gone from the Node (its plugin's patch failed, and it skips every
-        #    later one): the kubelet lists the GPUs, HAMi's scheduler does not see them. After HAMI_REPAIR
-        #    the hami check fails liveness, which no one acts on here. The fix: the annotation written again.
+        # 6. HAMi's register annotation gone from the Node after HAMi's scheduler could read it (every
+        #    sidecar has read it, with the same handshake, for longer than the scheduler's tick): the
+        #    scheduler schedules on its last copy. After HAMI_REPAIR the hami check fails liveness, which no
+        #    one acts on here. Then the scheduler cleans the node up and stamps a new handshake: its copy is
+        #    gone, it cannot see the GPUs. The fix: the annotation written again.
+        await asyncio.sleep(max(0.0, started + SCHEDULER_TICK + 1 - time.time()))
+        copy = {(LAST_COPY, FAULTY, "")}
         unseen = {(SCHEDULER, FAULTY, "")}
-        forget(*unseen)
+        forget(*copy, *unseen)
         register = api.annotations[FAULTY].pop(REGISTER)
-        await expect("HAMi's register annotation missing", unseen)
-        assert await prom.values('device_plugin_hami_registration{reason="missing"} == 1') == {FAULTY: 1.0}
+        await expect("HAMi's register annotation gone after the scheduler read it", copy)
+        assert await prom.values('device_plugin_hami_registration{reason="last_copy"} == 1') == {FAULTY: 1.0}
         assert await prom.values("device_plugin_hami_gpus") == {FAULTY: 0.0} | {n: 2.0 for n in NODES[1:]}
+        handshake = api.annotations[FAULTY][HANDSHAKE]
+        api.annotations[FAULTY][HANDSHAKE] = "Requesting_2001-01-01 00:00:00"
+        await expect("HAMi's register annotation missing, the scheduler's copy gone", unseen)
+        assert await prom.values('device_plugin_hami_registration{reason="missing"} == 1') == {FAULTY: 1.0}
         api.annotations[FAULTY][REGISTER] = register
+        api.annotations[FAULTY][HANDSHAKE] = handshake
         await resolved("HAMi's register annotation missing")
 
         # Every alert that went off named the faulty node, its summary too, and linked its fix.
@@ -567,6 +578,7 @@ async def test_live_prometheus_scrapes_three_sidecars_and_alerts_for_the_faulty_
             KUBELET,
             UNRECOVERABLE,
             SCHEDULER,
+            LAST_COPY,
         }
         for x in fired:
             assert x["labels"]["node"] == FAULTY
@@ -677,6 +689,24 @@ def test_the_dashboard_is_laid_out_and_queries_through_its_variables() -> None:
 
 def test_the_dashboard_colours_every_reason_code_of_the_hami_check() -> None:
     assert tuple(dashboard.HAMI_REASON_COLOURS) == HAMI_CODES
+
+
+def test_each_harm_of_the_hami_check_has_its_alert_and_the_unjudged_reasons_none() -> None:
+    """The reason codes each HAMi alert reads are the verdicts' groups (sidecar.hami.verdicts): what HAMi's
+    scheduler cannot see, the GPUs it places Pods on that the kubelet took out, its last copy; every code
+    a plugin restart is asked for has an alert, and no code that judges nothing has one."""
+    shipped = yaml.safe_load((MONITORING / "prometheusrule.yaml").read_text())["spec"]
+    alerts = {r["alert"]: r["expr"] for g in shipped["groups"] for r in g["rules"] if "alert" in r}
+
+    def reasons(name: str) -> frozenset[str]:
+        (found,) = re.findall(r'device_plugin_hami_registration\{reason=~?"([^"]+)"\}', alerts[name])
+        return frozenset(found.split("|"))
+
+    assert reasons("HamiSchedulerCannotSeeGPUs") == UNSEEN
+    assert reasons("HamiSchedulerPlacesPodsOnUnhealthyGPUs") == {"stale_health"}
+    assert reasons("HamiSchedulerSchedulesFromLastCopy") == {"last_copy"}
+    alerted = {c for n in alerts if "hami_registration" in alerts[n] for c in reasons(n)}
+    assert alerted >= DIFFERS and not NOT_JUDGED & alerted and alerted <= set(HAMI_CODES)
 
 
 def test_kustomize_ships_the_dashboard_as_a_grafana_sidecar_configmap() -> None:

@@ -200,14 +200,19 @@ def gpus_per_node() -> table.Panel:
 
 
 # The hami check's reason codes, device_plugin_hami_registration's `reason` label
-# (docs/runbook.md#hamischedulercannotseegpus), coloured as the verdict they carry.
+# (docs/runbook.md#hamischedulercannotseegpus and the two alerts after it), coloured as the verdict they
+# carry.
 HAMI_REASON_COLOURS = {
     "ok": "green",
     "repairing": "yellow",
     "no_evidence": "blue",
+    "plugin_down": "blue",
+    "no_handshake": "blue",
     "missing": "red",
     "unparsable": "red",
     "mismatched": "red",
+    "stale_health": "red",
+    "last_copy": "orange",
     "wrong_node": "red",
     "handshake_deleted": "red",
     "handshake_expired": "red",
@@ -236,11 +241,16 @@ def hami_registration() -> table.Panel:
             f"{REGISTER} annotation (HAMi's device plugin writes it) and "
             f"{HANDSHAKE} (the scheduler stamps it), and compares the annotation with the GPUs "
             "the kubelet lists healthy. reason: ok; repairing (a difference within HAMi's own 30 s loop); "
-            "no_evidence (the Node cannot be read, no scheduler handshake, or the plugin does not serve or "
-            "register); missing, unparsable, mismatched (a stale annotation: liveness restarts the plugin "
-            "after --hami-repair); wrong_node (NODE_NAME); handshake_deleted, handshake_expired (the "
-            "scheduler keeps the node out). Alert HamiSchedulerCannotSeeGPUs. Empty where the sidecar has "
-            "no API access or --no-hami-registration."
+            "not judged: no_evidence (the Node cannot be read), plugin_down (the plugin does not serve or "
+            "register; HAMi's scheduler still offers the node from the annotation), no_handshake (no HAMi "
+            "scheduler selects the node); a stale annotation, which liveness restarts the plugin for after "
+            "--hami-repair: missing, unparsable, mismatched (the scheduler does not see GPUs the kubelet "
+            "lists), stale_health (it places Pods on GPUs the kubelet took out), last_copy (the annotation "
+            "is gone after the scheduler read it: it schedules on its last copy); wrong_node (NODE_NAME); "
+            "handshake_deleted, handshake_expired (the scheduler keeps the node out). Alerts "
+            "HamiSchedulerCannotSeeGPUs, HamiSchedulerPlacesPodsOnUnhealthyGPUs, "
+            "HamiSchedulerSchedulesFromLastCopy. Empty where the sidecar has no API access or "
+            "--no-hami-registration."
         )
         .datasource(DATASOURCE)
         .targets(

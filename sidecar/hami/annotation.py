@@ -7,8 +7,10 @@ What HAMi writes (Project-HAMi/HAMi, docs/kubelet.md#hami-registration):
   `MarshalNodeDevices`): `id` (the GPU's UUID), `index`, `count` (the split count), `devmem`,
   `devcore`, `type`, `numa`, `mode`, `health`, `migProfiles`, every field `omitempty`: a GPU at index
   0 has no `index`, an unhealthy one no `health`. The scheduler decodes it with Go's `json.Unmarshal`
-  (`UnMarshalNodeDevices`): a value of the wrong JSON type fails the whole decode, and the node is then
-  "unregistered" for HAMi. So does this parser; unknown fields pass, as in Go.
+  (`UnMarshalNodeDevices`): a value of the wrong JSON type fails the whole decode, and the scheduler then
+  reads no device from it (it keeps the copy it read before, if any; a node it never read is
+  "unregistered"). So does this parser; unknown fields pass, as in Go. The GPUs come in the order of a
+  Go map, which changes from round to round: compare them as a set.
 - The scheduler's handshake (the profile's [hami] handshake): `Requesting_<time>` (the
   scheduler's local time, `2006-01-02 15:04:05`), or, before HAMi v2.10, `Deleted_<time>` written when
   it cleaned the node up (`2006.01.02 15:04:05` up to v2.4).

@@ -2,25 +2,33 @@
 
 Evidence in (this node's Node object as the API server holds it, the kubelet's healthy devices, the
 plugin's own checks), a verdict out; no I/O, the clock injected. The HAMi behaviour each rule rests
-on is in docs/kubelet.md#hami-registration; the rules in docs/design.md#hami-registration:
+on (HAMi v2.10.0, and the older releases where they differ) is in docs/kubelet.md#hami-registration and
+`sidecar.hami.facts`, the comparison in `sidecar.hami.compare`; the rules in
+docs/design.md#hami-registration:
 
 1. No reading of the Node (no token, a 401 or 403, the API server unreachable, an answer that does
-   not parse): no evidence, never a failure; the reason says so.
-2. No Node of `NODE_NAME` (404), or a Node whose boot ID is not this machine's: the sidecar is told
-   the wrong node name. Readiness only: a plugin restart reads the same name.
-3. The register annotation missing, not decodable, or listing other GPUs or other health than the
-   kubelet lists healthy, while the plugin serves and the kubelet holds it and HAMi's scheduler has
-   handshaken with the node (without its handshake annotation, no scheduler of HAMi's selects the
-   node, and the annotation decides nothing: not judged): HAMi's loop rewrites a
-   changed device list every 30 s, so a difference that outlasts `repair` is one its loop will never
-   mend. HAMi caches the new content before it patches the Node, and after one failed patch skips
-   every later one as "unchanged": only a plugin restart (an empty cache) writes it again. It fails
-   liveness, at most `RESTART_BUDGET` restarts in vain (each restart's new plugin socket that did not
-   mend it), then readiness only.
-4. The scheduler's handshake: a `Deleted_` that stays (HAMi before v2.10 wrote it when it cleaned the
-   node up; up to v2.8 nothing replaced it), or a `Requesting_` that stays unchanged for HAMi's 60 s
-   while the Node's allocatable of the resource is 0 (the scheduler then removes the node's devices).
-   Readiness only: the scheduler's doing, which a plugin restart does not change.
+   not parse): `no_evidence`, never a failure; the reason says so.
+2. No Node of `NODE_NAME` (404), or a Node whose boot ID is not this machine's: `wrong_node`, the
+   sidecar is told the wrong node name. Readiness only: a plugin restart reads the same name.
+3. A difference not judged (it passes): while the Node has no handshake annotation (`no_handshake`: no
+   scheduler of HAMi's selects the node, or none runs), or while the plugin does not serve or register
+   (`plugin_down`: its own checks judge it; the reason says what HAMi's scheduler does meanwhile, which
+   still offers the node from the annotation).
+4. The register annotation differing from the kubelet's healthy devices, while the plugin serves and
+   the kubelet holds it and the scheduler has handshaken: missing or not decodable (`missing`,
+   `unparsable`; `last_copy` once this sidecar saw it in place for a scheduler tick before: the
+   scheduler keeps that copy and schedules on it), listing as healthy GPUs the kubelet does not list
+   healthy (`stale_health`: the scheduler places Pods on them), or leaving out or marking unhealthy GPUs
+   the kubelet lists healthy (`mismatched`). HAMi's loop rewrites a changed device list every 30 s, so a
+   difference that outlasts `repair` is one its loop may never mend: its cache, written before the
+   patch, makes it skip later rounds as "unchanged" after a failed patch (on one GPU until the plugin
+   restarts; on several until its map order changes). It fails liveness, at most `RESTART_BUDGET`
+   restarts in vain (each restart's new plugin socket that did not mend it), then readiness only.
+5. The scheduler's handshake: a `Deleted_` that stays (HAMi before v2.10 wrote it when it cleaned the
+   node up; up to v2.8 nothing replaced it), or the Node's allocatable of the resource at 0 for HAMi's
+   60 s with a `Requesting_` handshake (the scheduler drops the node's devices: v2.10 at once, and adds
+   them back from the annotation for a minute at a time). Readiness only: the scheduler's doing, which a
+   plugin restart does not change.
 """
 
 from __future__ import annotations
@@ -28,33 +36,36 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Literal, get_args
 
-from sidecar.hami.annotation import NodeView, Register, gpu_of, parse_handshake, parse_register
+from sidecar.hami.annotation import NodeView, Register, parse_handshake, parse_register
+from sidecar.hami.compare import CODES, Code, Diff, Read, agrees, compare, diff_note, meanwhile
+from sidecar.hami.facts import HAMI_LOOP, HANDSHAKE_EXPIRY, HARM, SCHEDULER_TICK, cache_note
 from sidecar.health import Status
 
-# HAMi's WatchAndRegister: a changed device list is patched within 30 s (5 s after an error).
-HAMI_LOOP = 30.0
-# The scheduler's CheckHealth: a Requesting_ stamp older than 60 s with allocatable 0 cleans the node.
-HANDSHAKE_EXPIRY = 60.0
-SCHEDULER_TICK = 15.0  # RegisterFromNodeAnnotations' ticker
+__all__ = [
+    "CODES",
+    "DIFFERS",
+    "HAMI_LOOP",
+    "HANDSHAKE_EXPIRY",
+    "NOT_JUDGED",
+    "RESTART_BUDGET",
+    "SCHEDULER_TICK",
+    "UNSEEN",
+    "Code",
+    "HamiEvidence",
+    "HamiJudge",
+    "HamiKeys",
+    "HamiVerdict",
+]
+
 # Restarts of the plugin (new sockets) that did not mend the annotation, before liveness stops asking.
 RESTART_BUDGET = 3
-MAX_LISTED = 4  # GPU IDs named in a reason
 
-Code = Literal[
-    "ok",
-    "repairing",
-    "no_evidence",
-    "missing",
-    "unparsable",
-    "mismatched",
-    "wrong_node",
-    "handshake_deleted",
-    "handshake_expired",
-]
-CODES: tuple[Code, ...] = get_args(Code)
-# The codes under which HAMi's scheduler does not see the GPUs the kubelet has (the alert's).
+# Passes, with the reason why nothing was judged: the Node unread, the plugin down, no scheduler.
+NOT_JUDGED: frozenset[Code] = frozenset({"no_evidence", "plugin_down", "no_handshake"})
+# The annotation differs from the kubelet: past `repair`, a plugin restart is the remedy.
+DIFFERS: frozenset[Code] = frozenset({"missing", "unparsable", "mismatched", "stale_health", "last_copy"})
+# HAMi's scheduler does not see (some of) the GPUs the kubelet lists: HamiSchedulerCannotSeeGPUs.
 UNSEEN: frozenset[Code] = frozenset(
     {"missing", "unparsable", "mismatched", "handshake_deleted", "handshake_expired"}
 )
@@ -85,6 +96,7 @@ class HamiVerdict:
     restarts: bool = False  # a failure fails liveness
     gpus: int | None = None  # healthy GPUs HAMi's annotation lists (0 when absent); None: no reading
     budget_spent: bool = False
+    scheduler: str = ""  # what HAMi's scheduler does with the node, by this reading ("" not known)
 
     @property
     def live_failed(self) -> bool:
@@ -100,6 +112,10 @@ class _State:
     restarts_in_vain: int = 0
     handshake: tuple[str, float] | None = None  # the handshake's value, and since when it is unchanged
     episode: bool = False  # failing liveness now
+    read: Read | None = None  # the annotation being read now
+    copy: Read | None = None  # the last one HAMi's scheduler has read: in place for a tick of its
+    zero_since: float | None = None  # the Node's allocatable of the resource at 0 since
+    zero_requesting: bool = False  # a Requesting_ handshake seen while it is
 
 
 @dataclass(frozen=True)
@@ -144,7 +160,7 @@ class HamiJudge:
                     "from the Pod's spec.nodeName (a plugin restart reads the same name)",
                     "wrong_node",
                 )
-            return HamiVerdict(Status.OK, f"no evidence: {ev.why}", "no_evidence")
+            return HamiVerdict(Status.OK, f"no evidence: the Node cannot be read: {ev.why}", "no_evidence")
         if ev.boot_id and node.boot_id and ev.boot_id != node.boot_id:
             st.differs_since = None
             return HamiVerdict(
@@ -155,39 +171,53 @@ class HamiJudge:
             )
         value = node.annotations.get(k.register)
         register = parse_register(value) if value is not None else None
-        code, diff, gpus = _compare(k.register, value, register, ev.kubelet)
-        if diff and k.handshake not in node.annotations:
+        handshake = node.annotations.get(k.handshake)
+        _remember(st, value, register, handshake, now)
+        _zero(st, node, resource, handshake, now)
+        d = compare(k.register, value, register, ev.kubelet, st.copy)
+        if d.text and not (ev.plugin_ok and ev.registered_ok):
+            return self._plugin_down(resource, ev, d, handshake is not None)
+        if d.text and handshake is None:
             # No scheduler of HAMi's looks at this node (it stamps every node it selects within 15 s):
             # HAMi's annotations decide nothing here, and a plugin that is not HAMi's writes none.
             st.differs_since = None
             return HamiVerdict(
                 Status.OK,
                 f"not judged: HAMi's scheduler has not handshaken with this node (no {k.handshake}: it does "
-                f"not select the node, or does not run): {diff}",
-                "no_evidence",
-                gpus=gpus,
+                f"not select the node, or does not run): {d.whole}",
+                "no_handshake",
+                gpus=d.gpus,
+                scheduler="does not look at this node (no handshake)",
             )
-        if diff:
-            return self._differs(resource, ev, code, diff, gpus)
+        if d.text:
+            return self._differs(resource, ev, d)
         st.differs_since = None
         st.restarts_in_vain, st.failed_with, st.episode = 0, None, False
-        note = diff_note(register, ev)
-        handshake = self._handshake(resource, k, node, now)
-        if handshake is not None:
-            return HamiVerdict(Status.FAILED, f"{handshake[1]}{note}", handshake[0], gpus=gpus)
-        return HamiVerdict(Status.OK, f"{_agrees(register, ev)}{note}", "ok", gpus=gpus)
+        note = diff_note(register, ev.kubelet, ev.kubelet_why)
+        found = self._handshake(resource, k, node, now)
+        if found is not None:
+            code, why, does = found
+            return HamiVerdict(Status.FAILED, f"{why}{note}", code, gpus=d.gpus, scheduler=does)
+        return HamiVerdict(
+            Status.OK, f"{agrees(register, ev.kubelet)}{note}", "ok", gpus=d.gpus, scheduler=d.scheduler
+        )
 
-    def _differs(self, resource: str, ev: HamiEvidence, code: Code, diff: str, gpus: int) -> HamiVerdict:
+    def _plugin_down(self, resource: str, ev: HamiEvidence, d: Diff, handshake: bool) -> HamiVerdict:
+        st = self._state[resource]
+        st.differs_since, st.episode = None, False
+        what = "serve" if not ev.plugin_ok else "register"
+        said, does = meanwhile(d, st.copy, resource, handshake)
+        return HamiVerdict(
+            Status.OK,
+            f"not judged while the plugin does not {what} (plugin:/registered: judge that): {d.whole}; "
+            f"meanwhile {said}",
+            "plugin_down",
+            gpus=d.gpus,
+            scheduler=does,
+        )
+
+    def _differs(self, resource: str, ev: HamiEvidence, d: Diff) -> HamiVerdict:
         st, now = self._state[resource], self.clock()
-        if not (ev.plugin_ok and ev.registered_ok):
-            st.differs_since, st.episode = None, False
-            what = "serve" if not ev.plugin_ok else "register"
-            return HamiVerdict(
-                Status.OK,
-                f"not judged while the plugin does not {what} (plugin:/registered: judge that): {diff}",
-                "no_evidence",
-                gpus=gpus,
-            )
         if st.differs_since is None or st.differs_for != ev.plugin_id:
             st.differs_since, st.differs_for = now, ev.plugin_id  # a new plugin gets HAMi's loop again
         lasted = now - st.differs_since
@@ -195,10 +225,11 @@ class HamiJudge:
             st.episode = False
             return HamiVerdict(
                 Status.OK,
-                f"{diff} for {lasted:.0f}s; HAMi's loop rewrites a changed device list within "
+                f"{d.text} for {lasted:.0f}s{d.more}; HAMi's loop rewrites a changed device list within "
                 f"{HAMI_LOOP:.0f}s (judged after {self.repair:g}s)",
                 "repairing",
-                gpus=gpus,
+                gpus=d.gpus,
+                scheduler=d.scheduler,
             )
         if not st.episode:
             st.episode = True
@@ -207,16 +238,27 @@ class HamiJudge:
             st.failed_with = ev.plugin_id
         spent = st.restarts_in_vain >= RESTART_BUDGET
         why = (
-            f"{diff} for {lasted:.0f}s while the plugin serves and the kubelet holds it: HAMi's loop "
-            f"would have rewritten it within {HAMI_LOOP:.0f}s; it skips the patch as 'unchanged' after a "
-            "failed one (its cache is written first), until the plugin restarts"
+            f"{d.text} for {lasted:.0f}s while the plugin serves and the kubelet holds it: {HARM[d.code]}"
+            f"{d.more}. "
+            f"HAMi's loop would have rewritten a changed list within {HAMI_LOOP:.0f}s; {cache_note(d.count)}"
         )
         if spent:
             why += f"; restart budget spent: {st.restarts_in_vain} plugin restarts did not mend it"
-        return HamiVerdict(Status.FAILED, why, code, restarts=not spent, gpus=gpus, budget_spent=spent)
+        return HamiVerdict(
+            Status.FAILED,
+            why,
+            d.code,
+            restarts=not spent,
+            gpus=d.gpus,
+            budget_spent=spent,
+            scheduler=d.scheduler,
+        )
 
-    def _handshake(self, resource: str, k: HamiKeys, node: NodeView, now: float) -> tuple[Code, str] | None:
-        """Why the scheduler drops (or dropped) the node's devices, from its handshake; None: it does not."""
+    def _handshake(
+        self, resource: str, k: HamiKeys, node: NodeView, now: float
+    ) -> tuple[Code, str, str] | None:
+        """Why the scheduler drops (or dropped) the node's devices, from its handshake and the Node's
+        allocatable, with what it does; None: it does not."""
         st = self._state[resource]
         hs = parse_handshake(node.annotations.get(k.handshake))
         if st.handshake is None or st.handshake[0] != hs.value:
@@ -224,20 +266,29 @@ class HamiJudge:
         unchanged = now - st.handshake[1]
         fix = f"kubectl annotate node {self.node} {k.handshake}-"
         if hs.state == "deleted" and unchanged >= HANDSHAKE_EXPIRY + SCHEDULER_TICK:
-            return "handshake_deleted", (
+            return (
+                "handshake_deleted",
                 f"HAMi's scheduler cleaned this node up and its handshake {k.handshake}={hs.value!r} has "
                 f"stayed for {unchanged:.0f}s: schedulers before HAMi v2.10 wrote it and up to v2.8 never "
                 f"replace it, so they keep the node's devices out; remove it ({fix}) and the scheduler "
-                "hands shakes again within 15 s"
+                "hands shakes again within 15 s",
+                "keeps the node's devices out (a scheduler before v2.9)",
             )
-        # HAMi reads the quantity's value: absent is 0; one that is not a plain count is not 0.
-        zero = resource not in node.allocatable or node.allocatable[resource] == 0
-        if hs.state == "requesting" and zero and unchanged >= HANDSHAKE_EXPIRY:
+        if st.zero_since is None:
+            return None
+        # v2.10 removes the handshake when it cleans the node up and stamps a new one at its next tick:
+        # absent in between is the same episode.
+        lasted = now - st.zero_since
+        if st.zero_requesting and hs.state in ("requesting", "absent") and lasted >= HANDSHAKE_EXPIRY:
             shown = "0" if resource in node.allocatable else "absent"
-            return "handshake_expired", (
-                f"HAMi's scheduler removes this node's devices: its handshake {hs.value!r} is over "
-                f"{HANDSHAKE_EXPIRY:.0f}s old and the Node's allocatable {resource} is {shown} (the kubelet "
-                "has not reported the devices in the Node's status)"
+            return (
+                "handshake_expired",
+                f"the Node's allocatable {resource} has been {shown} for {lasted:.0f}s though the kubelet "
+                "lists the GPUs (the kubelet has not reported them in the Node's status): kube-scheduler "
+                "fits no GPU Pod here, and HAMi's scheduler drops the node's devices once its handshake "
+                f"{hs.value or '(removed)'!r} is {HANDSHAKE_EXPIRY:.0f}s old (v2.10 at once, then adds "
+                "them back from the annotation for a minute at a time)",
+                "drops the node's devices (v2.10: adds them back for a minute at a time)",
             )
         return None
 
@@ -247,61 +298,31 @@ class HamiJudge:
         return node.annotations.get(keys.handshake, "") if node is not None else ""
 
 
-def _compare(
-    key: str, value: str | None, register: Register | None, kubelet: frozenset[str] | None
-) -> tuple[Code, str, int]:
-    """What differs between the annotation and the kubelet's healthy devices ("" nothing), and the
-    healthy GPUs the annotation lists."""
-    if register is None:
-        return "missing", f"HAMi's annotation {key} is absent", 0
-    if register.gpus is None:
-        shown = (value or "")[:80]
-        return "unparsable", f"HAMi's annotation {key} does not decode ({register.why}): {shown!r}", 0
-    gpus = len(register.healthy)
-    if kubelet is None or not comparable(register, kubelet):
-        return "ok", "", gpus
-    listed = {g for d in kubelet if (g := gpu_of(d)) is not None}
-    missing = listed - register.ids
-    marked = listed & (register.ids - register.healthy)
-    extra = register.healthy - listed
-    parts = []
-    if missing:
-        parts.append(f"the kubelet lists healthy GPU(s) it does not list: {_ids(missing)}")
-    if marked:
-        parts.append(f"it marks unhealthy GPU(s) the kubelet lists healthy: {_ids(marked)}")
-    if extra:
-        parts.append(f"it lists as healthy GPU(s) the kubelet does not list healthy: {_ids(extra)}")
-    if not parts:
-        return "ok", "", gpus
-    return "mismatched", f"HAMi's annotation {key} differs from the kubelet: " + "; ".join(parts), gpus
+def _remember(
+    st: _State, value: str | None, register: Register | None, handshake: str | None, now: float
+) -> None:
+    """Keeps what HAMi's scheduler has read: an annotation that lists GPUs, in place with the same handshake
+    for a scheduler tick, it has read (it reads every node it selects every 15 s). A new handshake means
+    the scheduler cleaned the node up since (v2.10 removes it, older releases write `Deleted_`), and its
+    copy with it."""
+    if st.copy is not None and st.copy.handshake != handshake:
+        st.copy = None
+    if value is None or register is None or not register.gpus or handshake is None:
+        st.read = None
+        return
+    if st.read is None or st.read.value != value or st.read.handshake != handshake:
+        st.read = Read(value, register, handshake, now, now)
+    st.read.last = now
+    if st.read.last - st.read.first >= SCHEDULER_TICK:
+        st.copy = st.read
 
 
-def comparable(register: Register, kubelet: frozenset[str]) -> bool:
-    """Whether the two lists name the same things: every kubelet ID a GPU or HAMi's split of one, and
-    every annotated GPU a UUID outside MIG (whose devices the kubelet names otherwise)."""
-    return all(gpu_of(d) is not None for d in kubelet) and all(
-        gpu_of(g.id) == g.id and g.mode.lower() != "mig" for g in register.gpus or ()
-    )
-
-
-def diff_note(register: Register | None, ev: HamiEvidence) -> str:
-    """What the verdict could not compare, said after it."""
-    if ev.kubelet is None:
-        why = ev.kubelet_why
-        return f"; the kubelet's devices cannot be read ({why}): only the annotation's presence is judged"
-    if register is not None and register.gpus is not None and not comparable(register, ev.kubelet):
-        return "; its devices are not GPU UUIDs or HAMi's splits of them (MIG?): not compared"
-    return ""
-
-
-def _agrees(register: Register | None, ev: HamiEvidence) -> str:
-    n = len(register.healthy) if register is not None else 0
-    if ev.kubelet is None:
-        return f"HAMi's annotation lists {n} healthy GPU(s)"
-    return f"HAMi's annotation lists the {n} healthy GPU(s) the kubelet lists"
-
-
-def _ids(ids: set[str] | frozenset[str]) -> str:
-    shown = sorted(ids)
-    more = f" and {len(shown) - MAX_LISTED} more" if len(shown) > MAX_LISTED else ""
-    return ", ".join(shown[:MAX_LISTED]) + more
+def _zero(st: _State, node: NodeView, resource: str, handshake: str | None, now: float) -> None:
+    """Since when the Node's allocatable of the resource is 0, and whether a `Requesting_` handshake was
+    seen meanwhile. HAMi reads the quantity's value: absent is 0; one that is not a plain count is not 0."""
+    if resource in node.allocatable and node.allocatable[resource] != 0:
+        st.zero_since, st.zero_requesting = None, False
+        return
+    if st.zero_since is None:
+        st.zero_since = now
+    st.zero_requesting = st.zero_requesting or parse_handshake(handshake).state == "requesting"

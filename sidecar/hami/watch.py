@@ -21,6 +21,7 @@ from sidecar.hami.annotation import MAX_NODE, NodeView, parse_node
 from sidecar.hami.verdicts import (
     CODES,
     HAMI_LOOP,
+    NOT_JUDGED,
     Code,
     HamiEvidence,
     HamiJudge,
@@ -209,6 +210,8 @@ class HamiWatch:
                     "handshake_annotation": self.judge.keys[res].handshake,
                     "handshake": HamiJudge.handshake_of(self.judge.keys[res], ev.node),
                     "reason_code": v.code,
+                    "judged": v.code not in NOT_JUDGED,
+                    "scheduler": v.scheduler or None,
                     "annotation_healthy_gpus": v.gpus,
                     "restarts_in_vain": self.judge.restarts_in_vain(res),
                     "fails_liveness": v.live_failed,

@@ -27,9 +27,13 @@ HAMI_CODES = (
     "ok",
     "repairing",
     "no_evidence",
+    "plugin_down",
+    "no_handshake",
     "missing",
     "unparsable",
     "mismatched",
+    "stale_health",
+    "last_copy",
     "wrong_node",
     "handshake_deleted",
     "handshake_expired",
@@ -140,8 +144,9 @@ class Metrics:
         # HAMi's own registration (sidecar.hami): the `hami` check's reason, and what HAMi's scheduler sees.
         self.hami_reason = Gauge(
             "device_plugin_hami_registration",
-            "1 for the hami check's current reason code (ok, repairing, no_evidence, missing, unparsable, "
-            "mismatched, wrong_node, handshake_deleted, handshake_expired), 0 for the others",
+            "1 for the hami check's current reason code (ok, repairing, no_evidence, plugin_down, "
+            "no_handshake, missing, unparsable, mismatched, stale_health, last_copy, wrong_node, "
+            "handshake_deleted, handshake_expired), 0 for the others",
             ["plugin", "resource", "reason"],
             registry=r,
         )

@@ -2,15 +2,25 @@
 HAMi-shaped writers of the Node's annotations (tests/hamifixture.py: the device plugin's register loop,
 the scheduler's handshake) and the simulated kubelet and device plugin beside the real sidecar.
 
+What it holds on a real API server, each as HAMi v2.10.0's code does it (tests/hamifixture.py says which
+facts the writers mirror): on one GPU a failed patch stays until the plugin restarts, on two a round in
+another map order patches again by itself; an annotation stale on a GPU's health has HAMi's scheduler
+place Pods on the GPU the kubelet took out; one removed after the scheduler read it leaves the scheduler
+on its last copy; a dead plugin is not judged, and the scheduler still offers its annotation meanwhile.
+
 Marked slow and not in `make real-slow`: it needs `make node-bins` (kube-apiserver) and etcd;
-`make hami-registration` runs it. About a minute. HAMi's 30 s loop and 5 s retry are scaled to 1 s and
-0.25 s, the sidecar's --hami-repair to 3 s; the handshake's 60 s run on clocks the test moves.
+`make hami-registration` runs it. About a minute. HAMi's 30 s loop and 5 s retry are scaled to tenths
+of a second, the sidecar's --hami-repair to 3 s; the handshake's 60 s run on clocks the test moves.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
+import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -20,7 +30,7 @@ from doctor.logscan import scan
 from doctor.patterns import PLUGIN_PATTERNS
 from doctor.types import Cause
 from sidecar.deviceplugin.probes import Reading
-from sidecar.hami.verdicts import HANDSHAKE_EXPIRY, SCHEDULER_TICK
+from sidecar.hami.verdicts import HANDSHAKE_EXPIRY, SCHEDULER_TICK, HamiVerdict
 from sidecar.hami.watch import HamiKeys, HamiWatch, boot_id
 from sidecar.health import HealthState, Status
 from sidecar.kube.access import ApiAccess
@@ -30,7 +40,17 @@ from testing.hamiwriter import InCluster, Registrar
 from tests import apiserver
 from tests.conftest import wait_for
 from tests.e2e.conftest import GPU, Node, NodeFactory
-from tests.hamifixture import HANDSHAKE, REGISTER, Gpu, HamiRegistrar, HamiScheduler, marshal
+from tests.hamifixture import (
+    HANDSHAKE,
+    REGISTER,
+    Gpu,
+    HamiRegistrar,
+    HamiScheduler,
+    go_map_order,
+    held_order,
+    marshal,
+    same_devices,
+)
 
 pytestmark = pytest.mark.slow
 NODE = "gpu-node-1"
@@ -101,15 +121,40 @@ def check(node: Node) -> tuple[Status, bool, str]:
     return c.status, c.live_failed, c.reason
 
 
-async def test_the_stuck_patch_fails_liveness_and_a_restart_writes_it_again(
+def resource_document(watch: HamiWatch, now: float) -> dict[str, Any]:
+    """/status's hami_registration.resources entry of the GPU resource."""
+    resources: dict[str, dict[str, Any]] = watch.document(now)["resources"]  # type: ignore[assignment]
+    return resources[GPU]
+
+
+def skips(writer: Registrar, since: int = 0) -> int:
+    """The rounds HAMi's loop skipped as unchanged, from its log line `since` on."""
+    return sum("unchanged, skipping" in line for line in writer.log[since:])
+
+
+def reason_metric(node: Node, code: str) -> float:
+    value: float = node.sidecar.metrics.hami_reason.labels("hami", GPU, code)._value.get()
+    return value
+
+
+def restarts_asked(node: Node) -> float:
+    value: float = node.sidecar.metrics.restart_requests.labels("hami", GPU)._value.get()
+    return value
+
+
+async def test_one_gpu_the_failed_patch_stays_and_a_restart_writes_it_again(
     api: apiserver.ApiServer, make_node: NodeFactory
 ) -> None:
-    gpus = [Gpu(G1), Gpu(G2)]
-    writer = HamiRegistrar(api, NODE, gpus, interval=1.0, error_interval=0.25)
+    """On one GPU HAMi's plugin lists its GPU in one order every round: after a failed PATCH its cache
+    matches every round, and nothing but a restart writes the annotation."""
+    gpus = [Gpu(G1)]
+    writer = HamiRegistrar(api, NODE, gpus, interval=0.1, error_interval=0.05)  # Go's map order
+    await set_status(api, NODE, boot_id(), 10)  # one GPU's ten splits
     sidecar_api = ApiAccess(api.url, api.token_file("hami-sidecar"), api.ca_file)
-    await HamiScheduler(api, NODE).tick()  # HAMi's scheduler selects the node: its handshake
+    scheduler = HamiScheduler(api, NODE)
+    await scheduler.tick()  # HAMi's scheduler selects the node: its handshake
     async with make_node(
-        {"devices": hami_device_ids([G1, G2])},
+        {"devices": hami_device_ids([G1])},
         node_name=NODE,
         hami_api=sidecar_api,
         hami_interval=0.2,
@@ -134,42 +179,249 @@ async def test_the_stuck_patch_fails_liveness_and_a_restart_writes_it_again(
                 lambda: any("patch node error" in line for line in writer.log), what="a failed patch"
             )
             await api.bind("hami-plugin", "hami-plugin-patch")  # the fault is gone; HAMi's cache stays
-            await wait_for(
-                lambda: any("unchanged, skipping" in line for line in writer.log), what="the cached skip"
-            )
+            await wait_for(lambda: skips(writer) >= 10, what="ten rounds skipped as unchanged")
             assert await annotation(api) is None
             body = await node.until("/healthz?verbose", 503, timeout=REPAIR + 3, contains=f"[-]{CHECK}")
-            assert "skips the patch as 'unchanged'" in body
+            assert "it may skip every later round as 'unchanged' until the plugin restarts" in body
+            assert "with one GPU it always does" in body and "'node unregistered'" in body
             assert writer.patches == 0 and await annotation(api) is None  # nothing else mends it
+            await scheduler.tick()
+            assert scheduler.offers() is None  # `node unregistered` for its Pods
             # The liveness probe's remedy: the kubelet restarts the plugin's container.
             await writer.restart()
             await node.plugin.restart()
             await node.until("/healthz", 200, timeout=5)
             await wait_for(lambda: check(node)[0] is Status.OK, timeout=5, what="hami ok again")
-            assert await annotation(api) == marshal(gpus)
-            scheduler = HamiScheduler(api, NODE)
+            assert same_devices(await annotation(api), marshal(gpus))
             await scheduler.tick()
-            assert scheduler.sees
+            assert scheduler.offers() == frozenset({G1})
+        finally:
+            await writer.stop()
 
-            # A GPU turns unhealthy while the patch fails once: the annotation keeps it healthy.
+
+async def test_two_gpus_a_round_in_another_order_patches_again_by_itself(
+    api: apiserver.ApiServer, make_node: NodeFactory
+) -> None:
+    """On two GPUs HAMi's plugin lists them in Go's map order, another one about a round in five: a round
+    in another order differs from the cache as a string and patches again, with no restart. The orders
+    are Go's odds drawn from a seeded generator, whose longest run of one order the test bounds first, so
+    that the result does not hang on the draw."""
+    rng, probe = random.Random(9), random.Random(9)
+    draws = [tuple(go_map_order(2, probe)) for _ in range(1000)]
+    longest = max(len(list(run)) for _, run in itertools.groupby(draws))
+    assert longest <= 25, longest  # at 0.02 s a round, well within the sidecar's 10 s
+    gpus = [Gpu(G1), Gpu(G2)]
+    writer = HamiRegistrar(
+        api, NODE, gpus, interval=0.02, error_interval=0.02, order=lambda n: go_map_order(n, rng)
+    )
+    await HamiScheduler(api, NODE).tick()
+    sidecar_api = ApiAccess(api.url, api.token_file("hami-sidecar"), api.ca_file)
+    async with make_node(
+        {"devices": hami_device_ids([G1, G2])},
+        node_name=NODE,
+        hami_api=sidecar_api,
+        hami_interval=0.2,
+        hami_repair=10.0,
+    ) as node:
+        await wait_for(lambda: "HAMi's loop rewrites" in check(node)[2], what="the wait for HAMi's loop")
+        await api.unbind("hami-plugin-patch")
+        writer.start()
+        try:
+            await wait_for(lambda: any("patch node error" in x for x in writer.log), what="a failed patch")
+            await api.bind("hami-plugin", "hami-plugin-patch")
+            failed = max(i for i, x in enumerate(writer.log) if "patch node error" in x)
+            await wait_for(lambda: writer.patches >= 1, timeout=8, what="a round in another order patching")
+            assert same_devices(await annotation(api), marshal(gpus))
+            await wait_for(lambda: check(node)[2].startswith("HAMi's annotation lists the 2"), what="hami ok")
+            assert restarts_asked(node) == 0 and reason_metric(node, "ok") == 1
+            print(f"two GPUs: patched again after {skips(writer, failed)} round(s) skipped as unchanged")
+        finally:
+            await writer.stop()
+
+
+async def test_a_stale_health_places_pods_on_the_gpu_the_kubelet_took_out(
+    api: apiserver.ApiServer, make_node: NodeFactory
+) -> None:
+    """A GPU turns unhealthy while the plugin's patch fails once (its order held, as one GPU's: the
+    annotation stays stale): HAMi's scheduler re-reads the node when the allocatable count changes and
+    offers the GPU the kubelet took out; the sidecar names that harm and fails liveness."""
+    gpus = [Gpu(G1), Gpu(G2)]
+    writer = HamiRegistrar(api, NODE, gpus, interval=0.2, error_interval=0.05, order=held_order)
+    scheduler = HamiScheduler(api, NODE)
+    await scheduler.tick()
+    sidecar_api = ApiAccess(api.url, api.token_file("hami-sidecar"), api.ca_file)
+    async with make_node(
+        {"devices": hami_device_ids([G1, G2])},
+        node_name=NODE,
+        hami_api=sidecar_api,
+        hami_interval=0.2,
+        hami_repair=REPAIR,
+    ) as node:
+        writer.start()
+        try:
+            await wait_for(lambda: check(node)[2].startswith("HAMi's annotation lists the 2"), what="hami ok")
+            await scheduler.tick()
+            assert scheduler.offers() == frozenset({G1, G2})
             await api.unbind("hami-plugin-patch")
             for device in hami_device_ids([G2]):
                 node.plugin.set_health(device, False)
             gpus[1].healthy = False
+            await set_status(api, NODE, boot_id(), 10)  # the kubelet's allocatable: G1's ten splits
             before = len(writer.log)
             await wait_for(lambda: any("patch node error" in x for x in writer.log[before:]), what="failed")
             await api.bind("hami-plugin", "hami-plugin-patch")
+            # HAMi's scheduler reads the node again (the count changed), from the stale annotation.
+            await scheduler.tick()
+            assert scheduler.offers() == frozenset({G1, G2})
             body = await node.until("/healthz?verbose", 503, timeout=REPAIR + 5, contains=f"[-]{CHECK}")
-            assert f"as healthy GPU(s) the kubelet does not list healthy: {G2}" in body
-            assert node.sidecar.metrics.hami_reason.labels("hami", GPU, "mismatched")._value.get() == 1
+            assert f"it lists as healthy GPU(s) the kubelet does not list healthy: {G2}" in body
+            assert "HAMi's scheduler places GPU Pods on the GPU(s) the kubelet took out" in body
+            assert reason_metric(node, "stale_health") == 1 and reason_metric(node, "mismatched") == 0
+            doc = status_document(node.sidecar)["hami_registration"]["resources"][GPU]
+            assert doc["reason_code"] == "stale_health" and doc["judged"] and doc["fails_liveness"]
+            assert doc["scheduler"] == f"places Pods on GPU(s) the kubelet took out: {G2}"
             await writer.restart()
             await node.plugin.restart()
             for device in hami_device_ids([G2]):
                 node.plugin.set_health(device, False)
             await node.until("/healthz", 200, timeout=5)
-            assert await annotation(api) == marshal(gpus)
+            assert same_devices(await annotation(api), marshal(gpus))
+            await scheduler.tick()  # the annotation changed: read again
+            assert scheduler.offers() == frozenset({G1})
         finally:
             await writer.stop()
+
+
+async def test_an_annotation_gone_after_the_scheduler_read_it_is_its_last_copy(
+    api: apiserver.ApiServer,
+) -> None:
+    """The register annotation removed after HAMi's scheduler read it: the scheduler keeps scheduling on its
+    copy, and the sidecar says so (not "cannot see"); once the scheduler cleans the node up, the copy is
+    gone and its Pods get `node unregistered`, which the sidecar then says."""
+    gpus = [Gpu(G1), Gpu(G2)]
+    writer = HamiRegistrar(api, NODE, gpus, order=held_order)
+    assert await writer.register_once()
+    scheduler = HamiScheduler(api, NODE)
+    await scheduler.tick()
+    assert scheduler.offers() == frozenset({G1, G2})
+    clock = Clock()
+    watch = HamiWatch(
+        KEYS,
+        {},
+        ApiAccess(api.url, api.token_file("hami-sidecar"), api.ca_file),
+        NODE,
+        pod_resources_socket="/nonexistent",
+        every=0.0,
+        repair=REPAIR,
+        clock=clock,
+    )
+    kubelet = Reading({GPU: frozenset(hami_device_ids([G1, G2]))})
+
+    async def verdict() -> HamiVerdict:
+        return (await watch.round({GPU: (True, True)}, kubelet))[GPU][1]
+
+    try:
+        assert (await verdict()).code == "ok"
+        clock.now += SCHEDULER_TICK
+        assert (await verdict()).code == "ok"  # in place for a scheduler tick: it has read it
+        await api.request(
+            "PATCH",
+            f"/api/v1/nodes/{NODE}",
+            {"metadata": {"annotations": {REGISTER: None}}},
+            content_type="application/merge-patch+json",
+        )
+        await scheduler.tick()
+        assert scheduler.offers() == frozenset({G1, G2})  # its last copy
+        assert await writer.register_once() and writer.log[-1].endswith("skipping annotation update")
+        v = await verdict()
+        assert v.code == "repairing" and "(HAMi's scheduler read it: 2 healthy GPU(s)" in v.reason
+        clock.now += REPAIR
+        v = await verdict()
+        assert v.status is Status.FAILED and v.code == "last_copy" and v.live_failed, v.reason
+        assert "keeps scheduling on its last copy of the annotation" in v.reason
+        doc = resource_document(watch, clock.now)
+        assert doc["scheduler"] == "schedules on its last copy: 2 healthy GPU(s)" and doc["judged"]
+        # The scheduler cleans the node up (the kubelet's status: allocatable 0): its copy goes, and the
+        # handshake with it; it stamps a new one, and finds no annotation to read.
+        await set_status(api, NODE, boot_id(), 0)
+        await scheduler.tick()
+        assert scheduler.offers() is None and "cleaning up node" in scheduler.log[-1]
+        assert await annotation(api, HANDSHAKE) is None
+        assert (await verdict()).code == "no_handshake"
+        await set_status(api, NODE, boot_id(), 20)
+        await scheduler.tick()
+        assert (await annotation(api, HANDSHAKE) or "").startswith("Requesting_")
+        assert scheduler.offers() is None  # `node unregistered`
+        v = await verdict()
+        assert v.code == "repairing" and "HAMi's scheduler read it" not in v.reason
+        clock.now += REPAIR
+        v = await verdict()
+        assert v.code == "missing" and "'node unregistered' where it never read an earlier annotation" in (
+            v.reason
+        )
+    finally:
+        await watch.close()
+
+
+async def test_a_dead_plugin_is_not_judged_and_says_the_scheduler_still_offers_its_annotation(
+    api: apiserver.ApiServer,
+) -> None:
+    """The plugin is dead: the kubelet lists no healthy device and reports allocatable 0, the annotation
+    still lists both GPUs. HAMi's v2.10 scheduler drops the node, re-adds it from the annotation at its
+    next tick, drops it again once its new stamp is 60 s old: the sidecar does not judge (the plugin's
+    checks do) and says the scheduler still offers the node; the doctor too, apart from an unread Node."""
+    writer = HamiRegistrar(api, NODE, [Gpu(G1), Gpu(G2)])
+    assert await writer.register_once()
+    sched_now = [time.time()]
+    scheduler = HamiScheduler(api, NODE, now=lambda: sched_now[0])
+    await scheduler.tick()
+    assert scheduler.offers() == frozenset({G1, G2})
+    await set_status(api, NODE, boot_id(), 0)
+    clock = Clock()
+    access = ApiAccess(api.url, api.token_file("hami-sidecar"), api.ca_file)
+    watch = HamiWatch(
+        KEYS, {}, access, NODE, pod_resources_socket="/nonexistent", every=0.0, repair=REPAIR, clock=clock
+    )
+    gone: Reading[dict[str, frozenset[str]]] = Reading({GPU: frozenset()})
+    offered = []
+    try:
+        for _ in range(8):  # two minutes of the scheduler's 15 s ticks
+            await scheduler.tick()
+            offered.append(scheduler.offers() is not None)
+            _, v = (await watch.round({GPU: (False, False)}, gone))[GPU]
+            assert v.status is Status.OK and v.code == "plugin_down" and not v.restarts, v.reason
+            assert v.reason.startswith("not judged while the plugin does not serve") and v.gpus == 2
+            if await annotation(api, HANDSHAKE) is None:  # v2.10 cleaned the node up this tick
+                assert "or it has just cleaned the node up" in v.reason
+            else:
+                assert "meanwhile HAMi's scheduler still offers the node from this annotation (2 healthy" in (
+                    v.reason
+                )
+                assert v.scheduler == "still offers the node from the last annotation: 2 healthy GPU(s)"
+            sched_now[0] += SCHEDULER_TICK
+            clock.now += SCHEDULER_TICK
+        # Dropped, added back, dropped again: offered most of the time.
+        assert offered[0] is False and True in offered[1:] and sum(offered) >= 4, offered
+        assert sum("cleaning up node" in line for line in scheduler.log) >= 2, scheduler.log
+        print(f"dead plugin: HAMi's scheduler offered the node at {sum(offered)} of {len(offered)} ticks")
+        doc = resource_document(watch, clock.now)
+        assert doc["reason_code"] == "plugin_down" and doc["judged"] is False
+    finally:
+        await watch.close()
+    # hami-doctor, as a snapshot: "unknown", said as not judged, with what the scheduler does.
+    found = await gather_hami(
+        access, NODE, ((GPU, REGISTER),), HANDSHAKE, kubelet=gone, serving={GPU: False}, timeout=15.0
+    )
+    row = hami_causes(found, [])[0]
+    assert row.verdict == "unknown" and row.evidence[0].startswith(f"{GPU}: not judged while the plugin")
+    assert "meanwhile HAMi's scheduler still offers the node from this annotation" in row.evidence[0]
+    nobody = ApiAccess(api.url, api.token_file("nobody"), api.ca_file)
+    found = await gather_hami(
+        nobody, NODE, ((GPU, REGISTER),), HANDSHAKE, kubelet=gone, serving={GPU: False}, timeout=15.0
+    )
+    row = hami_causes(found, [])[0]
+    assert row.verdict == "unknown" and "no evidence: the Node cannot be read" in row.evidence[0]
+    assert "403" in row.evidence[0] and "not judged" not in row.evidence[0]
 
 
 async def test_the_standin_writer_as_a_pod_runs_it(api: apiserver.ApiServer) -> None:
@@ -186,11 +438,17 @@ async def test_the_standin_writer_as_a_pod_runs_it(api: apiserver.ApiServer) -> 
 
     gpus = [Gpu(G1), Gpu(G2)]
     access = InCluster(api.url, api.token_file("hami-plugin"), api.ca_file)
-    writer = Registrar(access, NODE, lambda: gpus, fail_patch=once)
+    writer = Registrar(access, NODE, lambda: gpus, fail_patch=once, order=held_order)
     assert not await writer.register_once()
     assert "409" in writer.error and "patch node error" in writer.log[-1], writer.log
     assert await writer.register_once() and writer.log[-1].endswith("skipping annotation update")
     assert writer.patches == 0 and await annotation(api) is None
+    writer.order = lambda n: [1, 0]  # another map order: another string, the same devices, patched
+    assert await writer.register_once() and writer.patches == 1
+    assert await annotation(api) == marshal(gpus, [1, 0]) and same_devices(
+        await annotation(api), marshal(gpus)
+    )
+    writer.order = held_order
     writer.cache = ""  # a plugin restart
     assert await writer.register_once() and await annotation(api) == marshal(gpus)
     denied = Registrar(InCluster(api.url, api.token_file("nobody"), api.ca_file), NODE, lambda: gpus)
@@ -201,7 +459,7 @@ async def test_the_standin_writer_as_a_pod_runs_it(api: apiserver.ApiServer) -> 
 async def test_a_deleted_handshake_that_stays_is_readiness_only(api: apiserver.ApiServer) -> None:
     clock, sched_now = Clock(), [1.7e9]
     scheduler = HamiScheduler(api, NODE, release="before-v2.9", now=lambda: sched_now[0])
-    writer = HamiRegistrar(api, NODE, [Gpu(G1), Gpu(G2)])
+    writer = HamiRegistrar(api, NODE, [Gpu(G1), Gpu(G2)], order=held_order)
     assert await writer.register_once()
     watch = HamiWatch(
         KEYS,
@@ -226,6 +484,7 @@ async def test_a_deleted_handshake_that_stays_is_readiness_only(api: apiserver.A
     assert first[1] == "ok", first
     # The kubelet stops reporting the GPUs for a while; the stamp is over 60 s old: the node is cleaned.
     await set_status(api, NODE, boot_id(), 0)
+    assert (await verdict())[1] == "ok"  # the allocatable's 0 is new
     sched_now[0] += 61
     clock.now += HANDSHAKE_EXPIRY
     assert (await verdict())[1] == "handshake_expired"
@@ -304,7 +563,7 @@ async def test_no_api_access_is_no_evidence_and_a_wrong_node_is_readiness_only(
     code, reason, live = await verdict(sidecar, "gpu-node-2")
     assert code == "wrong_node" and "another machine" in reason and live
     code, reason, live = await verdict(sidecar)  # the right name: the difference is seen, and fails
-    assert code == "mismatched" and not live
+    assert code == "stale_health" and not live  # it lists G1 healthy, which the kubelet does not
 
 
 class _Nothing:
@@ -324,7 +583,7 @@ async def test_the_doctor_names_the_stuck_cache_and_removes_a_deleted_handshake(
     )
     assert settings.hami_api is not None and settings.hami_api.source.startswith("kubeconfig ")
     assert settings.hami_keys == ((GPU, REGISTER),)
-    writer = HamiRegistrar(api, NODE, [Gpu(G1), Gpu(G2)])
+    writer = HamiRegistrar(api, NODE, [Gpu(G1), Gpu(G2)], order=held_order)  # one order: it skips
     await HamiScheduler(api, NODE).tick()
     await api.unbind("hami-plugin-patch")
     assert not await writer.register_once()
