@@ -303,7 +303,12 @@ class Connections:
         return frozenset(s.ino for s in self.sockets if s.state == ESTABLISHED and s.path in names)
 
     def accepted(
-        self, path: str, bound_as: tuple[str, ...] = (), gone_as: tuple[tuple[int, int], int] | None = None
+        self,
+        path: str,
+        bound_as: tuple[str, ...] = (),
+        gone_as: tuple[tuple[int, int], int] | None = None,
+        *,
+        strict: bool = False,
     ) -> frozenset[int] | str:
         """The accepted ends (by inode: which one came or went between two reads) of the open
         connections on the listener that owns the socket file at `path` now, or why they cannot be
@@ -324,8 +329,9 @@ class Connections:
         to another plugin's socket is not this one's). Once the file is gone, the identity it had still
         matches while the plugin's listener that bound it is in the table (`gone_as`: that file and the
         listener's own inode; the kernel keeps a socket's bound identity after an unlink, and the inode
-        number is another file's only once the listener closed); otherwise whose connections are whose
-        cannot be told: no count, never 0.
+        number is another file's only once the listener closed); otherwise, `strict` (a caller that
+        follows the listener), whose connections are whose cannot be told: no count, never 0; not
+        `strict`, none.
         """
         if self.exact:
             vfs = _socket_file(path)
@@ -333,6 +339,8 @@ class Connections:
                 bound, listener = gone_as
                 alive = any(s.ino == listener and s.state == LISTEN and s.vfs == bound for s in self.sockets)
                 vfs = bound if alive else None
+            if vfs is None and not strict:
+                return frozenset()
             if vfs is None:
                 name = os.path.basename(path)
                 return f"{name} is gone (or not a socket): whose connections are whose cannot be told"

@@ -239,6 +239,12 @@ class DevicePluginWatch:
             # Never left waiting for a verdict that will not come: the next round judges the socket.
             self.judge.end_judgement(plugin.resource)
 
+    def _gone_as(self, plugin: PluginSpec) -> tuple[tuple[int, int], int] | None:
+        """The file the plugin's listener bound and that listener's inode, as last found (its own socket
+        file may be gone since: the kernel keeps the identity)."""
+        known = self._listeners.get(plugin.resource)
+        return (known.bound, known.ino) if known is not None and known.ino is not None else None
+
     async def _find_listeners(self) -> None:
         """Each plugin socket's listener, looked up (off the loop) when its file is a new one, and again
         each round until it is found: a Go server binds its file before it listens, and a lookup in
@@ -334,7 +340,7 @@ class DevicePluginWatch:
             return False
         for plugin in watched:
             path = self.settings.plugin_path(plugin)
-            found = connections.accepted(path, _bound_as(plugin))
+            found = connections.accepted(path, _bound_as(plugin), self._gone_as(plugin), strict=True)
             if not isinstance(found, str) and found != known[plugin.resource]:
                 return True
         return False
@@ -347,6 +353,8 @@ class DevicePluginWatch:
         files = [s.kubelet_path, *plugins]
         bound = {os.path.join(BOUND_DIR, p.socket) for p in s.plugins}
         listed = {i for f in files if (i := file_id(f))}
+        # A plugin's file gone: its listener's file, which the kernel keeps, still matches its connections.
+        listed |= {g[0] for p in s.plugins if (g := self._gone_as(p))}
         try:
             mine: list[UnixSocket] | str = diag_dump(listed)
         except DiagUnavailable as e:
@@ -367,7 +375,7 @@ class DevicePluginWatch:
             held: Reading[int] = Reading.failed(table.connections)
         else:
             # Where the folder is mounted elsewhere, the plugin bound it at the kubelet's own path.
-            found = table.connections.accepted(path, _bound_as(plugin))
+            found = table.connections.accepted(path, _bound_as(plugin), self._gone_as(plugin), strict=True)
             if isinstance(found, str):
                 held = Reading.failed(found)
             else:

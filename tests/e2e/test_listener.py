@@ -32,6 +32,9 @@ async def test_registered_never_says_no_connection_while_the_listener_holds_the_
         _, body = await node.get("/readyz?verbose")
         registered = next(line for line in body.splitlines() if f"registered:{GPU}" in line)
         assert registered == f"[+]registered:{GPU} ok", body
+        # By the connection itself, matched through the listener's file, not by pod-resources.
+        status = json.loads((await node.get("/status"))[1])
+        assert status["checks"][f"registered:{GPU}"]["reason"].startswith("the kubelet holds a connection")
         assert "still listens" in (await node.get("/healthz?verbose"))[1]
         assert (await node.get("/healthz"))[0] == 200
 
