@@ -177,7 +177,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
             hami_api = from_kubeconfig(args.kubeconfig, args.kube_context)
         except KubeconfigError as e:
             parser.error(f"--kubeconfig: {e}")
-    keys = hami_keys(plugins, hami.annotations, vendor.profile)
+    keys = hami_keys(plugins, hami.annotations, vendor.profile if vendor.given else None)
     status = args.sidecar_status
     if status is None:
         status = f"http://127.0.0.1:{vendor.profile.free_port()}/status"

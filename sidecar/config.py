@@ -84,6 +84,7 @@ class Settings(flags.DeviceFolder):
     kubelet_socket: str = DEFAULT_SOCKET
     # The devices' vendor profile (hami_guard/profiles): the defaults below that are a vendor's follow it.
     vendor: str = PROFILE.name
+    vendor_given: bool = False  # --vendor (or its variable) named it: it owns the resources no profile owns
     host_dev: str = HOST_DEV  # where the host's /dev is in this container
     plugins: tuple[PluginSpec, ...] = (DEFAULT_PLUGIN,)
     pod_resources_socket: str = DEFAULT_POD_RESOURCES
@@ -160,7 +161,7 @@ class Settings(flags.DeviceFolder):
 
     def hami_keys(self) -> tuple[tuple[str, str], ...]:
         """(resource, register annotation key) of each configured plugin whose HAMi key is known."""
-        return hami_keys(self.plugins, self.hami_annotations, self.profile)
+        return hami_keys(self.plugins, self.hami_annotations, self.profile if self.vendor_given else None)
 
     def hami_handshake(self, resource: str) -> str:
         """HAMi's handshake annotation of `resource`: the one given, else its vendor's ("" for none)."""
@@ -374,6 +375,7 @@ class Vendor:
     """What the vendor flags and --plugin give: the profile, the plugins, the device glob."""
 
     profile: VendorProfile
+    given: bool  # --vendor named it (else it follows the resources, or is the default)
     plugins: tuple[PluginSpec, ...]
     device_glob: str
 
@@ -403,7 +405,7 @@ def vendor_settings(parser: argparse.ArgumentParser, args: argparse.Namespace, d
             f"--expect-devices auto: the {profile.vendor} profile names no device nodes to count; set "
             "--device-glob, or --expect-devices N"
         )
-    return Vendor(profile, plugins, glob)
+    return Vendor(profile, bool(args.vendor), plugins, glob)
 
 
 def _profile_keys() -> str:
@@ -514,6 +516,7 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
         device_plugin_dir=args.device_plugin_dir,
         kubelet_socket=args.kubelet_socket,
         vendor=vendor.profile.name,
+        vendor_given=vendor.given,
         host_dev=args.host_dev,
         plugins=plugins,
         pod_resources_socket=args.pod_resources_socket,

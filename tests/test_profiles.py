@@ -27,7 +27,10 @@ import yaml
 from doctor import patterns
 from doctor.patterns import PLUGIN_PATTERNS
 from hami_guard import profiles
+from hami_guard.flags import PluginSpec
 from hami_guard.profiles import DEFAULT, PROFILES, ProfileError, export, load, load_all
+from sidecar.config import parse_settings
+from sidecar.deviceplugin import naming
 from tests.conftest import require_tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,7 +144,11 @@ def test_the_shipped_profiles_load_and_nvidia_is_the_default() -> None:
         ),
         ("stuck_cache = true", 'stuck_cache = "yes"', "[hami] stuck_cache: must be true or false"),
         ("stuck_cache = true\n", "", "nvidia.toml: [hami] stuck_cache: missing"),
-        ('container = "device-plugin"', 'container = "Device_Plugin"', "[chart] container: 'Device_Plugin' is"),
+        (
+            'container = "device-plugin"',
+            'container = "Device_Plugin"',
+            "[chart] container: 'Device_Plugin' is",
+        ),
         ('namespace = "kube-system"', 'namespace = ""', "[chart] namespace: must be a non-empty string"),
         ('daemonset = ""', 'daemonset = "Hami"', "[chart] daemonset: 'Hami' is not a DaemonSet's name"),
         (
@@ -149,7 +156,11 @@ def test_the_shipped_profiles_load_and_nvidia_is_the_default() -> None:
             'config_volume = ""',
             "[chart] resource_value: set with config_volume, or neither",
         ),
-        ('node_config = "/config/config.json"', 'node_config = "config.json"', "[chart] node_config: 'config"),
+        (
+            'node_config = "/config/config.json"',
+            'node_config = "config.json"',
+            "[chart] node_config: 'config",
+        ),
         ("ports = [9394]", "ports = [0]", "[chart] ports: must be a list of ports (1 to 65535)"),
         ("ports = [9394]", 'ports = ["9394"]', "[chart] ports: must be a list of ports"),
         ("ports = [9394]", "ports = [true]", "[chart] ports: must be a list of ports"),
@@ -160,7 +171,11 @@ def test_the_shipped_profiles_load_and_nvidia_is_the_default() -> None:
             'socket = "nvidia-{name}.sock"\nname = "gpu[0-9]+"',
             "[resources] default: 'nvidia.com/gpu' is not of 'nvidia.com/{name}' ({name}: gpu[0-9]+)",
         ),
-        ('socket = "nvidia-{name}.sock"', 'socket = "nvidia-{name}.sock"\nname = "(x"', "[resources] name: not a"),
+        (
+            'socket = "nvidia-{name}.sock"',
+            'socket = "nvidia-{name}.sock"\nname = "(x"',
+            "[resources] name: not a",
+        ),
         (
             'socket = "nvidia-{name}.sock"',
             'socket = "nvidia-{name}.sock"\nper_node = "no"',
@@ -284,7 +299,9 @@ def test_each_vendors_names_read_both_ways() -> None:
     assert ascend.resource_for("Ascend310P.sock") == "huawei.com/Ascend310P"
     assert ascend.resource_for("Ascend910B4-1.sock") == "huawei.com/Ascend910B4-1"
     # Only the chart's commonWords: another plugin's <name>.sock is not an NPU's.
-    assert [ascend.resource_for(s) for s in ("kubelet.sock", "cambricon.sock", "nvidia-gpu.sock")] == [None] * 3
+    assert [ascend.resource_for(s) for s in ("kubelet.sock", "cambricon.sock", "nvidia-gpu.sock")] == [
+        None
+    ] * 3
     assert (ascend.owns("huawei.com/Ascend910A"), ascend.owns("huawei.com/npu")) == (True, False)
     assert ascend.register_key("huawei.com/Ascend910B3") == "hami.io/node-register-Ascend910B3"
     assert ascend.handshake_key("huawei.com/Ascend310P") == "hami.io/node-handshake-Ascend310P"
@@ -326,6 +343,41 @@ def test_each_vendors_names_read_both_ways() -> None:
     assert profiles.for_socket("kubelet.sock") is None
     # Only NVIDIA's plugin caches its annotation before the patch (the stuck-cache defect).
     assert [p.name for p in PROFILES if p.hami.stuck_cache] == ["nvidia"]
+
+
+def test_split_ids_fold_by_the_resources_vendor() -> None:
+    """The kubelet's device IDs fold by the profile of their resource (sidecar/deviceplugin/naming.py):
+    AMD's <bus ID>#<n> and DCU's <id>-fake-<i> count once per device there, never under another vendor's
+    resource; without a resource, the default profile's (NVIDIA's <UUID>-<n>)."""
+    amd_ids = ["0000:c1:00.0#0", "0000:c1:00.0#1", "0000:c2:00.0#0"]
+    assert naming.physical_devices(amd_ids, "amd.com/gpu") == {"0000:c1:00.0", "0000:c2:00.0"}
+    assert len(naming.physical_devices(amd_ids)) == 3
+    dcu_ids = [f"DCU-77-fake-{i}" for i in range(4)]
+    assert naming.physical_devices(dcu_ids, "hygon.com/dcunum") == {"DCU-77"}
+    assert len(naming.physical_devices(dcu_ids, "nvidia.com/gpu")) == 4
+    assert naming.physical_devices([f"{UUID}-1", f"{UUID}-2"]) == {UUID}
+    assert naming.physical_devices([f"{UUID}-1"], "birentech.com/gpu") == {f"{UUID}-1"}
+    ascend = profiles.named("ascend")
+    assert (
+        naming.physical_device("x-1-3", "huawei.com/Mine", vendor=ascend) == "x-1"
+    )  # --vendor's for its own
+
+
+def test_device_plugin_managers_sockets_read_as_their_resources() -> None:
+    """<domain>_<name> (kubevirt's device-plugin-manager) is the resource <domain>/<name> for any vendor;
+    a name without a dotted domain (kubelet_internal_checkpoint) is none."""
+    assert naming.hami_resource("example.org_vpu") == "example.org/vpu"
+    assert naming.hami_resource("amd.com_gpu") == "amd.com/gpu"
+    assert naming.hami_resource("kubelet_internal_checkpoint") is None
+    assert naming.hami_resource("kubelet.sock") is None
+    spec = PluginSpec("example.org/gpu", "example.org_gpu")
+    assert naming.pick_found(spec, ["a.sock", "example.org_vpu"]) == "example.org_vpu"
+    said = naming.socket_found_instead([spec], spec, "example.org_vpu")
+    assert "(device-plugin-manager serves <domain>_<name> for <domain>/<name>: example.org/vpu)" in said
+    assert "HAMI_GUARD_PLUGIN=example.org/vpu=example.org_vpu" in said
+    ascend = PluginSpec("huawei.com/Ascend910B3", "Ascend910B3.sock")
+    said = naming.socket_found_instead([ascend], ascend, "Ascend310P.sock")
+    assert "(HAMi serves <name>.sock for resourceName huawei.com/<name>: huawei.com/Ascend310P)" in said
 
 
 def test_each_vendors_log_patterns_are_its_own() -> None:
@@ -590,7 +642,7 @@ def test_the_post_renderer_reads_its_copy_of_the_profiles(tmp_path: Path) -> Non
         env=env,
         check=False,
     )
-    assert "no DaemonSet labelled app.kubernetes.io/component=acme-device-plugin and" in nothing.stderr
+    assert "no DaemonSet labelled app.kubernetes.io/component=acme-device-plugin (or" in nothing.stderr
 
 
 # -- the copies and the manifests ----------------------------------------------------------------------------
@@ -626,8 +678,8 @@ def test_the_manifests_name_no_vendor() -> None:
     when unset), under the host's /dev where it mounts it; its readiness path excludes kinds of checks,
     no resource; node-problem-detector's rule passes the host's /dev, not a glob."""
     render = render_module()
-    assert render.DEFAULT_RESOURCE == DEFAULT.resources.default
-    assert render.DEFAULT_VENDOR == DEFAULT.name
+    assert DEFAULT.resources.default == render.DEFAULT_RESOURCE
+    assert DEFAULT.name == render.DEFAULT_VENDOR
     assert dict(DEFAULT.dra) == render.DRA_BINARIES
     # The kustomize component.
     component = yaml.safe_load((PATCH / "kustomization.yaml").read_text())
@@ -645,8 +697,6 @@ def test_the_manifests_name_no_vendor() -> None:
     ready = {c["name"]: c for c in pod["containers"]}["device-plugin"]["readinessProbe"]["httpGet"]["path"]
     assert ready == render.READINESS and "/" not in ready.partition("?")[2]
     # What the sidecar makes of the patch's variables: the default vendor's names, under /host/dev.
-    from sidecar.config import parse_settings
-
     read = parse_settings([], {k: v for k, v in env.items() if isinstance(v, str)})
     resource = DEFAULT.resources.default
     assert read.plugins == ((resource, DEFAULT.socket_for(resource)),)

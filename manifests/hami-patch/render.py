@@ -333,6 +333,8 @@ def vendor_patch(profile: Mapping[str, Any], container: str, port: int, liveness
         sidecar["env"].insert(0, {"name": "HAMI_GUARD_VENDOR", "value": profile["name"]})
     if not profile["chart"]["node_config"]:
         sidecar["volumeMounts"] = [m for m in sidecar["volumeMounts"] if m["name"] != "deviceconfig"]
+    if not profile["devices"]["glob"]:  # no device nodes to count: at least one healthy device (absent)
+        sidecar["env"] = [e for e in sidecar["env"] if e["name"] != "HAMI_GUARD_EXPECT_DEVICES"]
     if port != PORT:
         sidecar["env"].append({"name": "HAMI_GUARD_LISTEN", "value": f"0.0.0.0:{port}"})
         sidecar["ports"][0]["containerPort"] = port
@@ -388,9 +390,11 @@ def chart_resources(
 def chart_plugins(ds: Mapping[str, Any], objects: Sequence[Mapping[str, Any]], p: Mapping[str, Any]) -> str:
     """RESOURCE=SOCKET from the device config the plugin reads, or "": the vendor's default (the sidecar's
     own). Refused where each node registers its own and the chart names several."""
+    if not p["name"]:
+        raise Refused(f"DaemonSet {ds['metadata'].get('name')}: a vendor without a profile: set plugin=")
     resources = chart_resources(ds, objects, p)
     r = p["resources"]
-    if r["per_node"] and (len(resources) != 1 or not p["name"]):
+    if r["per_node"] and len(resources) != 1:
         shown = ", ".join(resources) or "none read"
         raise Refused(
             f"DaemonSet {ds['metadata'].get('name')}: each node's plugin registers the resource of its own "
@@ -470,8 +474,6 @@ def vendor_choices(
     assert profile is not None
     container = plugin_container(ds, profile)
     plugins = s["plugin"] or chart_plugins(ds, objects, profile)
-    if not profile["name"] and not plugins:
-        raise Refused(f"DaemonSet {ds['metadata'].get('name')}: a vendor without a profile: set plugin=")
     port = sidecar_port(ds, profile, s)
     return {
         "profile": profile,
@@ -598,9 +600,9 @@ def render(text: str, s: Mapping[str, str]) -> str:
     targets = [o for o in objects if profile_of(o, s) is not None]
     dra = {id(o): d for o in objects if (d := dra_drivers(o, s))}
     if not targets and not dra:
-        labels = " or ".join(sorted({p["chart"]["selector"] for p in candidates(s)}))
+        labels = " or ".join(dict.fromkeys(p["chart"]["selector"] for p in candidates(s)))
         raise Refused(
-            f"no DaemonSet labelled {labels} and no DRA kubelet plugin "
+            f"no DaemonSet labelled {labels} (or with pods so labelled) and no DRA kubelet plugin "
             "in the rendered chart: nothing patched (is devicePlugin.enabled false, or is this not HAMi's "
             "chart, a vendor's device-plugin chart nor a DRA driver's? selector=KEY=VALUE names a device "
             "plugin's, dra-driver=CONTAINER=DRIVER a kubelet plugin)"

@@ -65,7 +65,9 @@ def hami_resource(socket: str) -> str | None:
 def matching_plugins(plugins: Iterable[PluginSpec], plugin: PluginSpec, found: str) -> tuple[PluginSpec, ...]:
     """The plugins setting with `plugin` replaced by the one serving `found` (a socket in the folder)."""
     vendor = profiles.for_resource(plugin.resource)
-    resource = (vendor.resource_for(found) if vendor else None) or hami_resource(found)
+    # The plugin's vendor's naming, else device-plugin-manager's (a HAMi socket of another vendor's form
+    # says nothing of a resource no profile owns).
+    resource = vendor.resource_for(found) if vendor else dpm_resource(found)
     new = PluginSpec(resource or plugin.resource, found)
     return tuple(new if p == plugin else p for p in plugins)
 
@@ -76,7 +78,7 @@ def socket_found_instead(plugins: Iterable[PluginSpec], plugin: PluginSpec, foun
     new = next(p for p in specs if p.socket == found)
     flags = " ".join(f"--plugin {p.resource}={p.socket}" for p in specs)
     env = ",".join(f"{p.resource}={p.socket}" for p in specs)
-    by = _renamer(plugin.resource, found)
+    by = profiles.for_resource(plugin.resource)
     if new.resource == plugin.resource:
         hami = ""
     elif by:  # whose naming renamed it
@@ -90,15 +92,6 @@ def socket_found_instead(plugins: Iterable[PluginSpec], plugin: PluginSpec, foun
         f"a device plugin serves {found} in the folder instead{hami}: the settings that match it are "
         f"{flags}, or HAMI_GUARD_PLUGIN={env}"
     )
-
-
-def _renamer(resource: str, found: str) -> VendorProfile | None:
-    """The profile whose naming gives `found` its resource: the plugin's own, else the socket's."""
-    owner = profiles.for_resource(resource)
-    if owner is not None and owner.resource_for(found) is not None:
-        return owner
-    of_socket = profiles.for_socket(found)
-    return of_socket[0] if of_socket else None
 
 
 def pick_found(plugin: PluginSpec, others: Iterable[str]) -> str | None:
