@@ -314,10 +314,13 @@ manifests: profiles helm-binaries ## regenerate manifests/example-hami/hami.yaml
 		--kube-version 1.33.0 > manifests/example-hami/hami.yaml
 
 # The vendor profiles (hami_guard/profiles/*.toml) as JSON for the post-renderer, which runs with python3 and
-# PyYAML alone and cannot import the package (tests/test_profiles.py checks the committed copy is current).
+# PyYAML alone and cannot import the package, and each vendor's kustomize component written from it
+# (tests/test_profiles.py checks the committed copies are current).
 .PHONY: profiles
-profiles: $(STAMP) ## regenerate manifests/hami-patch/profiles.json from the vendor profiles
+profiles: $(STAMP) ## regenerate manifests/hami-patch/profiles.json and vendors/ from the vendor profiles
 	$(PY) -m hami_guard.profiles > manifests/hami-patch/profiles.json
+	rm -rf manifests/hami-patch/vendors
+	$(PY) manifests/hami-patch/render.py components manifests/hami-patch/vendors
 
 # Helm 3 and Helm 4, built from their Go modules at pinned versions (tests/test_manifests.py installs
 # with both). Kept in tests/helm/bin like the kubelet fixtures: a second run finds them and does nothing.

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from doctor.dra.evidence import dra_kubelet_logs, gather_dra
 from doctor.hami import gather_hami
 from doctor.logscan import kubelet_logs, plugin_logs
-from doctor.patterns import KUBELET_PATTERNS, PLUGIN_PATTERNS
+from doctor.patterns import KUBELET_PATTERNS, catalogue
 from doctor.recovery import gather_recovery
 from doctor.settings import DoctorSettings
 from doctor.types import (
@@ -163,7 +163,7 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
             g.take("kubelet log", lambda: kubelet_logs(s.kubelet_log, s.since, KUBELET_PATTERNS), [])
         ),
         plugin_logs=tuple(
-            g.take("plugin log", lambda: plugin_logs(s.plugin_log, s.since, PLUGIN_PATTERNS), [])
+            g.take("plugin log", lambda: plugin_logs(s.plugin_log, s.since, catalogue(s.profile).plugin), [])
         ),
         plugin_process=plugin_process,
         folder_sockets=tuple(g.take("sockets", lambda: folder_sockets(s.device_plugin_dir), [])),

@@ -265,11 +265,26 @@ def read(profile: VendorProfile = profiles.DEFAULT) -> Catalogue:
         (profiles.pattern_set(name), f"{profiles.PATTERNS}/{name}{profiles.SUFFIX}")
         for name in profile.doctor.log_patterns
     ]
-    values = {"resource": profile.resources.default, "selector": profile.chart.selector}
+    values = {
+        "resource": profile.resources.default,
+        "selector": profile.chart.selector,
+        "namespace": profile.chart.namespace,
+    }
     return load(resources.files("doctor").joinpath(FILE).read_text(encoding="utf-8"), FILE, sets, values)
 
 
-CATALOGUE = read()
+# Every profile's catalogue, each read and checked at import: a bad set of any vendor stops the doctor
+# here, not on the node of that vendor. The doctor reads its vendor's (`catalogue`).
+CATALOGUES: Mapping[str, Catalogue] = {p.name: read(p) for p in profiles.PROFILES}
+
+
+def catalogue(profile: VendorProfile | None) -> Catalogue:
+    """The catalogue of `profile`'s plugin; a vendor without a profile: the shared lines and the default
+    vendor's texts (its sets' lines never match another plugin's log)."""
+    return CATALOGUES.get(profile.name if profile else "", CATALOGUES[profiles.DEFAULT.name])
+
+
+CATALOGUE = CATALOGUES[profiles.DEFAULT.name]
 KUBELET_PATTERNS = CATALOGUE.kubelet
 PLUGIN_PATTERNS = CATALOGUE.plugin
 DRA_PATTERNS = CATALOGUE.dra

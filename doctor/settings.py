@@ -13,13 +13,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from hami_guard import flags
+from hami_guard import flags, profiles
 from hami_guard.envflags import parse_with_env
 from hami_guard.flags import PluginSpec
 from hami_guard.node.sockets import DEFAULT_KUBELET_PROCESS
 from hami_guard.profiles import DEFAULT as DEFAULT_PROFILE
+from hami_guard.profiles import VendorProfile
 from sidecar.config import DEFAULTS as SIDECAR
-from sidecar.config import dra_api, dra_drivers, dra_flags, hami_flags, hami_keys, hami_settings
+from sidecar.config import (
+    dra_api,
+    dra_drivers,
+    dra_flags,
+    hami_flags,
+    hami_keys,
+    hami_settings,
+    vendor_flags,
+    vendor_settings,
+)
 from sidecar.deviceplugin.hamiconfig import NODE_NAME_ENV
 from sidecar.dra.spec import ApiAccess, DraSpec
 from sidecar.kube.access import KubeconfigError, from_kubeconfig
@@ -33,6 +43,7 @@ class DoctorSettings(flags.DeviceFolder):
 
     device_plugin_dir: str = SIDECAR.device_plugin_dir
     kubelet_socket: str = SIDECAR.kubelet_socket
+    vendor: str = SIDECAR.vendor  # the devices' vendor profile: the defaults that are a vendor's follow it
     plugins: tuple[PluginSpec, ...] = SIDECAR.plugins
     pod_resources_socket: str = SIDECAR.pod_resources_socket
     probe_timeout: float = SIDECAR.probe_timeout
@@ -64,8 +75,14 @@ class DoctorSettings(flags.DeviceFolder):
     hami_keys: tuple[tuple[str, str], ...] = SIDECAR.hami_keys()
     hami_handshake: str = SIDECAR.hami_handshake_annotation
     node_name: str = ""
-    # hami-sidecar's /status, for what it did for GPUs HAMi marked unhealthy; "": not asked.
-    sidecar_status: str = "http://127.0.0.1:9395/status"
+    # hami-sidecar's /status, for what it did for GPUs HAMi marked unhealthy; "": not asked. Its port is
+    # the sidecar's default for the vendor.
+    sidecar_status: str = f"http://127.0.0.1:{SIDECAR.port}/status"
+
+    @property
+    def profile(self) -> VendorProfile:
+        """The vendor profile the settings name (`vendor`): its log patterns, its driver, its texts."""
+        return profiles.named(self.vendor) or DEFAULT_PROFILE
 
 
 DEFAULTS = DoctorSettings()
@@ -82,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 healthy, 1 a problem was found, 2 usage error (with --npd: 2 unknown)",
         parents=[
             flags.socket_flags(device_plugin_dir=d.device_plugin_dir, kubelet_socket=d.kubelet_socket),
+            vendor_flags(),
             flags.plugin_flags(
                 plugins=d.plugins,
                 pod_resources_socket=d.pod_resources_socket,
@@ -107,7 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.since,
         help="log window: 90s, 30m, 2h, 7d (default 1h)",
     )
-    p.add_argument("--plugin-process-name", default=d.plugin_process_name)
+    p.add_argument(
+        "--plugin-process-name",
+        help=f"the plugin's process name (default: the vendor's, {d.plugin_process_name} for {d.vendor})",
+    )
     p.add_argument(
         "--sample-interval",
         type=flags.seconds(0.0, 3600.0),
@@ -134,9 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kube-context", default="", help="the kubeconfig's context (default its current one)")
     p.add_argument(
         "--sidecar-status",
-        default=d.sidecar_status,
         help="hami-sidecar's /status (http://), read for what it did for GPUs HAMi marked unhealthy "
-        f'(default {d.sidecar_status}: the sidecar in this pod\'s network namespace; "": not read)',
+        f"(default {d.sidecar_status}, on the vendor's sidecar port: the sidecar in this pod's network "
+        'namespace; "": not read)',
     )
     return p
 
@@ -147,24 +168,29 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
     args = parse_with_env(parser, argv, environ)
     dra = dra_drivers(parser, args)
     api = dra_api(parser, args, environ)
-    plugins = tuple(args.plugin or (() if dra else DEFAULTS.plugins))
-    hami = hami_settings(parser, args, environ, plugins)
+    vendor = vendor_settings(parser, args, bool(dra))
+    plugins = vendor.plugins
+    hami = hami_settings(parser, args, environ, plugins, vendor.profile)
     hami_api = hami.api
     if args.kubeconfig and hami.registration:
         try:
             hami_api = from_kubeconfig(args.kubeconfig, args.kube_context)
         except KubeconfigError as e:
             parser.error(f"--kubeconfig: {e}")
-    keys = hami_keys(plugins, hami.annotations)
+    keys = hami_keys(plugins, hami.annotations, vendor.profile if vendor.given else None)
+    status = args.sidecar_status
+    if status is None:
+        status = f"http://127.0.0.1:{vendor.profile.free_port()}/status"
     node = (os.environ if environ is None else environ).get(NODE_NAME_ENV, "") or socket.gethostname()
     return DoctorSettings(
         device_plugin_dir=args.device_plugin_dir,
         kubelet_socket=args.kubelet_socket,
+        vendor=vendor.profile.name,
         plugins=plugins,
         pod_resources_socket=args.pod_resources_socket,
         probe_timeout=args.probe_timeout,
         expect_devices=args.expect_devices,
-        device_glob=args.device_glob,
+        device_glob=vendor.device_glob,
         plugin_uid=args.plugin_uid,
         plugin_gid=args.plugin_gid,
         expect_owner=args.expect_owner,
@@ -174,7 +200,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
         plugin_log=args.plugin_log,
         since=args.since,
         kubelet_process_name=args.kubelet_process_name,
-        plugin_process_name=args.plugin_process_name,
+        plugin_process_name=args.plugin_process_name or vendor.profile.doctor.process,
         sample_interval=args.sample_interval,
         rss_growth_mib=args.rss_growth_mib,
         output=args.output,
@@ -187,5 +213,5 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
         hami_keys=keys,
         hami_handshake=hami.handshake,
         node_name=node if hami_api and keys else "",
-        sidecar_status=args.sidecar_status,
+        sidecar_status=status,
     )

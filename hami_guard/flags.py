@@ -279,6 +279,28 @@ def kubelet_process_flag(*, kubelet_process_name: str) -> argparse.ArgumentParse
     return p
 
 
+def vendor_flags(*, vendors: Sequence[str], default: str, host_dev: str) -> argparse.ArgumentParser:
+    """Whose devices these are, and where the host's /dev is (hami-sidecar, hami-doctor).
+
+    `--vendor` has no default in the parser: absent, the caller takes the vendor of the `--plugin`
+    resources, else `default` (the name shown). Its value is one of `vendors`, the profiles' names.
+    """
+    p = _group()
+    p.add_argument(
+        "--vendor",
+        choices=tuple(vendors),
+        help=f"the devices' vendor profile, {', '.join(vendors)}: the defaults of --plugin, --device-glob "
+        f"and HAMi's annotations follow it (default: the vendor of the --plugin resources, else {default})",
+    )
+    p.add_argument(
+        "--host-dev",
+        default=host_dev,
+        help=f"where the host's /dev is in this container: --device-glob's default is the vendor's under it "
+        f"(default {host_dev})",
+    )
+    return p
+
+
 def plugin_flags(
     *,
     plugins: Sequence[PluginSpec],
@@ -290,7 +312,8 @@ def plugin_flags(
 
     `--plugin` has no default in the parser (an appended list would be added to, not
     replaced): a caller takes `args.plugin or plugins`. `--expect-devices` absent is
-    `Expect.ANY`: at least one healthy device (0 is no devices check).
+    `Expect.ANY`: at least one healthy device (0 is no devices check). `--device-glob` has none
+    either (the vendor's follows `--vendor` and `--host-dev`): `device_glob` is the one shown.
     """
     shown = ",".join(f"{p.resource}={p.socket}" for p in plugins)
     p = _group()
@@ -320,7 +343,8 @@ def plugin_flags(
         "(absent: at least one)",
     )
     p.add_argument(
-        "--device-glob", default=device_glob, help=f"the host's device nodes (default {device_glob})"
+        "--device-glob",
+        help=f"the host's device nodes (default {device_glob}: the vendor profile's, under --host-dev)",
     )
     return p
 

@@ -13,12 +13,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hami_guard import flags
+from hami_guard import flags, profiles
 from hami_guard.envflags import env_name, parse_with_env
 from hami_guard.flags import ANY_DEVICES, AUTO_DEVICES, DeviceExpectation, Expect, PluginSpec
 from hami_guard.node.sockets import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, DEFAULT_SOCKET
 from hami_guard.profiles import DEFAULT as PROFILE
-from hami_guard.profiles import NAME, PROFILES, for_resource
+from hami_guard.profiles import NAME, PROFILES, VendorProfile, for_resource
 from sidecar.deviceplugin import hamiconfig
 from sidecar.deviceplugin.hostdevices import VFIO_DIR
 from sidecar.dra.spec import (
@@ -48,13 +48,32 @@ __all__ = [
     "read_settings",
 ]
 
+HOST_DEV = "/dev"  # where the host's /dev is: the device globs of the profiles are written under it
+
+
+def vendor_plugin(profile: VendorProfile) -> PluginSpec:
+    """The vendor's default resource and the socket its plugin serves for it."""
+    return PluginSpec(profile.resources.default, profile.socket_for(profile.resources.default))
+
+
+def vendor_glob(profile: VendorProfile, host_dev: str = HOST_DEV) -> str:
+    """The vendor's device nodes under `host_dev` (the host's /dev as mounted); "" when it names none."""
+    glob, prefix = profile.devices.glob, HOST_DEV + "/"
+    if glob.startswith(prefix):
+        return host_dev.rstrip("/") + "/" + glob[len(prefix) :]
+    return glob
+
+
 # HAMi's real names (docs/kubelet.md#hami): the default vendor profile's (docs/design.md#profiles).
-DEFAULT_PLUGIN = PluginSpec(PROFILE.resources.default, PROFILE.socket_for(PROFILE.resources.default))
+DEFAULT_PLUGIN = vendor_plugin(PROFILE)
 DEFAULT_POD_RESOURCES = "/var/lib/kubelet/pod-resources/kubelet.sock"
-DEFAULT_DEVICE_GLOB = PROFILE.devices.glob
+DEFAULT_DEVICE_GLOB = vendor_glob(PROFILE)
 # HAMi's annotations of the default resource (the profile's [hami]).
 HAMI_REGISTER = PROFILE.register_key(PROFILE.resources.default)
 HAMI_HANDSHAKE = PROFILE.handshake_key(PROFILE.resources.default)
+# The register annotation's formats the `hami:` check reads (sidecar/hami/annotation.py): a vendor's of
+# another format has no check (reading it as JSON would call it unparsable and restart a healthy plugin).
+HAMI_READS = ("device-info-json",)
 
 
 @dataclass(frozen=True)
@@ -63,10 +82,14 @@ class Settings(flags.DeviceFolder):
 
     device_plugin_dir: str = DEFAULT_DIR
     kubelet_socket: str = DEFAULT_SOCKET
+    # The devices' vendor profile (hami_guard/profiles): the defaults below that are a vendor's follow it.
+    vendor: str = PROFILE.name
+    vendor_given: bool = False  # --vendor (or its variable) named it: it owns the resources no profile owns
+    host_dev: str = HOST_DEV  # where the host's /dev is in this container
     plugins: tuple[PluginSpec, ...] = (DEFAULT_PLUGIN,)
     pod_resources_socket: str = DEFAULT_POD_RESOURCES
     host: str = "0.0.0.0"
-    port: int = 9395
+    port: int = PROFILE.free_port()  # 9395 unless the vendor's own containers listen there
     probe_interval: float = 10.0
     probe_timeout: float = 2.0
     registration_grace: float = 60.0
@@ -74,7 +97,7 @@ class Settings(flags.DeviceFolder):
     expect_devices: DeviceExpectation = ANY_DEVICES
     device_glob: str = DEFAULT_DEVICE_GLOB
     # HAMi's node configuration (its device-plugin ConfigMap's config.json) and this node's name in it.
-    hami_config: str = hamiconfig.CONFIG_PATH
+    hami_config: str = PROFILE.chart.node_config  # "": the vendor's plugin reads none
     node_name: str = ""
     driver_gpus_dir: str = PROFILE.devices.driver_gpus  # the driver's GPUs, with their UUIDs
     vfio_dir: str = VFIO_DIR
@@ -120,20 +143,45 @@ class Settings(flags.DeviceFolder):
     hami_api: ApiAccess | None = None  # None: no API server known (not in a Pod): no check at all
     # (resource, register annotation key) besides the vendor profiles' keys for their resources.
     hami_annotations: tuple[tuple[str, str], ...] = ()
+    # The first plugin's vendor's ("" for a vendor without one), unless --hami-handshake-annotation names it.
     hami_handshake_annotation: str = HAMI_HANDSHAKE
+    hami_handshake_given: bool = False  # --hami-handshake-annotation (or its variable) was set
     hami_repair: float = 60.0  # HAMi's 30 s loop, its 5 s retry, two of our readings and a margin
     hami_interval: float = 10.0  # at most one GET of the Node this often
 
+    @property
+    def profile(self) -> VendorProfile:
+        """The vendor profile the settings name (`vendor`)."""
+        return profiles.named(self.vendor) or PROFILE
+
+    def profile_for(self, resource: str) -> VendorProfile:
+        """The profile of a resource: the one that owns it, else the settings' vendor's (a resource the
+        chart renamed, `--vendor` naming whose it is)."""
+        return for_resource(resource) or self.profile
+
     def hami_keys(self) -> tuple[tuple[str, str], ...]:
         """(resource, register annotation key) of each configured plugin whose HAMi key is known."""
-        return hami_keys(self.plugins, self.hami_annotations)
+        return hami_keys(self.plugins, self.hami_annotations, self.profile if self.vendor_given else None)
+
+    def hami_handshake(self, resource: str) -> str:
+        """HAMi's handshake annotation of `resource`: the one given, else its vendor's ("" for none)."""
+        if self.hami_handshake_given:
+            return self.hami_handshake_annotation
+        return self.profile_for(resource).handshake_key(resource)
 
 
-def hami_keys(plugins: Sequence[PluginSpec], given: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+def hami_keys(
+    plugins: Sequence[PluginSpec], given: Sequence[tuple[str, str]], vendor: VendorProfile | None = None
+) -> tuple[tuple[str, str], ...]:
     """(resource, register annotation key) of each plugin whose key is given, or its vendor profile's key
-    for a resource the profile owns; other resources have no check."""
+    (the profile that owns the resource, else `vendor`'s) where the `hami:` check reads its format
+    (HAMI_READS); other resources have no check."""
     keys = dict(given)
-    known = {p.resource: v.register_key(p.resource) for p in plugins if (v := for_resource(p.resource))}
+    known = {}
+    for p in plugins:
+        v = for_resource(p.resource) or vendor
+        if v is not None and v.hami.register_format in HAMI_READS:
+            known[p.resource] = v.register_key(p.resource)
     return tuple((p.resource, k) for p in plugins if (k := keys.get(p.resource) or known.get(p.resource)))
 
 
@@ -150,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Every flag has a HAMI_GUARD_<FLAG> environment variable twin; a flag wins.",
         parents=[
             flags.socket_flags(device_plugin_dir=d.device_plugin_dir, kubelet_socket=d.kubelet_socket),
+            vendor_flags(),
             flags.plugin_flags(
                 plugins=d.plugins,
                 pod_resources_socket=d.pod_resources_socket,
@@ -162,8 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--listen",
         type=flags.listen_address,
-        default=(d.host, d.port),
-        help=f"ADDR:PORT (default {d.host}:{d.port})",
+        help=f"ADDR:PORT (default {d.host}:{d.port}, or the next port the vendor's containers leave free)",
     )
     p.add_argument(
         "--probe-interval",
@@ -218,9 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch-mode", choices=("auto", "inotify", "polling"), default=d.watch_mode)
     p.add_argument(
         "--hami-config",
-        default=d.hami_config,
         help="HAMi's node configuration, read for --expect-devices auto: the device plugin's ConfigMap "
-        f"(config.json) mounted as in HAMi's own container (default {d.hami_config})",
+        f"(config.json) mounted as in HAMi's own container (default: the vendor's, {d.hami_config} for "
+        f"{d.vendor}; none for a vendor whose plugin reads none)",
     )
     p.add_argument(
         "--node-name",
@@ -297,8 +345,8 @@ def hami_flags(p: argparse.ArgumentParser, *, timing: bool = True) -> None:
     )
     p.add_argument(
         "--hami-handshake-annotation",
-        default=d.hami_handshake_annotation,
-        help=f"HAMi's scheduler handshake annotation (default {d.hami_handshake_annotation})",
+        help="HAMi's scheduler handshake annotation (default: the vendor's for each resource, "
+        f"{d.hami_handshake_annotation} for {d.plugins[0].resource})",
     )
     if not timing:
         return
@@ -317,6 +365,49 @@ def hami_flags(p: argparse.ArgumentParser, *, timing: bool = True) -> None:
     )
 
 
+def vendor_flags() -> argparse.ArgumentParser:
+    """--vendor and --host-dev, with the profiles' names (hami-sidecar, hami-doctor)."""
+    return flags.vendor_flags(vendors=[p.name for p in PROFILES], default=PROFILE.name, host_dev=HOST_DEV)
+
+
+@dataclass(frozen=True)
+class Vendor:
+    """What the vendor flags and --plugin give: the profile, the plugins, the device glob."""
+
+    profile: VendorProfile
+    given: bool  # --vendor named it (else it follows the resources, or is the default)
+    plugins: tuple[PluginSpec, ...]
+    device_glob: str
+
+
+def vendor_settings(parser: argparse.ArgumentParser, args: argparse.Namespace, dra: bool) -> Vendor:
+    """The vendor (--vendor, else the profile of the --plugin resources, else the default's), the plugins
+    (--plugin, else the vendor's default; none with DRA drivers alone) and the device glob (--device-glob,
+    else the vendor's under --host-dev). A usage error where the vendor's defaults do not fit."""
+    given = tuple(args.plugin or ())
+    if args.vendor:
+        profile = profiles.named(args.vendor) or PROFILE
+    else:
+        profile = next((v for p in given if (v := for_resource(p.resource)) is not None), PROFILE)
+    if not given and not dra and profile.resources.per_node:
+        r = profile.resources
+        parser.error(
+            f"--plugin: each node's {profile.vendor} plugin registers the resource of its own hardware "
+            f"({profile.shown(r.pattern)} on {profile.shown(r.socket)}): name this node's, e.g. --plugin "
+            f"{r.default}={profile.socket_for(r.default)}"
+        )
+    plugins = given or (() if dra else (vendor_plugin(profile),))
+    if not args.host_dev.startswith("/"):
+        parser.error(f"--host-dev {args.host_dev!r}: an absolute path")
+    glob = args.device_glob or vendor_glob(profile, args.host_dev)
+    if args.expect_devices == AUTO_DEVICES and not glob:
+        parser.error(
+            f"--expect-devices auto: the {profile.vendor} profile names no device nodes to count; set "
+            "--device-glob, or --expect-devices N"
+        )
+    return Vendor(profile, bool(args.vendor), plugins, glob)
+
+
 def _profile_keys() -> str:
     """The vendor profiles' register annotations, for --hami-annotation's help."""
     keys = (f"{p.hami.register} for {p.resources.pattern.replace(NAME, '*')} resources" for p in PROFILES)
@@ -331,6 +422,7 @@ class HamiSettings:
     api: ApiAccess | None
     annotations: tuple[tuple[str, str], ...]
     handshake: str
+    handshake_given: bool
     repair: float
     interval: float
 
@@ -340,8 +432,10 @@ def hami_settings(
     args: argparse.Namespace,
     environ: Mapping[str, str] | None,
     plugins: Sequence[PluginSpec],
+    vendor: VendorProfile = PROFILE,
 ) -> HamiSettings:
-    """The hami_* settings of the parsed flags (a usage error on a bad one)."""
+    """The hami_* settings of the parsed flags (a usage error on a bad one); the handshake's default is
+    the first plugin's vendor's (`vendor` where no profile owns it)."""
     d = DEFAULTS
     pairs = []
     for value in args.hami_annotation or ():
@@ -362,11 +456,17 @@ def hami_settings(
         if server and args.hami_registration
         else None
     )
+    given = args.hami_handshake_annotation is not None
+    first = plugins[0].resource if plugins else vendor.resources.default
+    handshake = (
+        args.hami_handshake_annotation if given else (for_resource(first) or vendor).handshake_key(first)
+    )
     return HamiSettings(
         args.hami_registration,
         api,
         tuple(pairs),
-        args.hami_handshake_annotation,
+        handshake,
+        given,
         getattr(args, "hami_repair", d.hami_repair),
         getattr(args, "hami_interval", d.hami_interval),
     )
@@ -405,24 +505,30 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
         timeout, interval = args.probe_timeout, args.probe_interval
         parser.error(f"--probe-timeout ({timeout:g}s) must be below --probe-interval ({interval:g}s)")
     dra = dra_drivers(parser, args)
-    plugins = tuple(args.plugin or (() if dra else DEFAULTS.plugins))
+    vendor = vendor_settings(parser, args, bool(dra))
+    plugins = vendor.plugins
     resources = [p.resource for p in plugins]
     if len(set(resources)) != len(resources):
         parser.error(f"--plugin: a resource is named twice: {', '.join(resources)}")
-    hami = hami_settings(parser, args, environ, plugins)
+    hami = hami_settings(parser, args, environ, plugins, vendor.profile)
+    host, port = args.listen or (DEFAULTS.host, vendor.profile.free_port())
     return Settings(
         device_plugin_dir=args.device_plugin_dir,
         kubelet_socket=args.kubelet_socket,
+        vendor=vendor.profile.name,
+        vendor_given=vendor.given,
+        host_dev=args.host_dev,
         plugins=plugins,
         pod_resources_socket=args.pod_resources_socket,
-        host=args.listen[0],
-        port=args.listen[1],
+        host=host,
+        port=port,
         probe_interval=args.probe_interval,
         probe_timeout=args.probe_timeout,
         registration_grace=args.registration_grace,
         expect_devices=args.expect_devices,
-        device_glob=args.device_glob,
-        hami_config=args.hami_config,
+        device_glob=vendor.device_glob,
+        hami_config=vendor.profile.chart.node_config if args.hami_config is None else args.hami_config,
+        driver_gpus_dir=vendor.profile.devices.driver_gpus,
         node_name=args.node_name
         or (os.environ if environ is None else environ).get(hamiconfig.NODE_NAME_ENV, ""),
         plugin_label=args.plugin_label,
@@ -442,6 +548,7 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
         hami_api=hami.api,
         hami_annotations=hami.annotations,
         hami_handshake_annotation=hami.handshake,
+        hami_handshake_given=hami.handshake_given,
         hami_repair=hami.repair,
         hami_interval=hami.interval,
     )
@@ -507,7 +614,8 @@ def _given(argv: Sequence[str], flag: str, environ: Mapping[str, str]) -> str | 
 def _salvage(error: str, argv: Sequence[str], environ: Mapping[str, str]) -> BadConfig:
     """Of a configuration with an error, what serving it needs: the address, the log's format and level."""
     d = DEFAULTS
-    host, port, note = d.host, d.port, ""
+    vendor = profiles.named(_given(argv, "--vendor", environ) or "") or PROFILE
+    host, port, note = d.host, vendor.free_port(), ""
     listen = _given(argv, "--listen", environ)
     if listen is not None:
         try:

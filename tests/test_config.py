@@ -210,6 +210,105 @@ def test_vocabulary_builds_ranges_for_new_flags() -> None:
         flags.seconds(2, 1)
 
 
+# -- the vendor: its defaults, and settings that work without one -------------------------------------------
+RENDER = "/host/dev/dri/renderD[0-9]*"
+HANDSHAKE = "hami.io/node-handshake"
+BIREN = ("birentech.com/gpu", "birentech.com_gpu")
+
+
+@pytest.mark.parametrize(
+    ("vendor", "plugin", "glob", "port", "handshake"),
+    [
+        ("amd", ("amd.com/gpu", "amd.com_gpu"), RENDER, 9395, ""),
+        ("dcu", ("hygon.com/dcunum", "hygon.com_dcunum"), RENDER, 9395, f"{HANDSHAKE}-dcu"),
+        ("biren", BIREN, "/host/dev/biren/card_[0-9]*", 9395, f"{HANDSHAKE}-biren"),
+        ("nvidia", ("nvidia.com/gpu", "nvidia-gpu.sock"), "/host/dev/nvidia[0-9]*", 9395, HANDSHAKE),
+    ],
+)  # fmt: skip
+def test_the_vendor_setting_picks_the_defaults(
+    vendor: str, plugin: tuple[str, str], glob: str, port: int, handshake: str
+) -> None:
+    """--vendor (HAMI_GUARD_VENDOR) gives its plugin, its device nodes under --host-dev, its handshake, its
+    driver and node configuration, and the sidecar's port; the doctor reads it alike."""
+    env = {
+        "HAMI_GUARD_VENDOR": vendor,
+        "HAMI_GUARD_HOST_DEV": "/host/dev",
+        "HAMI_GUARD_EXPECT_DEVICES": "auto",
+    }
+    s = parse_settings([], environ=env)
+    assert (s.vendor, s.plugins, s.device_glob, s.port) == (vendor, (PluginSpec(*plugin),), glob, port)
+    assert s.hami_handshake_annotation == handshake == s.hami_handshake(plugin[0])
+    assert s.driver_gpus_dir == s.profile.devices.driver_gpus
+    assert s.hami_config == ("/config/config.json" if vendor == "nvidia" else "")
+    d = doctor_settings([], env)
+    assert (d.vendor, d.plugins, d.device_glob) == (vendor, s.plugins, s.device_glob)
+    assert d.plugin_process_name == ("nvidia-device-plugin" if vendor == "nvidia" else "k8s-device-plugin")
+    assert d.sidecar_status == f"http://127.0.0.1:{port}/status"
+    # A flag wins; an explicit setting wins over the vendor's.
+    s = parse_settings(["--vendor", "nvidia", "--device-glob", "/d/x*", "--listen", ":9000"], environ=env)
+    assert (s.vendor, s.device_glob, s.port) == ("nvidia", "/d/x*", 9000)
+
+
+def test_the_vendor_follows_the_resource() -> None:
+    """Without --vendor, the profile of the first --plugin resource one owns; the hami: keys, the handshake
+    and the folds are each resource's vendor's."""
+    s = parse_settings(["--plugin", "amd.com/gpu=amd.com_gpu", "--expect-devices", "auto"], environ={})
+    assert (s.vendor, s.device_glob) == ("amd", "/dev/dri/renderD[0-9]*")
+    mixed = ["--plugin", "acme.example/x=x.sock", "--plugin", "birentech.com/gpu=birentech.com_gpu"]
+    s = parse_settings(mixed, environ={})
+    assert s.vendor == "biren"
+    # A resource no profile owns has no hami: check (it may be no plugin of HAMi's at all)...
+    assert s.hami_keys() == (("birentech.com/gpu", "hami.io/node-biren-register"),)
+    s = parse_settings(["--plugin", "acme.example/x=x.sock"], environ={})
+    assert (s.vendor, s.hami_keys()) == ("nvidia", ())
+    # ... unless --vendor says whose it is (HAMi's chart renamed the resource).
+    s = parse_settings(["--plugin", "acme.example/x=x.sock", "--vendor", "nvidia"], environ={})
+    assert s.hami_keys() == (("acme.example/x", "hami.io/node-nvidia-register"),)
+    s = parse_settings(["--plugin", "acme.example/x=x.sock", "--hami-handshake-annotation", "a.io/h"], {})
+    assert (s.hami_handshake("acme.example/x"), s.hami_handshake_given) == ("a.io/h", True)
+
+
+def test_a_register_annotation_the_hami_check_cannot_read_has_no_check() -> None:
+    """Hygon DCU's register annotation is HAMi's legacy text, not the JSON the hami: check reads: no check,
+    rather than a check calling it unparsable and restarting a healthy plugin. --hami-annotation still
+    names one explicitly."""
+    s = parse_settings(["--vendor", "dcu"], environ={})
+    assert s.hami_keys() == ()
+    s = parse_settings(["--vendor", "dcu", "--hami-annotation", "hygon.com/dcunum=a.io/r"], environ={})
+    assert s.hami_keys() == (("hygon.com/dcunum", "a.io/r"),)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--vendor", "ascend"], "--plugin: each node's Ascend plugin registers the resource of its own"),
+        (["--vendor", "acme"], "argument --vendor: invalid choice: 'acme'"),
+        (
+            ["--plugin", "huawei.com/Ascend910B3=Ascend910B3.sock", "--expect-devices", "auto"],
+            "--expect-devices auto: the Ascend profile names no device nodes to count; set --device-glob",
+        ),
+        (["--host-dev", "host/dev"], "--host-dev 'host/dev': an absolute path"),
+    ],
+)  # fmt: skip
+def test_a_vendors_defaults_that_do_not_fit_are_usage_errors(argv: list[str], message: str) -> None:
+    got = read_settings(argv, {})
+    assert isinstance(got, BadConfig)
+    assert message in got.error
+
+
+def test_ascend_with_its_nodes_resource() -> None:
+    """Ascend: the node's resource named, the port past its vNPU metrics' 9395, its handshake per resource,
+    and `auto` with a glob of one's own."""
+    argv = ["--plugin", "huawei.com/Ascend310P=Ascend310P.sock", "--device-glob", "/dev/davinci[0-9]*"]
+    s = parse_settings([*argv, "--expect-devices", "auto"], environ={})
+    assert (s.vendor, s.port, s.device_glob) == ("ascend", 9396, "/dev/davinci[0-9]*")
+    assert s.hami_keys() == (("huawei.com/Ascend310P", "hami.io/node-register-Ascend310P"),)
+    assert s.hami_handshake("huawei.com/Ascend310P") == "hami.io/node-handshake-Ascend310P"
+    # A bad configuration with the vendor set still serves where the vendor's pod leaves room.
+    got = read_settings(["--bogus"], {"HAMI_GUARD_VENDOR": "ascend"})
+    assert isinstance(got, BadConfig) and got.port == 9396
+
+
 # -- a bad configuration: what hami-sidecar can still read of it ----------------------------------------
 @pytest.mark.parametrize(
     ("argv", "env", "listen", "note"),

@@ -1421,7 +1421,11 @@ def test_the_catalogue_ships_with_the_package_and_loads() -> None:
         ((REPO / "hami_guard" / "profiles" / "patterns" / f"{name}.toml").read_text(), f"{name}.toml")
         for name in DEFAULT_PROFILE.doctor.log_patterns
     ]
-    values = {"resource": DEFAULT_PROFILE.resources.default, "selector": DEFAULT_PROFILE.chart.selector}
+    values = {
+        "resource": DEFAULT_PROFILE.resources.default,
+        "selector": DEFAULT_PROFILE.chart.selector,
+        "namespace": DEFAULT_PROFILE.chart.namespace,
+    }
     shipped = load((REPO / "doctor" / "patterns.toml").read_text(), sets=sets, values=values)
     assert shipped == CATALOGUE == read()
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())

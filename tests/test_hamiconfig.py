@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from fuzz.fuzz_hamiconfig import TestOneInput
+from hami_guard import profiles
 from sidecar.deviceplugin.hamiconfig import Sources, expectation, parse_node_config
 from sidecar.deviceplugin.hostdevices import parse_gpu_information, read_gpus
 
@@ -293,3 +294,23 @@ def test_a_gpu_the_driver_excludes_is_not_expected(host: Host) -> None:
         f"{UUIDS[0]}, {host.dev}/nvidia0",
     ]
     assert e.filtered[1].why == "the driver excludes it"
+
+
+def test_a_vendor_whose_plugin_reads_no_node_configuration_counts_its_device_nodes(tmp_path: Path) -> None:
+    """Another vendor's profile (DCU's: render nodes, no HAMi node configuration, no PCI vendor known): auto
+    is its device nodes, nothing subtracted and nothing said of a config; a vfio-bound GPU of another vendor
+    is not named."""
+    dcu = profiles.named("dcu")
+    assert dcu is not None
+    dri = tmp_path / "dev" / "dri"
+    dri.mkdir(parents=True)
+    for name in ("card0", "card1", "renderD128", "renderD129"):
+        (dri / name).touch()
+    vfio = tmp_path / "vfio-pci" / "0000:d8:00.0"
+    vfio.mkdir(parents=True)
+    (vfio / "vendor").write_text("0x10de\n")
+    (vfio / "class").write_text("0x030200\n")
+    glob = str(tmp_path / "dev" / "dri" / "renderD[0-9]*")
+    e = expectation(Sources(glob, "", "node-1", "", str(tmp_path / "vfio-pci"), dcu))
+    assert (e.want, e.host, e.notes, e.config) == (2, 2, (), "")
+    assert e.summary() == "2 device node(s) on the host"

@@ -282,7 +282,7 @@ def test_npd_runs_hami_doctor_through_the_configs_command_line(
     (line,) = done.stdout.splitlines()
     assert "SOCKET_MISSING" in line  # the finding, not a usage or start-up error
     assert len(line) <= config["pluginConfig"]["max_output_length"]
-    # The rule's --device-glob is where manifests/npd/daemonset mounts the host's /dev.
+    # The rule's --host-dev is where manifests/npd/daemonset mounts the host's /dev.
     patch = (ROOT / "manifests" / "npd" / "daemonset" / "patch.yaml").read_text()
-    glob = rule["args"][rule["args"].index("--device-glob") + 1]
-    assert f"mountPath: {glob.split('/nvidia', 1)[0]}" in patch
+    host_dev = rule["args"][rule["args"].index("--host-dev") + 1]
+    assert f"mountPath: {host_dev}\n" in patch

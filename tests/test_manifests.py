@@ -23,12 +23,13 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import yaml
 
 from bench.stress import MEMORY_LIMIT_MIB
+from hami_guard.flags import AUTO_DEVICES, Expect
 from sidecar.config import parse_settings
 from tests.conftest import require_tool
 
@@ -221,7 +222,7 @@ CASES: dict[str, tuple[str, str, tuple[str, ...], str, str]] = {
 }
 
 
-def without_guard(ds: Obj) -> Obj:
+def without_guard(ds: Obj, plugin: str = "device-plugin") -> Obj:
     """The DaemonSet less what hami-guard adds: its containers and volumes, the plugin's probes."""
     ds = copy.deepcopy(ds)
     pod = ds["spec"]["template"]["spec"]
@@ -233,10 +234,16 @@ def without_guard(ds: Obj) -> Obj:
             pod.pop(field, None)
     pod["volumes"] = [v for v in pod["volumes"] if not v["name"].startswith("hami-guard-")]
     for c in pod["containers"]:
-        if c["name"] == "device-plugin":
+        if c["name"] == plugin:
             c.pop("livenessProbe")
             c.pop("readinessProbe")
     return ds
+
+
+def sidecar_settings(sidecar: Obj) -> Any:
+    """What the real hami-sidecar makes of the sidecar container's variables (parse_settings)."""
+    env = {e["name"]: e["value"] for e in sidecar["env"] if isinstance(e.get("value"), str)}
+    return parse_settings([], environ=env)
 
 
 def check_patched(ds: Obj, plugin: str, registry: str = REGISTRY) -> None:
@@ -249,16 +256,16 @@ def check_patched(ds: Obj, plugin: str, registry: str = REGISTRY) -> None:
     assert sidecar["startupProbe"]["tcpSocket"]["port"] == 9395  # listening: the plugin may start
     assert init["hami-initcheck"]["image"] == f"{registry}/hami-initcheck:0.1.0"
     assert sidecar["image"] == f"{registry}/hami-sidecar:0.1.0"
-    env = {e["name"]: e.get("value") for e in sidecar["env"]}
-    assert env["HAMI_GUARD_PLUGIN"] == plugin
-    assert env["HAMI_GUARD_EXPECT_DEVICES"] == "auto"
-    assert env["HAMI_GUARD_HAMI_CONFIG"] == "/config/config.json"
+    read = sidecar_settings(sidecar)
+    assert [f"{p.resource}={p.socket}" for p in read.plugins] == [plugin]
+    assert read.expect_devices == AUTO_DEVICES and read.device_glob == "/host/dev/nvidia[0-9]*"
+    assert read.hami_config == "/config/config.json"
+    assert (read.vendor, read.port) == ("nvidia", 9395)
     plugin_container = by_name(pod["containers"])["device-plugin"]
     assert plugin_container["livenessProbe"]["exec"]["command"][:2] == ["bash", "-c"]
-    resource = plugin.split("=", 1)[0]
+    # The rollout gate, whatever the resource: serving and registration only.
     assert plugin_container["readinessProbe"]["httpGet"]["path"] == (
-        f"/readyz?exclude=kubelet&exclude=checkpoint&exclude=devices:{resource}&exclude=hami:{resource}"
-        f"&exclude=recover:{resource}"
+        "/readyz?exclude=kubelet&exclude=checkpoint&exclude=devices&exclude=hami&exclude=recover"
     )
     # Every mount of hami-guard's containers names a volume of the pod (the validator does not check).
     volumes = by_name(pod["volumes"])
@@ -269,6 +276,7 @@ def check_patched(ds: Obj, plugin: str, registry: str = REGISTRY) -> None:
                 assert m["readOnly"] is True
     # The kubelet's folders follow HAMi's devicePlugin.pluginPath.
     plugin_dir = volumes["device-plugin"]["hostPath"]["path"].rstrip("/")
+    assert volumes["hami-guard-device-plugins"]["hostPath"]["path"].rstrip("/") == plugin_dir
     pod_resources = volumes["hami-guard-pod-resources"]["hostPath"]["path"]
     assert pod_resources == plugin_dir.rsplit("/", 1)[0] + "/pod-resources"
 
@@ -403,13 +411,14 @@ def test_every_setting_reaches_the_sidecar_and_the_probes() -> None:
     assert env_of["HAMI_GUARD_PROBE_INTERVAL"] == "5"
     assert env_of["HAMI_GUARD_PROBE_TIMEOUT"] == "1"
     assert env_of["HAMI_GUARD_RECOVER_UNHEALTHY_AFTER"] == "10m"
+    read = sidecar_settings(sidecar)
+    assert (read.plugins, read.device_glob) == (
+        (("example.com/gpu", "example-gpu.sock"),),
+        "/host/dev/accel[0-9]*",
+    )
     assert sidecar["image"] == f"{REGISTRY}/hami-sidecar:0.1.1"
     live = by_name(pod["containers"])["device-plugin"]["livenessProbe"]
     assert (live["periodSeconds"], live["failureThreshold"]) == (10, 4)
-    assert (
-        "devices:example.com/gpu"
-        in by_name(pod["containers"])["device-plugin"]["readinessProbe"]["httpGet"]["path"]
-    )
 
     # sidecar=container (before Kubernetes 1.29), liveness=http, expect-devices=none.
     more = ["sidecar=container", "liveness=http", "expect-devices=none", f"registry={REGISTRY}"]
@@ -421,6 +430,7 @@ def test_every_setting_reaches_the_sidecar_and_the_probes() -> None:
     sidecar = by_name(pod["containers"])["hami-sidecar"]
     assert "restartPolicy" not in sidecar
     assert {e["name"]: e.get("value") for e in sidecar["env"]}["HAMI_GUARD_EXPECT_DEVICES"] == "0"
+    assert sidecar_settings(sidecar).expect_devices.kind is Expect.OFF
     live = by_name(pod["containers"])["device-plugin"]["livenessProbe"]
     assert live["httpGet"] == {"path": "/healthz", "port": 9395}
     assert "exec" not in live
@@ -492,6 +502,309 @@ def test_an_upgrade_render_carries_the_patch_only_with_the_post_renderer(helm: H
     assert "docker.io/projecthami/hami:v2.10.1" in images
     without = helm.template("hami", "kube-system", *upgraded, patched=False)
     assert "hami-sidecar" not in yaml.safe_dump_all(without)
+
+
+# --- Every vendor's device-plugin DaemonSet ----------------------------------------------------------------
+# Chart-shaped fixtures of the vendors' own charts and manifests (tests/fixtures, docs/deploy.md lists the
+# facts they mirror): HAMi's Ascend and AMD plugins ship charts, its Hygon DCU and Biren plugins manifests.
+FIXTURES = ROOT / "tests" / "fixtures"
+ASCEND_910B3 = "huawei.com/Ascend910B3=Ascend910B3.sock"
+ONE_CHIP = (
+    "--set-json",
+    'vnpus=[{"chipName":"310P3","commonWord":"Ascend310P","resourceName":"huawei.com/Ascend310P"}]',
+)
+
+
+class Vendor(NamedTuple):
+    chart: str
+    release: str
+    namespace: str
+    values: tuple[str, ...]
+    args: tuple[str, ...]  # more post-renderer settings
+    daemonset: tuple[str, str]  # its namespace and name
+    container: str  # the plugin's
+    vendor: str
+    plugin: str  # what the sidecar watches
+    port: int  # the sidecar's
+    glob: str  # "": no devices counted (at least one healthy device)
+
+
+VENDORS: dict[str, Vendor] = {
+    "ascend": Vendor(
+        "ascend-chart",
+        "npu",
+        "kube-system",
+        (),
+        (f"plugin={ASCEND_910B3}",),
+        ("kube-system", "hami-ascend-device-plugin"),
+        "device-plugin",
+        "ascend",
+        ASCEND_910B3,
+        9396,
+        "",
+    ),
+    "ascend-one-chip": Vendor(
+        "ascend-chart",
+        "npu",
+        "npu-system",
+        ONE_CHIP,
+        (),
+        ("npu-system", "hami-ascend-device-plugin"),
+        "device-plugin",
+        "ascend",
+        "huawei.com/Ascend310P=Ascend310P.sock",
+        9396,
+        "",
+    ),
+    "amd": Vendor(
+        "amd-chart",
+        "amd",
+        "kube-system",
+        (),
+        (),
+        ("kube-system", "amd-gpu-device-plugin-daemonset"),
+        "amd-gpu-dp-cntr",
+        "amd",
+        "amd.com/gpu=amd.com_gpu",
+        9395,
+        "/host/dev/dri/renderD[0-9]*",
+    ),
+    "dcu": Vendor(
+        "dcu-chart",
+        "dcu",
+        "kube-system",
+        (),
+        (),
+        ("kube-system", "dcu-device-plugin-daemonset"),
+        "dcu-dp-cntr",
+        "dcu",
+        "hygon.com/dcunum=hygon.com_dcunum",
+        9395,
+        "/host/dev/dri/renderD[0-9]*",
+    ),
+    "biren": Vendor(
+        "biren-chart",
+        "biren",
+        "kube-system",
+        (),
+        (),
+        ("biren-gpu", "biren-device-plugin-daemonset"),
+        "k8s-device-plugin",
+        "biren",
+        "birentech.com/gpu=birentech.com_gpu",
+        9395,
+        "/host/dev/biren/card_[0-9]*",
+    ),
+}
+
+
+@functools.cache
+def vendor_render(which: str, case: str, patched: bool = True, extra: tuple[str, ...] = ()) -> str:
+    """`helm template` of a vendor's fixture, through the post-renderer (once per session)."""
+    v, h = VENDORS[case], helm_home(which)
+    more = [a for arg in (*v.args, *extra) for a in ("--post-renderer-args", arg)]
+    args = ["template", v.release, str(FIXTURES / v.chart), "--namespace", v.namespace, *v.values]
+    result = h(*args, *((*h.post_renderer, *more) if patched else ()))
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def the_daemonset(objects: list[Obj], case: str) -> Obj:
+    (ds,) = [o for o in objects if o["kind"] == "DaemonSet"]
+    assert (ds["metadata"]["namespace"], ds["metadata"]["name"]) == VENDORS[case].daemonset
+    return ds
+
+
+def pod_ports(pod: Obj) -> list[int]:
+    """Every port the pod's containers declare (one network namespace: none may repeat)."""
+    return [
+        p["containerPort"]
+        for c in pod["containers"] + pod.get("initContainers", [])
+        for p in c.get("ports", [])
+    ]
+
+
+@pytest.mark.parametrize("case", VENDORS)
+def test_each_vendors_chart_carries_the_sidecar_for_that_vendor(helm: Helm, case: str) -> None:
+    """Each vendor's DaemonSet, found by its label (or its pods'), gets the sidecar and the init check, and
+    its plugin's container the probes, on a port no container of the pod has; the sidecar, as it reads its
+    variables, watches that vendor's resource and socket, counts its device nodes where the profile names
+    them, and reads the kubelet's folders the plugin mounts. Nothing else of the chart changes."""
+    v = VENDORS[case]
+    before = {key(o): o for o in docs(vendor_render(helm.which, case, patched=False))}
+    after = {key(o): o for o in docs(vendor_render(helm.which, case))}
+    assert set(after) == set(before)
+    ds = the_daemonset(list(after.values()), case)
+    for k, o in before.items():
+        assert (without_guard(after[k], v.container) if k == key(ds) else after[k]) == o, k
+    pod = ds["spec"]["template"]["spec"]
+    init = by_name(pod["initContainers"])
+    assert list(init)[-2:] == ["hami-initcheck", "hami-sidecar"]
+    sidecar = init["hami-sidecar"]
+    read = sidecar_settings(sidecar)
+    assert read.vendor == v.vendor
+    assert [f"{p.resource}={p.socket}" for p in read.plugins] == [v.plugin]
+    assert (read.device_glob, read.expect_devices.kind) == (v.glob, Expect.AUTO if v.glob else Expect.ANY)
+    assert read.hami_config == ""  # HAMi's node configuration is the NVIDIA plugin's alone
+    # The ports: the sidecar's is no other container's, and every probe asks it there.
+    ports = pod_ports(pod)
+    assert len(ports) == len(set(ports)), ports
+    assert (read.port, sidecar["ports"][0]["containerPort"]) == (v.port, v.port)
+    assert sidecar["startupProbe"]["tcpSocket"]["port"] == v.port
+    assert {sidecar[p]["httpGet"]["port"] for p in ("readinessProbe", "livenessProbe")} == {v.port}
+    plugin = by_name(pod["containers"])[v.container]
+    assert plugin["readinessProbe"]["httpGet"] == {
+        "path": "/readyz?exclude=kubelet&exclude=checkpoint&exclude=devices&exclude=hami&exclude=recover",
+        "port": v.port,
+    }
+    command = plugin["livenessProbe"]["exec"]["command"]
+    assert command[:2] == ["bash", "-c"] and f"/dev/tcp/127.0.0.1/{v.port} " in command[2]
+    # The kubelet's folders: the plugin's device-plugins folder, pod-resources beside it (the sidecar reads
+    # it where the pod has no hostPID), the host's /dev under /host/dev; every mount names a volume.
+    volumes = by_name(pod["volumes"])
+    assert volumes["hami-guard-device-plugins"]["hostPath"]["path"] == "/var/lib/kubelet/device-plugins"
+    assert volumes["hami-guard-pod-resources"]["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
+    mounts = {m["name"]: m for m in sidecar["volumeMounts"]}
+    assert set(mounts) == {"hami-guard-device-plugins", "hami-guard-pod-resources", "hami-guard-host-dev"}
+    assert mounts["hami-guard-pod-resources"]["mountPath"] == "/var/lib/kubelet/pod-resources"
+    assert read.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    for c in init.values():
+        assert {m["name"] for m in c.get("volumeMounts", [])} <= set(volumes), c["name"]
+
+
+@pytest.mark.parametrize("case", VENDORS)
+def test_each_vendors_render_is_the_same_with_helm3_and_helm4(case: str) -> None:
+    three = {key(o): o for o in docs(vendor_render("helm3", case))}
+    four = {key(o): o for o in docs(vendor_render("helm4", case))}
+    assert three == four
+
+
+def test_every_vendors_render_validates_strictly(tmp_path: Path) -> None:
+    paths, count = [], 0
+    for case in VENDORS:
+        objects = docs(vendor_render("helm3", case))
+        paths.append(tmp_path / f"{case}.yaml")
+        paths[-1].write_text(yaml.safe_dump_all(objects))
+        count += len(objects)
+    validate_files(paths, count)
+
+
+def test_a_chart_of_several_ascend_chips_needs_the_nodes_resource(helm: Helm) -> None:
+    """Each node's Ascend plugin registers its own chip's resource: with several in the chart's device
+    config, the post-renderer refuses to guess (a wrong resource would fail the plugin check and restart
+    the plugin) and names them; with one, it takes it (the case ascend-one-chip above)."""
+    v = VENDORS["ascend"]
+    args = ["template", v.release, str(FIXTURES / v.chart), "--namespace", v.namespace]
+    result = helm(*args, *helm.post_renderer)
+    assert result.returncode != 0
+    if helm.which == "helm3":
+        assert "each node's plugin registers the resource of its own hardware" in result.stderr
+        assert "huawei.com/Ascend910B3, huawei.com/Ascend310P" in result.stderr
+    alone = run(
+        [str(PATCH / "post-renderer.sh"), f"registry={REGISTRY}"], input=helm(*args).stdout, env=clean_env()
+    )
+    assert alone.returncode == 1 and alone.stdout == ""
+    assert len(alone.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("case", ["amd", "dcu", "biren", "ascend-one-chip"])
+def test_each_vendors_component_equals_the_post_renderer(case: str, tmp_path: Path) -> None:
+    """The kustomize route for a vendor: its component (manifests/hami-patch/vendors/<vendor>) on the chart's
+    render, with the images set, gives what the post-renderer gives. Ascend's sidecar also needs the
+    node's resource, one env patch (its component leaves it to the operator)."""
+    v = VENDORS[case]
+    (tmp_path / "chart.yaml").write_text(vendor_render("helm3", case, patched=False))
+    folder = os.path.relpath(PATCH / "vendors" / v.vendor, tmp_path)
+    kustomization: Obj = {
+        "resources": ["chart.yaml"],
+        "components": [folder],
+        "images": [
+            {"name": f"registry.invalid/{name}", "newName": f"{REGISTRY}/{name}"}
+            for name in ("hami-sidecar", "hami-initcheck")
+        ],
+    }
+    if v.vendor == "ascend":
+        plugin = {"name": "HAMI_GUARD_PLUGIN", "value": v.plugin}
+        env_patch = {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": {"name": v.daemonset[1], "namespace": v.daemonset[0]},
+            "spec": {"template": {"spec": {"initContainers": [{"name": "hami-sidecar", "env": [plugin]}]}}},
+        }
+        (tmp_path / "plugin.yaml").write_text(yaml.safe_dump(env_patch))
+        kustomization["patches"] = [{"path": "plugin.yaml"}]
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    component = {key(o): unordered(o) for o in kustomize(tmp_path)}
+    post = {key(o): unordered(o) for o in docs(vendor_render("helm3", case))}
+    assert component == post
+    # Every variable of the component's sidecar is one the sidecar takes (Ascend's too: no `auto`).
+    ds = the_daemonset(kustomize(tmp_path), case)
+    read = sidecar_settings(by_name(ds["spec"]["template"]["spec"]["initContainers"])["hami-sidecar"])
+    assert read.vendor == v.vendor and read.port == v.port
+
+
+def unordered(o: Obj) -> Obj:
+    """An object with its pod's init containers and their variables by name (an operator's own patch of
+    the sidecar's env, as for Ascend's resource, moves them in the list; their order does not matter)."""
+    o = copy.deepcopy(o)
+    pod = (o.get("spec") or {}).get("template", {}).get("spec")
+    if pod and "initContainers" in pod:
+        pod["initContainers"] = {c["name"]: c for c in pod["initContainers"]}
+        for c in pod["initContainers"].values():
+            c["env"] = {e["name"]: e for e in c.get("env", [])}
+    return o
+
+
+def test_selector_container_and_port_reach_a_vendor_without_a_profile() -> None:
+    """A vendor without a profile works with explicit settings: its DaemonSet by selector=, its resource
+    by plugin=, the sidecar on port=; no vendor is set, and no device nodes are counted unless
+    device-glob= names them."""
+    chart = vendor_render("helm3", "biren", patched=False).replace(
+        "name: biren-device-plugin\n", "name: acme\n"
+    )
+    argv = [
+        str(PATCH / "post-renderer.sh"),
+        f"registry={REGISTRY}",
+        "selector=name=acme",
+        "plugin=acme.example/xpu=acme.sock",
+        "port=9500",
+    ]
+    result = run(argv, input=chart, env=clean_env())
+    assert result.returncode == 0, result.stderr
+    (ds,) = [o for o in docs(result.stdout) if o["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    sidecar = by_name(pod["initContainers"])["hami-sidecar"]
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert "HAMI_GUARD_VENDOR" not in env and "HAMI_GUARD_EXPECT_DEVICES" not in env
+    read = sidecar_settings(sidecar)
+    assert (read.plugins, read.port) == ((("acme.example/xpu", "acme.sock"),), 9500)
+    # The plugin's container is the one serving in the kubelet's folder.
+    assert by_name(pod["containers"])["k8s-device-plugin"]["readinessProbe"]["httpGet"]["port"] == 9500
+    # Without plugin=: refused, one line.
+    refused = run(argv[:-2], input=chart, env=clean_env())
+    assert refused.returncode == 1 and "a vendor without a profile: set plugin=" in refused.stderr
+
+
+def test_components_for_a_label_of_ones_own(tmp_path: Path) -> None:
+    """`render.py components DIR vendor=... selector=...`: one component, for a DaemonSet relabelled."""
+    argv = [
+        sys.executable,
+        str(PATCH / "render.py"),
+        "components",
+        str(tmp_path),
+        "vendor=dcu",
+        "selector=app=dcu",
+    ]
+    result = run(argv, env=clean_env())
+    assert result.returncode == 0, result.stderr
+    component = yaml.safe_load((tmp_path / "kustomization.yaml").read_text())
+    assert component["patches"] == [
+        {"path": "patch.yaml", "target": {"kind": "DaemonSet", "labelSelector": "app=dcu"}}
+    ]
+    patch = yaml.safe_load((tmp_path / "patch.yaml").read_text())
+    assert patch["spec"]["template"]["spec"]["containers"][0]["name"] == "dcu-dp-cntr"
+    bad = run([*argv[:4], "selector=app=x"], env=clean_env())
+    assert bad.returncode == 2 and "name one" in bad.stderr
 
 
 # --- The kustomize route, the examples, the README ---------------------------------------------------

@@ -24,16 +24,21 @@ from types import ModuleType
 import pytest
 import yaml
 
+from doctor import patterns
 from doctor.patterns import PLUGIN_PATTERNS
 from hami_guard import profiles
+from hami_guard.flags import PluginSpec
 from hami_guard.profiles import DEFAULT, PROFILES, ProfileError, export, load, load_all
+from sidecar.config import parse_settings
+from sidecar.deviceplugin import naming
 from tests.conftest import require_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDER = ROOT / "hami_guard" / "profiles"
 NVIDIA = (FOLDER / "nvidia.toml").read_text()
 PATCH = ROOT / "manifests" / "hami-patch"
-SETS = ("nvidia",)
+SETS = ("nvidia",)  # the NVIDIA profile's
+ALL_SETS = ("amd", "ascend", "biren", "dcu", "dpm", "nvidia")  # every shipped set
 UUID = "GPU-6b8a5c0e-2f0e-4d4c-9c4b-0a1b2c3d4e5f"
 
 
@@ -49,8 +54,9 @@ def render_module() -> ModuleType:
 # -- the loader ----------------------------------------------------------------------------------------------
 def test_the_shipped_profiles_load_and_nvidia_is_the_default() -> None:
     assert profiles.read() == PROFILES and PROFILES[0] is DEFAULT
-    assert [p.name for p in PROFILES] == ["nvidia"]
+    assert [p.name for p in PROFILES] == ["nvidia", "amd", "ascend", "biren", "dcu"]
     assert load(NVIDIA, "nvidia", SETS) == DEFAULT
+    assert sorted(f.stem for f in (FOLDER / "patterns").glob("*.toml")) == list(ALL_SETS)
     assert DEFAULT.default and DEFAULT.doctor.log_patterns == SETS
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     data = pyproject["tool"]["setuptools"]["package-data"]["hami_guard"]
@@ -124,12 +130,56 @@ def test_the_shipped_profiles_load_and_nvidia_is_the_default() -> None:
         (
             'register_format = "device-info-json"',
             'register_format = "csv"',
-            "[hami] register_format: 'csv' is not one of device-info-json",
+            "[hami] register_format: 'csv' is not one of device-info-json, device-info-csv",
         ),
         (
             'handshake_writer = "scheduler"',
             'handshake_writer = "operator"',
-            "[hami] handshake_writer: 'operator' is not one of device-plugin, scheduler",
+            "[hami] handshake_writer: 'operator' is not one of device-plugin, scheduler, both",
+        ),
+        (
+            'handshake = "hami.io/node-handshake"',
+            'handshake = ""',
+            "[hami] handshake_writer: a writer for a handshake, and none without one",
+        ),
+        ("stuck_cache = true", 'stuck_cache = "yes"', "[hami] stuck_cache: must be true or false"),
+        ("stuck_cache = true\n", "", "nvidia.toml: [hami] stuck_cache: missing"),
+        (
+            'container = "device-plugin"',
+            'container = "Device_Plugin"',
+            "[chart] container: 'Device_Plugin' is",
+        ),
+        ('namespace = "kube-system"', 'namespace = ""', "[chart] namespace: must be a non-empty string"),
+        ('daemonset = ""', 'daemonset = "Hami"', "[chart] daemonset: 'Hami' is not a DaemonSet's name"),
+        (
+            'config_volume = "device-config"',
+            'config_volume = ""',
+            "[chart] resource_value: set with config_volume, or neither",
+        ),
+        (
+            'node_config = "/config/config.json"',
+            'node_config = "config.json"',
+            "[chart] node_config: 'config",
+        ),
+        ("ports = [9394]", "ports = [0]", "[chart] ports: must be a list of ports (1 to 65535)"),
+        ("ports = [9394]", 'ports = ["9394"]', "[chart] ports: must be a list of ports"),
+        ("ports = [9394]", "ports = [true]", "[chart] ports: must be a list of ports"),
+        ("bash = true", "bash = 1", "[chart] bash: must be true or false"),
+        ('node = "nvidia{minor}"', 'node = ""', "[devices] node: missing for driver_gpus '/proc/driver"),
+        (
+            'socket = "nvidia-{name}.sock"',
+            'socket = "nvidia-{name}.sock"\nname = "gpu[0-9]+"',
+            "[resources] default: 'nvidia.com/gpu' is not of 'nvidia.com/{name}' ({name}: gpu[0-9]+)",
+        ),
+        (
+            'socket = "nvidia-{name}.sock"',
+            'socket = "nvidia-{name}.sock"\nname = "(x"',
+            "[resources] name: not a",
+        ),
+        (
+            'socket = "nvidia-{name}.sock"',
+            'socket = "nvidia-{name}.sock"\nper_node = "no"',
+            "[resources] per_node: must be true or false",
         ),
         (
             'selector = "app.kubernetes.io/component=hami-device-plugin"',
@@ -174,13 +224,35 @@ def test_a_profiles_file_name_is_a_lowercase_name() -> None:
 
 
 def test_optional_tables_and_fields() -> None:
-    """Without DRA drivers, sources, a control node or a driver's GPU list, a profile still loads."""
+    """Without DRA drivers, sources, device nodes, a driver's GPU list, a PCI vendor, a handshake or a device
+    config, a profile still loads; the name of `{name}` and per_node have defaults."""
     text = NVIDIA[: NVIDIA.index("[dra]")]
-    text = text.replace('control = "nvidiactl"', 'control = ""').replace(
-        'driver_gpus = "/proc/driver/nvidia/gpus"', 'driver_gpus = ""'
-    )
+    for old, new in (
+        ('control = "nvidiactl"', 'control = ""'),
+        ('driver_gpus = "/proc/driver/nvidia/gpus"', 'driver_gpus = ""'),
+        ('glob = "/dev/nvidia[0-9]*"', 'glob = ""'),
+        ('node = "nvidia{minor}"', 'node = ""'),
+        ('pci_vendor = "0x10de"', 'pci_vendor = ""'),
+        ('handshake = "hami.io/node-handshake"', 'handshake = ""'),
+        ('handshake_writer = "scheduler"', 'handshake_writer = ""'),
+        ('config_volume = "device-config"', 'config_volume = ""'),
+        ('resource_value = "nvidia.resourceCountName"', 'resource_value = ""'),
+        ('node_config = "/config/config.json"', 'node_config = ""'),
+        ("ports = [9394]", "ports = []"),
+    ):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
     p = load(text, "nvidia", SETS)
     assert (p.dra, p.sources, p.devices.control, p.devices.driver_gpus) == ((), (), "", "")
+    assert (p.devices.glob, p.devices.node, p.devices.pci_vendor, p.hami.handshake, p.chart.ports) == (
+        "",
+        "",
+        "",
+        "",
+        (),
+    )
+    assert (p.resources.name, p.resources.per_node) == (profiles.NAME_EXPRESSION, False)
+    assert p.handshake_key("nvidia.com/gpu") == ""
 
 
 def test_profiles_are_checked_together() -> None:
@@ -217,57 +289,112 @@ def test_the_default_profiles_names_read_both_ways() -> None:
     assert p.shown(p.resources.socket) == "nvidia-<name>.sock"
 
 
-ASCEND = """
-vendor = "Ascend"
-default = false
-[resources]
-pattern = "huawei.com/{name}"
-default = "huawei.com/Ascend910B"
-socket = "{name}.sock"
-[devices]
-id = 'Ascend910B-[0-9]+'
-folds = []
-glob = "/dev/davinci[0-9]*"
-node = "davinci{minor}"
-control = "davinci_manager"
-driver_gpus = ""
-pci_vendor = "0x19e5"
-check = "npu-smi info"
-inspect = "npu-smi info -t health"
-[hami]
-register = "hami.io/node-register-{name}"
-register_format = "device-info-json"
-register_writer = "device-plugin"
-handshake = "hami.io/node-handshake-{name}"
-handshake_writer = "scheduler"
-[chart]
-selector = "app.kubernetes.io/component=hami-ascend-device-plugin"
-resource_value = "huawei.resourceName"
-[doctor]
-process = "ascend-device-plugin"
-log_patterns = ["nvidia"]
-"""
-KUBEVIRT = (
-    ASCEND.replace("huawei.com/Ascend910B", "amd.com/gpu")
-    .replace("huawei.com/{name}", "amd.com/{name}")
-    .replace('socket = "{name}.sock"', 'socket = "amd.com_{name}"')
-    .replace("folds = []", "folds = ['^(.+)#\\d+$']")
-)
-
-
-def test_other_vendors_forms_fit_the_profile_as_data() -> None:
-    """An Ascend profile (huawei.com/<CommonWord> on <CommonWord>.sock) and a kubevirt device plugin's
-    (amd.com/gpu on amd.com_gpu, IDs <id>#<n>) load beside NVIDIA's, and read their names, unchanged code."""
-    nvidia, amd, ascend = load_all({"nvidia": NVIDIA, "ascend": ASCEND, "amd": KUBEVIRT}, SETS)
-    assert nvidia is not None and nvidia.default
-    assert ascend.socket_for("huawei.com/Ascend910B") == "Ascend910B.sock"
+def test_each_vendors_names_read_both_ways() -> None:
+    """The shipped profiles of the vendors HAMi supports: each resource's socket and back (Ascend's
+    <CommonWord>.sock, device-plugin-manager's <domain>_<name>), HAMi's keys, the folds of their split IDs
+    (Ascend's <UUID>-<i>, DCU's <id>-fake-<i>, AMD's <bus ID>#<n>), and which owns what."""
+    ascend, dcu, amd, biren = (profiles.named(n) for n in ("ascend", "dcu", "amd", "biren"))
+    assert ascend and dcu and amd and biren
+    assert ascend.socket_for("huawei.com/Ascend910B3") == "Ascend910B3.sock"
     assert ascend.resource_for("Ascend310P.sock") == "huawei.com/Ascend310P"
-    assert ascend.register_key("huawei.com/Ascend910B") == "hami.io/node-register-Ascend910B"
-    assert ascend.handshake_key("huawei.com/Ascend910B") == "hami.io/node-handshake-Ascend910B"
+    assert ascend.resource_for("Ascend910B4-1.sock") == "huawei.com/Ascend910B4-1"
+    # Only the chart's commonWords: another plugin's <name>.sock is not an NPU's.
+    assert [ascend.resource_for(s) for s in ("kubelet.sock", "cambricon.sock", "nvidia-gpu.sock")] == [
+        None
+    ] * 3
+    assert (ascend.owns("huawei.com/Ascend910A"), ascend.owns("huawei.com/npu")) == (True, False)
+    assert ascend.register_key("huawei.com/Ascend910B3") == "hami.io/node-register-Ascend910B3"
+    assert ascend.handshake_key("huawei.com/Ascend310P") == "hami.io/node-handshake-Ascend310P"
+    assert ascend.physical_device("a1b2-c3-7") == "a1b2-c3"
+    assert ascend.resources.per_node and ascend.free_port() == 9396  # its vNPU metrics listen on 9395
+
+    assert dcu.socket_for("hygon.com/dcunum") == "hygon.com_dcunum"
+    assert dcu.resource_for("hygon.com_dcunum") == "hygon.com/dcunum"
+    assert dcu.physical_device("DCU-1234ABCD-fake-3") == "DCU-1234ABCD"
+    assert dcu.physical_device("DCU-1234ABCD-3") == "DCU-1234ABCD-3"  # NVIDIA's split form is not DCU's
+    assert (dcu.register_key("hygon.com/dcunum"), dcu.hami.register_format) == (
+        "hami.io/node-dcu-register",
+        "device-info-csv",
+    )
+    assert dcu.handshake_key("hygon.com/dcunum") == "hami.io/node-handshake-dcu"
+
     assert amd.socket_for("amd.com/gpu") == "amd.com_gpu"
     assert amd.resource_for("amd.com_gpu") == "amd.com/gpu"
-    assert amd.physical_device("0000:03:00.0#2") == "0000:03:00.0"
-    assert [p.name for p in (nvidia, amd, ascend) if p.owns("amd.com/gpu")] == ["amd"]
+    assert amd.physical_device("0000:c1:00.0#9") == "0000:c1:00.0"
+    assert amd.is_device("0000:c1:00.0") and not amd.is_device("0000:c1:00.0#9")
+    assert (amd.handshake_key("amd.com/gpu"), amd.hami.handshake_writer) == ("", "")  # HAMi has none
+
+    assert biren.socket_for("birentech.com/gpu") == "birentech.com_gpu"
+    assert biren.resource_for("birentech.com_1-2-gpu") == "birentech.com/1-2-gpu"
+    assert biren.physical_device("card_3") == "card_3"
+    assert biren.handshake_key("birentech.com/gpu") == "hami.io/node-handshake-biren"
+
+    # Each socket is read by its own profile, and each resource owned by one.
+    for socket, resource in (
+        ("nvidia-gpu.sock", "nvidia.com/gpu"),
+        ("Ascend910B3.sock", "huawei.com/Ascend910B3"),
+        ("hygon.com_dcunum", "hygon.com/dcunum"),
+        ("amd.com_gpu", "amd.com/gpu"),
+        ("birentech.com_gpu", "birentech.com/gpu"),
+    ):
+        found = profiles.for_socket(socket)
+        assert found is not None and found[1] == resource
+        assert profiles.for_resource(resource) is found[0]
+    assert profiles.for_socket("kubelet.sock") is None
+    # Only NVIDIA's plugin caches its annotation before the patch (the stuck-cache defect).
+    assert [p.name for p in PROFILES if p.hami.stuck_cache] == ["nvidia"]
+
+
+def test_split_ids_fold_by_the_resources_vendor() -> None:
+    """The kubelet's device IDs fold by the profile of their resource (sidecar/deviceplugin/naming.py):
+    AMD's <bus ID>#<n> and DCU's <id>-fake-<i> count once per device there, never under another vendor's
+    resource; without a resource, the default profile's (NVIDIA's <UUID>-<n>)."""
+    amd_ids = ["0000:c1:00.0#0", "0000:c1:00.0#1", "0000:c2:00.0#0"]
+    assert naming.physical_devices(amd_ids, "amd.com/gpu") == {"0000:c1:00.0", "0000:c2:00.0"}
+    assert len(naming.physical_devices(amd_ids)) == 3
+    dcu_ids = [f"DCU-77-fake-{i}" for i in range(4)]
+    assert naming.physical_devices(dcu_ids, "hygon.com/dcunum") == {"DCU-77"}
+    assert len(naming.physical_devices(dcu_ids, "nvidia.com/gpu")) == 4
+    assert naming.physical_devices([f"{UUID}-1", f"{UUID}-2"]) == {UUID}
+    assert naming.physical_devices([f"{UUID}-1"], "birentech.com/gpu") == {f"{UUID}-1"}
+    ascend = profiles.named("ascend")
+    assert (
+        naming.physical_device("x-1-3", "huawei.com/Mine", vendor=ascend) == "x-1"
+    )  # --vendor's for its own
+
+
+def test_device_plugin_managers_sockets_read_as_their_resources() -> None:
+    """<domain>_<name> (kubevirt's device-plugin-manager) is the resource <domain>/<name> for any vendor;
+    a name without a dotted domain (kubelet_internal_checkpoint) is none."""
+    assert naming.hami_resource("example.org_vpu") == "example.org/vpu"
+    assert naming.hami_resource("amd.com_gpu") == "amd.com/gpu"
+    assert naming.hami_resource("kubelet_internal_checkpoint") is None
+    assert naming.hami_resource("kubelet.sock") is None
+    spec = PluginSpec("example.org/gpu", "example.org_gpu")
+    assert naming.pick_found(spec, ["a.sock", "example.org_vpu"]) == "example.org_vpu"
+    said = naming.socket_found_instead([spec], spec, "example.org_vpu")
+    assert "(device-plugin-manager serves <domain>_<name> for <domain>/<name>: example.org/vpu)" in said
+    assert "HAMI_GUARD_PLUGIN=example.org/vpu=example.org_vpu" in said
+    ascend = PluginSpec("huawei.com/Ascend910B3", "Ascend910B3.sock")
+    said = naming.socket_found_instead([ascend], ascend, "Ascend310P.sock")
+    assert "(HAMi serves <name>.sock for resourceName huawei.com/<name>: huawei.com/Ascend310P)" in said
+
+
+def test_each_vendors_log_patterns_are_its_own() -> None:
+    """Every profile's catalogue loads (at import), with its plugin's lines; device-plugin-manager's lines
+    are the DCU, AMD and Biren plugins' alike; the restart command names the vendor's pods."""
+    lines = {p.name: {x.text for x in patterns.catalogue(p).plugin} for p in PROFILES}
+    assert "Registered device plugin for" in lines["nvidia"]
+    assert "register HAMi error:" in lines["ascend"] and "Registered device plugin for" not in lines["ascend"]
+    for name in ("dcu", "amd", "biren"):
+        assert ": Registration failed:" in lines[name], name
+        assert "Registered device plugin for" not in lines[name]
+    assert "Error opening /dev/kfd" in lines["dcu"]
+    assert "amdgpu driver unavailable" in lines["amd"]
+    assert "brml init failed" in lines["biren"]
+    restart = patterns.catalogue(profiles.named("biren")).texts["restart-plugin"]
+    assert "$ kubectl -n biren-gpu delete pod -l name=biren-device-plugin " in restart
+    assert patterns.catalogue(None) is patterns.CATALOGUE  # a vendor without a profile: the default's
 
 
 # -- every consumer reads the profile ------------------------------------------------------------------------
@@ -295,9 +422,17 @@ register_format = "device-info-json"
 register_writer = "device-plugin"
 handshake = "hami.io/node-handshake-acme"
 handshake_writer = "scheduler"
+stuck_cache = false
 [chart]
 selector = "app.kubernetes.io/component=acme-device-plugin"
+daemonset = ""
+container = "device-plugin"
+namespace = "acme-system"
+config_volume = "device-config"
 resource_value = "acme.resourceName"
+node_config = "/etc/acme/config.json"
+ports = [9395, 9396]
+bash = false
 [doctor]
 process = "acme-device-plugin"
 log_patterns = ["acme"]
@@ -318,6 +453,9 @@ out["glob"] = DEFAULTS.device_glob
 out["driver_gpus_dir"] = DEFAULTS.driver_gpus_dir
 out["hami_keys"] = [list(k) for k in DEFAULTS.hami_keys()]
 out["handshake"] = DEFAULTS.hami_handshake_annotation
+out["port"] = [DEFAULTS.port, read_settings([], {}).port]
+out["hami_config"] = [DEFAULTS.hami_config, read_settings([], {}).hami_config]
+out["vendor"] = [DEFAULTS.vendor, read_settings([], {}).vendor]
 out["help"] = " ".join(build_parser().format_help().split())
 out["plugin_error"] = read_settings(["--plugin", "bad"], {}).error
 out["dra_error"] = read_settings(["--dra-driver", "a b"], {}).error
@@ -368,7 +506,7 @@ print(json.dumps(out))
 
 
 def product_copy(tmp_path: Path) -> Path:
-    """The product's packages in `tmp_path`/lib, ACME's profile the only one."""
+    """The product's packages in `tmp_path`/lib, ACME's profile in NVIDIA's place (the default)."""
     lib = tmp_path / "lib"
     for package in ("hami_guard", "sidecar", "doctor", "initcheck"):
         shutil.copytree(ROOT / package, lib / package, ignore=shutil.ignore_patterns("__pycache__"))
@@ -401,9 +539,13 @@ def test_every_consumer_reads_the_profile(tmp_path: Path) -> None:
     assert out.pop("driver_gpus_dir") == out.pop("gpus_dir") == "/proc/acme/xpus"
     assert out.pop("hami_keys") == [["acme.example/xpu", "hami.io/node-register-xpu"]]
     assert out.pop("handshake") == "hami.io/node-handshake-acme"
+    assert out.pop("port") == [9397, 9397]  # past ACME's own ports, 9395 and 9396
+    assert out.pop("hami_config") == ["/etc/acme/config.json"] * 2
+    assert out.pop("vendor") == ["acme"] * 2
     help_text = out.pop("help")
     assert "(default acme.example/xpu=acme_xpu.socket)" in help_text
-    assert "(default /dev/acme-xpu[0-9]*)" in help_text
+    assert "(default /dev/acme-xpu[0-9]*: the vendor profile's, under --host-dev)" in help_text
+    assert "else acme)" in help_text
     assert "hami.io/node-register-{name} for acme.example/* resources" in help_text
     assert "(acme.example/xpu=acme_xpu.socket), got 'bad'" in out.pop("plugin_error")
     assert "(xpu.acme.example=xpu.acme.example-reg.sock), got 'a b'" in out.pop("dra_error")
@@ -433,7 +575,8 @@ def test_every_consumer_reads_the_profile(tmp_path: Path) -> None:
 
 def test_the_post_renderer_reads_its_copy_of_the_profiles(tmp_path: Path) -> None:
     """render.py with ACME's profile as its copy: ACME's DaemonSet is found by ACME's label, its resource
-    read where ACME's chart sets it, its socket and glob ACME's, and ACME's DRA driver known."""
+    read where ACME's chart sets it, its socket ACME's, the sidecar on a port none of ACME's containers
+    has, an httpGet liveness (ACME's image has no bash), and ACME's DRA driver known."""
     require_tool("kubectl")
     plugin = tmp_path / "hami-patch"
     shutil.copytree(PATCH, plugin)
@@ -482,9 +625,11 @@ def test_the_post_renderer_reads_its_copy_of_the_profiles(tmp_path: Path) -> Non
     sidecar = {c["name"]: c for c in pod["initContainers"]}["hami-sidecar"]
     env_of = {e["name"]: e.get("value") for e in sidecar["env"]}
     assert env_of["HAMI_GUARD_PLUGIN"] == "acme.example/vpu=acme_vpu.socket"
-    assert env_of["HAMI_GUARD_DEVICE_GLOB"] == "/host/dev/acme-xpu[0-9]*"
-    ready = {c["name"]: c for c in pod["containers"]}["device-plugin"]["readinessProbe"]["httpGet"]["path"]
-    assert "exclude=devices:acme.example/vpu" in ready
+    assert "HAMI_GUARD_VENDOR" not in env_of  # ACME is the default here
+    assert (env_of["HAMI_GUARD_HOST_DEV"], env_of["HAMI_GUARD_LISTEN"]) == ("/host/dev", "0.0.0.0:9397")
+    plugin_container = {c["name"]: c for c in pod["containers"]}["device-plugin"]
+    assert plugin_container["readinessProbe"]["httpGet"] == {"path": render_module().READINESS, "port": 9397}
+    assert plugin_container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 9397}
     driver_pod = ds["acme-kubelet-plugin"]["spec"]["template"]["spec"]
     dra_sidecar = {c["name"]: c for c in driver_pod["initContainers"]}["hami-sidecar"]
     assert {"name": "HAMI_GUARD_DRA_DRIVER", "value": "xpu.acme.example"} in dra_sidecar["env"]
@@ -497,7 +642,7 @@ def test_the_post_renderer_reads_its_copy_of_the_profiles(tmp_path: Path) -> Non
         env=env,
         check=False,
     )
-    assert "no DaemonSet labelled app.kubernetes.io/component=acme-device-plugin and" in nothing.stderr
+    assert "no DaemonSet labelled app.kubernetes.io/component=acme-device-plugin (or" in nothing.stderr
 
 
 # -- the copies and the manifests ----------------------------------------------------------------------------
@@ -507,13 +652,34 @@ def test_the_post_renderers_copy_is_current() -> None:
     assert json.loads((PATCH / "profiles.json").read_text())["profiles"]["nvidia"] == DEFAULT.as_data()
 
 
-def test_the_manifests_hold_the_default_profiles_values() -> None:
-    """The static manifests that carry the default vendor's values (kustomize applies them as they are)."""
+def test_the_vendors_components_are_current(tmp_path: Path) -> None:
+    """manifests/hami-patch/vendors/<vendor> is `make profiles`' output (render.py components): the kustomize
+    component of each vendor but the default one."""
+    require_tool("kubectl")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_GUARD_")}
+    result = subprocess.run(
+        [sys.executable, str(PATCH / "render.py"), "components", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    written = {str(p.relative_to(tmp_path)): p.read_text() for p in sorted(tmp_path.rglob("*.yaml"))}
+    folder = PATCH / "vendors"
+    shipped = {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*.yaml"))}
+    assert written == shipped, "run make profiles"
+    assert sorted({k.split("/")[0] for k in written}) == sorted(p.name for p in PROFILES if not p.default)
+
+
+def test_the_manifests_name_no_vendor() -> None:
+    """The static manifests name no vendor: the kustomize component's patch leaves the plugin, the device
+    nodes and HAMi's node configuration to the sidecar's vendor profile (HAMI_GUARD_VENDOR, the default
+    when unset), under the host's /dev where it mounts it; its readiness path excludes kinds of checks,
+    no resource; node-problem-detector's rule passes the host's /dev, not a glob."""
     render = render_module()
-    resource = DEFAULT.resources.default
-    plugin = f"{resource}={DEFAULT.socket_for(resource)}"
-    glob = "/host" + DEFAULT.devices.glob  # where patch.yaml mounts the host's /dev
-    assert (render.DEFAULT_RESOURCE, render.SETTINGS["device-glob"][0]) == (resource, glob)
+    assert DEFAULT.resources.default == render.DEFAULT_RESOURCE
+    assert DEFAULT.name == render.DEFAULT_VENDOR
     assert dict(DEFAULT.dra) == render.DRA_BINARIES
     # The kustomize component.
     component = yaml.safe_load((PATCH / "kustomization.yaml").read_text())
@@ -522,13 +688,24 @@ def test_the_manifests_hold_the_default_profiles_values() -> None:
     pod = patch["spec"]["template"]["spec"]
     sidecar = {c["name"]: c for c in pod["initContainers"]}["hami-sidecar"]
     env = {e["name"]: e.get("value") for e in sidecar["env"]}
-    assert (env["HAMI_GUARD_PLUGIN"], env["HAMI_GUARD_DEVICE_GLOB"]) == (plugin, glob)
+    vendors = {"HAMI_GUARD_PLUGIN", "HAMI_GUARD_DEVICE_GLOB", "HAMI_GUARD_VENDOR", "HAMI_GUARD_HAMI_CONFIG"}
+    assert not vendors & set(env)
+    assert env["HAMI_GUARD_HOST_DEV"] == render.HOST_DEV
+    mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
+    assert mounts["hami-guard-host-dev"] == render.HOST_DEV
+    assert mounts["deviceconfig"] == os.path.dirname(DEFAULT.chart.node_config)
     ready = {c["name"]: c for c in pod["containers"]}["device-plugin"]["readinessProbe"]["httpGet"]["path"]
-    assert ready == render.readiness_path(plugin)
+    assert ready == render.READINESS and "/" not in ready.partition("?")[2]
+    # What the sidecar makes of the patch's variables: the default vendor's names, under /host/dev.
+    read = parse_settings([], {k: v for k, v in env.items() if isinstance(v, str)})
+    resource = DEFAULT.resources.default
+    assert read.plugins == ((resource, DEFAULT.socket_for(resource)),)
+    assert read.device_glob == render.HOST_DEV + DEFAULT.devices.glob.removeprefix("/dev")
+    assert read.hami_config == DEFAULT.chart.node_config
     # node-problem-detector runs hami-doctor on the host's /dev, mounted where the sidecar has it.
     npd = json.loads((ROOT / "manifests" / "npd" / "hami-guard-monitor.json").read_text())
     (args,) = [r["args"] for r in npd["rules"]]
-    assert args[args.index("--device-glob") + 1] == glob
+    assert args[args.index("--host-dev") + 1] == render.HOST_DEV and "--device-glob" not in args
     # The cluster rule: kube-state-metrics' sanitized resource name, and the resource in its texts.
     rules = yaml.safe_load((ROOT / "manifests" / "monitoring" / "prometheusrule.yaml").read_text())
     (rule,) = [
@@ -546,16 +723,17 @@ def test_the_manifests_hold_the_default_profiles_values() -> None:
 
 
 def test_nvidia_is_named_only_in_its_profile() -> None:
-    """The product (and the post-renderer's folder) names NVIDIA only in its profile, the profile's log
-    patterns, the post-renderer's generated copy and the kustomize component's defaults (checked above)."""
+    """The product, the post-renderer's folder and node-problem-detector's manifests name NVIDIA only in its
+    profile, the profile's log patterns and the post-renderer's generated copy. (The alerts of
+    manifests/monitoring carry the default resource, checked above; manifests/example-hami is HAMi's chart
+    rendered.)"""
     allowed = {
         "hami_guard/profiles/nvidia.toml",
         "hami_guard/profiles/patterns/nvidia.toml",
         "manifests/hami-patch/profiles.json",
-        "manifests/hami-patch/patch.yaml",
     }
     found = set()
-    for top in ("hami_guard", "sidecar", "doctor", "initcheck", "manifests/hami-patch"):
+    for top in ("hami_guard", "sidecar", "doctor", "initcheck", "manifests/hami-patch", "manifests/npd"):
         for path in (ROOT / top).rglob("*"):
             readable = path.is_file() and "__pycache__" not in path.parts and path.suffix != ".md"
             if readable and b"nvidia" in path.read_bytes():

@@ -222,6 +222,49 @@ async def test_a_reason_with_a_name_not_in_utf8_is_answered_both_ways_alike(
         await server.close()
 
 
+@pytest.mark.parametrize("front", [True, False], ids=["front", "aiohttp"])
+async def test_exclude_takes_a_check_or_every_check_of_a_kind(front: bool) -> None:
+    """`exclude=devices:<resource>` leaves out that check; `exclude=devices` every devices: check, whatever
+    the resource, so that a probe's path need not name one; a kind is a whole word (not a prefix). The same
+    at the front (a closing probe) and through aiohttp (kept alive)."""
+    sidecar = Sidecar(
+        parse_settings(["--plugin", "nvidia.com/gpu=nvidia-gpu.sock", "--plugin", "amd.com/gpu=amd.com_gpu"])
+    )
+    sidecar.rounds = 1
+    for name in sidecar.state.checks:
+        sidecar.state.report(name, True)
+    devices = sorted(n for n in sidecar.state.checks if n.startswith("devices:"))
+    assert devices == ["devices:amd.com/gpu", "devices:nvidia.com/gpu"]
+    for name in devices:
+        sidecar.state.report(name, False, "no healthy device", definitive=True, restarts=False)
+    server = BoundedServer(build_app(sidecar), "127.0.0.1", free_port(), answer=probe_answers(sidecar))
+    await server.start()
+    version = b"HTTP/1.0" if front else b"HTTP/1.1"
+
+    async def get(path: str) -> tuple[int, bytes]:
+        reader, writer = await connect(
+            server, b"GET " + path.encode() + b" " + version + b"\r\nHost: t\r\n\r\n"
+        )
+        try:
+            status, raw = await answer(reader)
+        finally:
+            writer.close()
+        return status, raw.split(b"\r\n\r\n", 1)[1]
+
+    try:
+        assert (await get("/readyz"))[0] == 503
+        status, body = await get("/readyz?exclude=devices:nvidia.com/gpu")
+        assert status == 503 and b"devices:amd.com/gpu" in body and b"devices:nvidia.com/gpu" not in body
+        assert (await get("/readyz?exclude=devices:nvidia.com/gpu&exclude=devices:amd.com/gpu"))[0] == 200
+        assert await get("/readyz?exclude=devices") == (200, b"ok")
+        status, body = await get("/readyz?exclude=devices&verbose")
+        assert status == 200 and b"devices:" not in body and b"[+]plugin:amd.com/gpu ok" in body
+        assert (await get("/readyz?exclude=device"))[0] == 503
+        assert (await get("/readyz?exclude=devices:"))[0] == 503  # a check's name, empty: none
+    finally:
+        await server.close()
+
+
 async def test_slow_and_idle_connections_are_closed_at_the_header_deadline(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -27,8 +27,11 @@ ID = "{id}"  # in a fold: the profile's device ID expression
 # What `{name}` stands for: the name part of an extended resource name (a Kubernetes qualified name).
 NAME_EXPRESSION = r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}"
 # The register annotation's formats sidecar/hami/annotation.py reads, and who writes each annotation.
-REGISTER_FORMATS = ("device-info-json",)
-WRITERS = ("device-plugin", "scheduler")
+REGISTER_FORMATS = ("device-info-json", "device-info-csv")
+# Who writes an annotation: the device plugin, the scheduler, or both (a handshake the plugin stamps
+# `Reported` and the scheduler `Requesting_`).
+WRITERS = ("device-plugin", "scheduler", "both")
+SIDECAR_PORT = 9395  # hami-sidecar's port where the vendor's own ports leave it free (free_port)
 PATTERNS = "patterns"  # the folder of the doctor's log-pattern sets, `<set>.toml`
 SUFFIX = ".toml"
 
@@ -56,16 +59,22 @@ class Resources:
     pattern: str  # `vendor.example/{name}`
     default: str  # the chart's default resource: of `pattern`
     socket: str  # the socket's name for the resource <domain>/{name}
+    name: str = NAME_EXPRESSION  # what `{name}` may be (a regular expression)
+    per_node: bool = False  # each node registers the resource of its hardware: no one default fits all
 
     @cached_property
     def _socket(self) -> re.Pattern[str]:
         head, _, tail = self.socket.partition(NAME)
-        return re.compile(f"^{re.escape(head)}({NAME_EXPRESSION}){re.escape(tail)}$")
+        return re.compile(f"^{re.escape(head)}((?:{self.name})){re.escape(tail)}$")
+
+    @cached_property
+    def _pattern(self) -> re.Pattern[str]:
+        head, _, tail = self.pattern.partition(NAME)
+        return re.compile(f"^{re.escape(head)}((?:{self.name})){re.escape(tail)}$")
 
     def owns(self, resource: str) -> bool:
-        """`resource` is of `pattern`: it starts and ends as the pattern does around `{name}`."""
-        head, _, tail = self.pattern.partition(NAME)
-        return resource.startswith(head) and resource.endswith(tail) and len(resource) >= len(head + tail)
+        """`resource` is of `pattern`, its `{name}` of `name`."""
+        return self._pattern.match(resource) is not None
 
     def socket_for(self, resource: str) -> str:
         """The socket HAMi serves for `resource`, from its name (after the last "/") whatever its domain."""
@@ -83,11 +92,11 @@ class Devices:
 
     id: str  # a whole device's ID (a regular expression, matched whole)
     folds: tuple[str, ...]  # IDs of a share of one device, folded to group 1; `{id}` is `id`
-    glob: str  # the device nodes, on the host's /dev
-    node: str  # a device's node by its minor, `{minor}`
+    glob: str  # the device nodes, on the host's /dev ("" when not known: no `auto` then)
+    node: str  # a device's node by its minor, `{minor}` ("" for none)
     control: str  # the driver's control node ("" for none)
     driver_gpus: str  # the driver's folder of GPUs ("" for none)
-    pci_vendor: str  # `0x10de`: the PCI vendor of the devices bound to vfio-pci
+    pci_vendor: str  # `0x1234`: the PCI vendor of the devices bound to vfio-pci ("" when not known)
     check: str  # what a person runs to look at a device, in a reason
     inspect: str  # the same, in full, in a fix
 
@@ -99,16 +108,26 @@ class Hami:
     register: str  # the register annotation's key (`{name}`: the resource's name)
     register_format: str  # one of REGISTER_FORMATS
     register_writer: str  # one of WRITERS
-    handshake: str  # the handshake annotation's key
-    handshake_writer: str
+    handshake: str  # the handshake annotation's key ("" when HAMi has none for these devices)
+    handshake_writer: str  # one of WRITERS ("" without a handshake)
+    stuck_cache: bool  # the plugin caches the annotation before its patch: one failed patch sticks
 
 
 @dataclass(frozen=True)
 class Chart:
     """HAMi's chart: its device-plugin DaemonSet, and where the resource is set."""
 
-    selector: str  # `key=value`: the DaemonSet's label
-    resource_value: str  # dotted path into the device config (device-config.yaml) to the resource
+    selector: str  # `key=value`: the DaemonSet's label, or its pods'
+    daemonset: (
+        str  # the DaemonSet's name where the selector labels only its pods ("": it labels the DaemonSet)
+    )
+    container: str  # the plugin's container in the DaemonSet
+    namespace: str  # where the vendor's chart or manifest installs it by default
+    config_volume: str  # the ConfigMap volume holding device-config.yaml ("" for none)
+    resource_value: str  # dotted path into device-config.yaml to the resource(s) ("" for none)
+    node_config: str  # HAMi's node configuration (config.json) in the plugin's container ("" for none)
+    ports: tuple[int, ...]  # the ports the vendor's containers listen on in the pod's network
+    bash: bool  # the plugin's image has bash and timeout: the exec livenessProbe runs in it
 
 
 @dataclass(frozen=True)
@@ -124,7 +143,7 @@ class VendorProfile:
     """One vendor's profile, checked. Its methods are the names it defines, read either way."""
 
     name: str  # the file's name: `acme` for acme.toml
-    vendor: str  # in prose: `NVIDIA`
+    vendor: str  # in prose: `ACME`
     default: bool  # the profile of the defaults
     resources: Resources
     devices: Devices
@@ -163,7 +182,7 @@ class VendorProfile:
         return self.hami.handshake.replace(NAME, resource.rsplit("/", 1)[-1])
 
     def is_device(self, device: str) -> bool:
-        """`device` is a whole device's ID (of the form devices.id: NVML's UUID for NVIDIA)."""
+        """`device` is a whole device's ID (of the form devices.id, as the driver names it)."""
         return self._id.match(device) is not None
 
     def physical_device(self, device: str) -> str:
@@ -173,6 +192,12 @@ class VendorProfile:
             if m:
                 return m.group(1)
         return device
+
+    def free_port(self, taken: Iterable[int] = ()) -> int:
+        """hami-sidecar's port in this vendor's pod: SIDECAR_PORT, or the next one none of the vendor's
+        containers (nor `taken`) listens on."""
+        used = {*self.chart.ports, *taken}
+        return next(p for p in range(SIDECAR_PORT, 65536) if p not in used)
 
     def shown(self, pattern: str) -> str:
         """A pattern as the text shows it: `{name}` as `<name>`."""
@@ -205,9 +230,12 @@ class _Table:
         self.where = where
         self.taken: set[str] = set()
 
-    def take(self, key: str, check: Callable[[Any, str], T]) -> T:
+    def take(self, key: str, check: Callable[[Any, str], T], default: T | None = None) -> T:
+        """The value of `key`, checked; `default` (not None): the key is optional."""
         self.taken.add(key)
         if key not in self.value:
+            if default is not None:
+                return default
             raise ProfileError(f"{self.where} {key}: missing")
         return check(self.value[key], f"{self.where} {key}")
 
@@ -358,62 +386,104 @@ def load(text: str, name: str, pattern_sets: Iterable[str] = ()) -> VendorProfil
     top = _Table(doc, f"{source}:")
     vendor = top.take("vendor", _text)
     default = top.take("default", _flag)
-
-    t = top.table("resources")
-    resources_ = Resources(
-        t.take("pattern", _holds(NAME, slash=True)),
-        t.take("default", _text),
-        t.take("socket", _holds(NAME, slash=False)),
-    )
-    t.done()
-    if not resources_.owns(resources_.default):
-        raise ProfileError(f"{t.where} default: {resources_.default!r} is not of {resources_.pattern!r}")
-
-    t = top.table("devices")
-    device_id = t.take("id", _expression)
-    devices = Devices(
-        device_id,
-        t.take("folds", _folds(device_id)),
-        t.take("glob", _form(re.compile(r"^/\S*[*?\[]\S*$"), "an absolute glob (/dev/acme[0-9]*)")),
-        t.take("node", _holds(MINOR, slash=False)),
-        t.take("control", _maybe(_form(re.compile(r"^[^/\s]+$"), "a file name"))),
-        t.take("driver_gpus", _maybe(_form(re.compile(r"^/\S+$"), "an absolute path"))),
-        t.take("pci_vendor", _form(_PCI_VENDOR, "a PCI vendor ID as sysfs shows it (0x1234)")),
-        t.take("check", _text),
-        t.take("inspect", _text),
-    )
-    t.done()
-
-    t = top.table("hami")
-    hami = Hami(
-        t.take("register", _annotation),
-        t.take("register_format", _one_of(REGISTER_FORMATS)),
-        t.take("register_writer", _one_of(WRITERS)),
-        t.take("handshake", _annotation),
-        t.take("handshake_writer", _one_of(WRITERS)),
-    )
-    t.done()
-
-    t = top.table("chart")
-    chart = Chart(
-        t.take("selector", _form(_LABEL, "a label selector key=value")),
-        t.take("resource_value", _form(_DOTTED, "a dotted path (acme.resourceName)")),
-    )
-    t.done()
-
-    t = top.table("doctor")
-    known = set(pattern_sets)
-    doctor = Doctor(t.take("process", _form(_PROGRAM, "a process name")), t.take("log_patterns", _names))
-    for i, s in enumerate(doctor.log_patterns):
-        if s not in known:
-            raise ProfileError(f"{t.where} log_patterns[{i}]: {s!r} names no set ({PATTERNS}/{s}{SUFFIX})")
-    t.done()
-
+    resources_ = _resources(top.table("resources"))
+    devices = _devices(top.table("devices"))
+    hami = _hami(top.table("hami"))
+    chart = _chart(top.table("chart"))
+    doctor = _doctor(top.table("doctor"), set(pattern_sets))
     driver = _form(re.compile(rf"^{_DOMAIN}$"), "a DRA driver's name")
     dra = top.table("dra", optional=True).pairs(_program, driver)
     sources = top.table("sources", optional=True).pairs(lambda k, _: k, _text)
     top.done()
     return VendorProfile(name, vendor, default, resources_, devices, hami, chart, doctor, dra, sources)
+
+
+def _resources(t: _Table) -> Resources:
+    out = Resources(
+        t.take("pattern", _holds(NAME, slash=True)),
+        t.take("default", _text),
+        t.take("socket", _holds(NAME, slash=False)),
+        t.take("name", _expression, NAME_EXPRESSION),
+        t.take("per_node", _flag, False),
+    )
+    t.done()
+    if not out.owns(out.default):
+        raise ProfileError(
+            f"{t.where} default: {out.default!r} is not of {out.pattern!r} ({{name}}: {out.name})"
+        )
+    return out
+
+
+def _devices(t: _Table) -> Devices:
+    device_id = t.take("id", _expression)
+    out = Devices(
+        device_id,
+        t.take("folds", _folds(device_id)),
+        t.take("glob", _maybe(_form(re.compile(r"^/\S*[*?\[]\S*$"), "an absolute glob (/dev/acme[0-9]*)"))),
+        t.take("node", _maybe(_holds(MINOR, slash=False))),
+        t.take("control", _maybe(_form(re.compile(r"^[^/\s]+$"), "a file name"))),
+        t.take("driver_gpus", _maybe(_form(re.compile(r"^/\S+$"), "an absolute path"))),
+        t.take("pci_vendor", _maybe(_form(_PCI_VENDOR, "a PCI vendor ID as sysfs shows it (0x1234)"))),
+        t.take("check", _text),
+        t.take("inspect", _text),
+    )
+    t.done()
+    if out.driver_gpus and not out.node:
+        raise ProfileError(f"{t.where} node: missing for driver_gpus {out.driver_gpus!r} (its GPUs' nodes)")
+    return out
+
+
+def _hami(t: _Table) -> Hami:
+    out = Hami(
+        t.take("register", _annotation),
+        t.take("register_format", _one_of(REGISTER_FORMATS)),
+        t.take("register_writer", _one_of(WRITERS)),
+        t.take("handshake", _maybe(_annotation)),
+        t.take("handshake_writer", _maybe(_one_of(WRITERS))),
+        t.take("stuck_cache", _flag),
+    )
+    t.done()
+    if bool(out.handshake) != bool(out.handshake_writer):
+        raise ProfileError(f"{t.where} handshake_writer: a writer for a handshake, and none without one")
+    return out
+
+
+def _chart(t: _Table) -> Chart:
+    name = _form(_WORD, "a Kubernetes name (a DNS label)")
+    out = Chart(
+        t.take("selector", _form(_LABEL, "a label selector key=value")),
+        t.take(
+            "daemonset", _maybe(_form(re.compile(r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$"), "a DaemonSet's name"))
+        ),
+        t.take("container", name),
+        t.take("namespace", name),
+        t.take("config_volume", _maybe(name)),
+        t.take("resource_value", _maybe(_form(_DOTTED, "a dotted path (acme.resourceName)"))),
+        t.take("node_config", _maybe(_form(re.compile(r"^/\S+$"), "an absolute path"))),
+        t.take("ports", _ports),
+        t.take("bash", _flag),
+    )
+    t.done()
+    if bool(out.config_volume) != bool(out.resource_value):
+        raise ProfileError(f"{t.where} resource_value: set with config_volume, or neither")
+    return out
+
+
+def _doctor(t: _Table, known: set[str]) -> Doctor:
+    out = Doctor(t.take("process", _form(_PROGRAM, "a process name")), t.take("log_patterns", _names))
+    for i, s in enumerate(out.log_patterns):
+        if s not in known:
+            raise ProfileError(f"{t.where} log_patterns[{i}]: {s!r} names no set ({PATTERNS}/{s}{SUFFIX})")
+    t.done()
+    return out
+
+
+def _ports(value: Any, at: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or any(
+        isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 65536 for v in value
+    ):
+        raise ProfileError(f"{at}: must be a list of ports (1 to 65535)")
+    return tuple(value)
 
 
 def load_all(files: Mapping[str, str], pattern_sets: Iterable[str] = ()) -> tuple[VendorProfile, ...]:
@@ -451,6 +521,11 @@ def read() -> tuple[VendorProfile, ...]:
 def pattern_set(name: str) -> str:
     """The text of the doctor's log-pattern set `name` (patterns/<name>.toml)."""
     return resources.files(__name__).joinpath(PATTERNS, f"{name}{SUFFIX}").read_text(encoding="utf-8")
+
+
+def named(name: str) -> VendorProfile | None:
+    """The profile of that name (its file's: `acme` for acme.toml), if any."""
+    return next((p for p in PROFILES if p.name == name), None)
 
 
 def for_resource(resource: str) -> VendorProfile | None:

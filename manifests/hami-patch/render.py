@@ -2,17 +2,22 @@
 
 Reads the rendered manifests on stdin and writes them on stdout with, through `kubectl kustomize`:
 
-- every DaemonSet with the label of HAMi's device plugin (a vendor profile's [chart] selector) patched
-  with patch.yaml beside this file, then adapted to the chart: the resource and its socket from the
-  device config HAMi's plugin reads (its `device-config` ConfigMap, at the profile's resource_value;
-  the socket the profile's for that resource), the pod-resources folder beside HAMi's
-  devicePlugin.pluginPath;
+- every DaemonSet of a HAMi device plugin (one a vendor profile's [chart] selector labels, on the
+  DaemonSet or on its pods; `selector=` and `vendor=` name one) patched with patch.yaml beside this
+  file, made the vendor's (the plugin's container, HAMI_GUARD_VENDOR, a port none of the pod's
+  containers has), then adapted to the chart: the resource and its socket from the device config the
+  plugin reads (the profile's config_volume and resource_value), the kubelet's folders beside the
+  plugin's device-plugins folder;
 - every DaemonSet whose containers run a DRA driver's kubelet plugin (DRA_BINARIES: the profiles'
   [dra]; `dra-driver=` names others) patched with dra.yaml, then adapted: the drivers of its
   containers, the plugin folders the chart mounts, and on each driver container the device plugins'
   probes asking only about its own driver;
 - the settings, each `KEY=VALUE` as an argument (helm --post-renderer-args) or HAMI_GUARD_<KEY>
   in the environment (an argument wins): see SETTINGS.
+
+`render.py components FOLDER` writes instead the kustomize component of each vendor but the default
+one, FOLDER/<vendor>/ (manifests/hami-patch/vendors, `make profiles`); with `vendor=` or `selector=`,
+the one component they name, to FOLDER.
 
 What it knows of each vendor is profiles.json beside it: hami-guard's vendor profiles
 (hami_guard/profiles), copied by `make profiles` because this script cannot import the package.
@@ -43,24 +48,52 @@ HERE = Path(__file__).resolve().parent
 PROFILES: list[dict[str, Any]] = sorted(
     json.loads((HERE / "profiles.json").read_text())["profiles"].values(), key=lambda p: not p["default"]
 )
+NAMES: dict[str, dict[str, Any]] = {
+    name: p for name, p in json.loads((HERE / "profiles.json").read_text())["profiles"].items()
+}
 PROFILE = PROFILES[0]
+DEFAULT_VENDOR = next(name for name, p in NAMES.items() if p is PROFILE or p["default"])
 NAME = "{name}"  # in a profile's socket: the resource's name
-HOST_DEV = "/host"  # where patch.yaml mounts the host's /dev in the sidecar: the glob is under it
+HOST_DEV = "/host/dev"  # where patch.yaml mounts the host's /dev in the sidecar (HAMI_GUARD_HOST_DEV)
+DEVICE_PLUGINS = "/var/lib/kubelet/device-plugins"  # the folder every plugin serves in, in its container
 PLACEHOLDER_REGISTRY = "registry.invalid"
 VERSION = "0.1.0"
-PORT = 9395
+PORT = 9395  # patch.yaml's port: hami-sidecar's, unless a container of the pod has it
 DEFAULT_RESOURCE: str = PROFILE["resources"]["default"]
-DEVICE_GLOB: str = HOST_DEV + PROFILE["devices"]["glob"]
 # The kubelet plugins of the DRA drivers' charts, by the program their container runs: the driver's name.
 DRA_BINARIES: dict[str, str] = {program: driver for p in PROFILES for program, driver in p["dra"].items()}
+READINESS = "/readyz?exclude=kubelet&exclude=checkpoint&exclude=devices&exclude=hami&exclude=recover"
 
 # key: (default, what it sets). None: required.
 SETTINGS: dict[str, tuple[str | None, str]] = {
     "registry": (None, "where both hami-guard images are, e.g. registry.example.org/platform"),
     "tag": (VERSION, "the images' tag"),
-    "plugin": ("", "RESOURCE=SOCKET[,...]; default: read from HAMi's device config"),
-    "expect-devices": ("auto", "N, auto, or none (no devices check)"),
-    "device-glob": (DEVICE_GLOB, "the host's GPU device nodes, as the sidecar sees /dev"),
+    "vendor": (
+        "",
+        f"the device plugin's vendor profile, one of {', '.join(sorted(NAMES))}; default: the one whose "
+        "chart's label the DaemonSet carries",
+    ),
+    "selector": (
+        "",
+        "KEY=VALUE: the label of the device plugin's DaemonSet, or of its pods, to patch; default: the "
+        "vendor profiles' (with neither vendor= nor a profile's label: a vendor without a profile, plugin= "
+        "required)",
+    ),
+    "container": (
+        "",
+        f"the plugin's container; default: the vendor's, else the one that serves in {DEVICE_PLUGINS}",
+    ),
+    "port": ("", f"hami-sidecar's port; default {PORT}, else the next one no container of the pod has"),
+    "plugin": ("", "RESOURCE=SOCKET[,...]; default: read from the vendor's device config, else the vendor's"),
+    "expect-devices": (
+        "",
+        "N, auto, or none (no devices check); default: auto where the vendor profile names device nodes "
+        "(or device-glob= does), else at least one",
+    ),
+    "device-glob": (
+        "",
+        f"the host's device nodes as the sidecar sees /dev ({HOST_DEV}); default: the vendor's",
+    ),
     "registration-grace": ("45", "seconds a plugin may take to register"),
     "probe-interval": ("10", "seconds between the sidecar's probe rounds"),
     "probe-timeout": ("2", "seconds one gRPC probe may take"),
@@ -70,7 +103,11 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
         "native",
         "native (an init container with restartPolicy Always, Kubernetes >= 1.29) or container",
     ),
-    "liveness": ("exec", "exec (an unreachable sidecar is no verdict) or http (httpGet /healthz)"),
+    "liveness": (
+        "",
+        "exec (an unreachable sidecar is no verdict; needs bash in the plugin's image) or http (httpGet "
+        "/healthz); default: exec where the vendor's image has bash, else http",
+    ),
     "dra-driver": (
         "",
         "CONTAINER=DRIVER[=SOCKET][,...]: a DRA kubelet plugin's container, its driver and registration "
@@ -86,6 +123,7 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
 # The sidecar's --recover-unhealthy-after: its units and its bound (sidecar/config.py).
 DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 MAX_RECOVER_AFTER = 30 * 86400.0
+LABEL = r"([a-z0-9.-]+/)?[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?=[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?"
 
 
 class Refused(Exception):
@@ -96,7 +134,8 @@ class Refused(Exception):
         self.code = code
 
 
-def settings(argv: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
+def settings(argv: Sequence[str], environ: Mapping[str, str], *, registry: bool = True) -> dict[str, str]:
+    """The settings of `argv` (KEY=VALUE) over the environment's, checked; `registry`: required."""
     values: dict[str, str] = {}
     for key, (default, _) in SETTINGS.items():
         env = environ.get("HAMI_GUARD_" + key.upper().replace("-", "_"))
@@ -109,25 +148,30 @@ def settings(argv: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
         if not sep or key not in SETTINGS:
             raise Refused(f"unknown setting {arg!r}: expected KEY=VALUE, KEY one of {', '.join(SETTINGS)}", 2)
         values[key] = value
-    if not values.get("registry"):
+    values.setdefault("registry", "")
+    if registry and not values["registry"]:
         raise Refused(
             "set the registry that holds hami-sidecar and hami-initcheck: "
             "--post-renderer-args registry=<host[/path]> (or HAMI_GUARD_REGISTRY)",
             2,
         )
     checks = {
-        "registry": r"[a-z0-9]([a-z0-9.:-]*[a-z0-9])?(/[a-z0-9._-]+)*",
+        "registry": r"([a-z0-9]([a-z0-9.:-]*[a-z0-9])?(/[a-z0-9._-]+)*)?",
         "tag": r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}",
+        "vendor": "|".join(["", *map(re.escape, NAMES)]),
+        "selector": f"({LABEL})?",
+        "container": r"([a-z0-9]([a-z0-9-]*[a-z0-9])?)?",
+        "port": r"([1-9][0-9]{0,4})?",
         "plugin": r"([a-z0-9.-]+/[A-Za-z0-9._-]+=[A-Za-z0-9._-]+(,|$))*",
-        "expect-devices": r"auto|none|[1-9][0-9]{0,3}",
-        "device-glob": r"/\S*",
+        "expect-devices": r"|auto|none|[1-9][0-9]{0,3}",
+        "device-glob": r"(/\S*)?",
         "registration-grace": r"[0-9]+(\.[0-9]+)?",
         "probe-interval": r"[0-9]+(\.[0-9]+)?",
         "probe-timeout": r"[0-9]+(\.[0-9]+)?",
         "liveness-period": r"[1-9][0-9]{0,2}",
         "liveness-failures": r"[1-9][0-9]?",
         "sidecar": r"native|container",
-        "liveness": r"exec|http",
+        "liveness": r"|exec|http",
         "dra-driver": r"([a-z0-9-]+=[a-z0-9.-]+(=[A-Za-z0-9._/-]+)?(,|$))*",
         "dra-grace": r"[0-9]+(\.[0-9]+)?",
     }
@@ -135,8 +179,9 @@ def settings(argv: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
         if not re.fullmatch(pattern, values[key]):
             raise Refused(f"{key}={values[key]!r} is not valid: {SETTINGS[key][1]}", 2)
     after = duration(values["recover-unhealthy-after"])
-    if after is None or after > MAX_RECOVER_AFTER:
-        key = "recover-unhealthy-after"
+    port = int(values["port"] or PORT)
+    if after is None or after > MAX_RECOVER_AFTER or port > 65535:
+        key = "port" if port > 65535 else "recover-unhealthy-after"
         raise Refused(f"{key}={values[key]!r} is not valid: {SETTINGS[key][1]}", 2)
     return values
 
@@ -155,96 +200,257 @@ def load(text: str) -> list[dict[str, Any]]:
     return [d for d in docs if isinstance(d, dict)]
 
 
-def profile_of(obj: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The vendor profile whose device-plugin DaemonSet `obj` is (labelled with its [chart] selector)."""
-    labels = (obj.get("metadata") or {}).get("labels") or {}
-    for p in PROFILES:
+# --- the vendors' device-plugin DaemonSets --------------------------------------------------------------
+
+
+def generic(s: Mapping[str, str]) -> dict[str, Any]:
+    """A vendor without a profile, from the settings alone (selector=, container=, plugin=, device-glob=)."""
+    return {
+        "name": "",
+        "resources": {"default": "", "socket": "", "per_node": True},
+        "devices": {"glob": ""},
+        "chart": {
+            "selector": s["selector"],
+            "container": s["container"],
+            "config_volume": "",
+            "resource_value": "",
+            "node_config": "",
+            "ports": [],
+            "bash": True,
+            "daemonset": "",
+        },
+    }
+
+
+def candidates(s: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The profiles a DaemonSet may be the plugin of: vendor='s, or every one; with selector=, that label."""
+    chosen = (
+        [dict(NAMES[s["vendor"]], name=s["vendor"])]
+        if s["vendor"]
+        else [dict(p, name=n) for n, p in sorted(NAMES.items(), key=lambda i: not i[1]["default"])]
+    )
+    if not s["selector"]:
+        return chosen
+    same = [p for p in chosen if p["chart"]["selector"] == s["selector"]]
+    picked = copy.deepcopy(same or ([chosen[0]] if s["vendor"] else [generic(s)]))
+    for p in picked:
+        p["chart"]["selector"] = s["selector"]
+    return picked
+
+
+def labels_of(obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The DaemonSet's own labels and its pods'."""
+    meta = obj.get("metadata") or {}
+    pods = (((obj.get("spec") or {}).get("template") or {}).get("metadata")) or {}
+    return [meta.get("labels") or {}, pods.get("labels") or {}]
+
+
+def profile_of(obj: Mapping[str, Any], s: Mapping[str, str]) -> dict[str, Any] | None:
+    """The vendor profile whose device-plugin DaemonSet `obj` is (labelled, or its pods, with its
+    [chart] selector)."""
+    if obj.get("kind") != "DaemonSet":
+        return None
+    for p in candidates(s):
         key, _, value = p["chart"]["selector"].partition("=")
-        if obj.get("kind") == "DaemonSet" and labels.get(key) == value:
+        if any(labels.get(key) == value for labels in labels_of(obj)):
             return p
     return None
-
-
-def is_target(obj: Mapping[str, Any]) -> bool:
-    return profile_of(obj) is not None
 
 
 def by_name(items: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
     return {str(i.get("name")): i for i in items or [] if isinstance(i, Mapping)}
 
 
-def chart_plugins(ds: Mapping[str, Any], objects: Sequence[Mapping[str, Any]]) -> str:
-    """RESOURCE=SOCKET from the device config HAMi's plugin reads, or the default (of the DaemonSet's
-    vendor profile)."""
-    profile = profile_of(ds) or PROFILE
-    volume = by_name(ds["spec"]["template"]["spec"].get("volumes")).get("device-config") or {}
+def pod_of(ds: Mapping[str, Any]) -> dict[str, Any]:
+    pod = ((ds.get("spec") or {}).get("template") or {}).get("spec")
+    if not isinstance(pod, dict):
+        raise Refused(f"DaemonSet {ds['metadata'].get('name')}: no pod template")
+    return pod
+
+
+def plugin_container(ds: Mapping[str, Any], profile: Mapping[str, Any]) -> str:
+    """The plugin's container: the profile's (or container='s), else the one that mounts a folder at the
+    kubelet's device-plugins path, the one device plugins serve in."""
+    containers = by_name(pod_of(ds).get("containers"))
+    named = profile["chart"]["container"]
+    if named in containers:
+        return str(named)
+    serving = [n for n, c in containers.items() if plugins_volume(c) is not None]
+    if len(serving) != 1:
+        raise Refused(
+            f"DaemonSet {ds['metadata'].get('name')}: no container {named or '(none named)'}, and "
+            f"{len(serving)} containers mount {DEVICE_PLUGINS}: name the plugin's with container="
+        )
+    return serving[0]
+
+
+def plugins_volume(container: Mapping[str, Any]) -> str | None:
+    """The volume a container mounts at the kubelet's device-plugins folder."""
+    for m in container.get("volumeMounts") or []:
+        if str(m.get("mountPath", "")).rstrip("/") == DEVICE_PLUGINS:
+            return str(m.get("name"))
+    return None
+
+
+def plugins_dir(ds: Mapping[str, Any], container: str) -> str:
+    """The host's device-plugins folder the plugin's container serves in (its hostPath)."""
+    pod = pod_of(ds)
+    volume = plugins_volume(by_name(pod.get("containers"))[container])
+    path = ((by_name(pod.get("volumes")).get(volume or "") or {}).get("hostPath") or {}).get("path")
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise Refused(
+            f"DaemonSet {ds['metadata'].get('name')}: container {container} mounts no hostPath volume at "
+            f"{DEVICE_PLUGINS}"
+        )
+    return path
+
+
+def sidecar_port(ds: Mapping[str, Any], profile: Mapping[str, Any], s: Mapping[str, str]) -> int:
+    """port=, else PORT or the next one none of the pod's containers (nor the vendor's) listens on."""
+    if s["port"]:
+        return int(s["port"])
+    pod = pod_of(ds)
+    used = {int(p) for p in profile["chart"]["ports"]}
+    for c in [*(pod.get("containers") or []), *(pod.get("initContainers") or [])]:
+        for port in c.get("ports") or []:
+            used.update(int(port[k]) for k in ("containerPort", "hostPort") if isinstance(port.get(k), int))
+    return next(p for p in range(PORT, 65536) if p not in used)
+
+
+def liveness_kind(profile: Mapping[str, Any], s: Mapping[str, str]) -> str:
+    return s["liveness"] or ("exec" if profile["chart"]["bash"] else "http")
+
+
+def vendor_patch(profile: Mapping[str, Any], container: str, port: int, liveness: str) -> dict[str, Any]:
+    """patch.yaml made this vendor's: its plugin's container, HAMI_GUARD_VENDOR (not the default's),
+    without HAMi's node configuration where the plugin reads none, on `port`, the liveness `liveness`."""
+    patch: dict[str, Any] = yaml.safe_load((HERE / "patch.yaml").read_text())
+    pod = patch["spec"]["template"]["spec"]
+    sidecar = by_name(pod["initContainers"])["hami-sidecar"]
+    plugin = pod["containers"][0]
+    plugin["name"] = container
+    if profile["name"] and profile["name"] != DEFAULT_VENDOR:
+        sidecar["env"].insert(0, {"name": "HAMI_GUARD_VENDOR", "value": profile["name"]})
+    if not profile["chart"]["node_config"]:
+        sidecar["volumeMounts"] = [m for m in sidecar["volumeMounts"] if m["name"] != "deviceconfig"]
+    if not profile["devices"]["glob"]:  # no device nodes to count: at least one healthy device (absent)
+        sidecar["env"] = [e for e in sidecar["env"] if e["name"] != "HAMI_GUARD_EXPECT_DEVICES"]
+    if port != PORT:
+        sidecar["env"].append({"name": "HAMI_GUARD_LISTEN", "value": f"0.0.0.0:{port}"})
+        sidecar["ports"][0]["containerPort"] = port
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            (sidecar[probe].get("tcpSocket") or sidecar[probe].get("httpGet"))["port"] = port
+        plugin["readinessProbe"]["httpGet"]["port"] = port
+    set_liveness(plugin["livenessProbe"], liveness, port, "/healthz")
+    return patch
+
+
+def set_liveness(live: dict[str, Any], kind: str, port: int, path: str) -> None:
+    """patch.yaml's livenessProbe (in place), asking `path` on `port`: exec or http."""
+    if kind == "http":
+        live.pop("exec", None)
+        live["httpGet"] = {"path": path, "port": port}
+        live["timeoutSeconds"] = 2
+    else:
+        command = live["exec"]["command"]
+        command[-1] = command[-1].replace("GET /healthz ", f"GET {path} ")
+        command[-1] = command[-1].replace(f"/dev/tcp/127.0.0.1/{PORT}", f"/dev/tcp/127.0.0.1/{port}")
+
+
+def chart_resources(
+    ds: Mapping[str, Any], objects: Sequence[Mapping[str, Any]], p: Mapping[str, Any]
+) -> list[str]:
+    """The resources of the device config the plugin reads: the profile's resource_value in its
+    config_volume's device-config.yaml ([] where the profile has none, or the chart sets none)."""
+    chart = p["chart"]
+    volume = by_name(pod_of(ds).get("volumes")).get(chart["config_volume"]) or {}
     name = (volume.get("configMap") or {}).get("name")
     namespace = ds["metadata"].get("namespace")
-    resource: str = profile["resources"]["default"]
     for o in objects:
         meta = o.get("metadata") or {}
-        if o.get("kind") == "ConfigMap" and meta.get("name") == name and meta.get("namespace") == namespace:
+        if not chart["resource_value"] or o.get("kind") != "ConfigMap":
+            continue
+        if meta.get("name") == name and meta.get("namespace") == namespace:
             try:
-                found = yaml.safe_load((o.get("data") or {}).get("device-config.yaml", "")) or {}
-                for key in profile["chart"]["resource_value"].split("."):
-                    found = (found or {}).get(key)
-            except (yaml.YAMLError, AttributeError):
-                found = None
-            if isinstance(found, str) and "/" in found:
-                resource = found
-    socket = profile["resources"]["socket"].replace(NAME, resource.rsplit("/", 1)[1])
-    return f"{resource}={socket}"
+                found = [yaml.safe_load((o.get("data") or {}).get("device-config.yaml", "")) or {}]
+            except yaml.YAMLError:
+                return []
+            for key in chart["resource_value"].split("."):
+                found = [
+                    v.get(key)
+                    for item in found
+                    for v in (item if isinstance(item, list) else [item])
+                    if isinstance(v, dict)
+                ]
+            flat = [v for item in found for v in (item if isinstance(item, list) else [item])]
+            return [v for v in flat if isinstance(v, str) and "/" in v]
+    return []
 
 
-def readiness_path(plugins: str) -> str:
-    resources = [p.split("=", 1)[0] for p in plugins.split(",")]
-    # The rollout gate: serving and registration only; devices (and their recovery, a GPU really
-    # unhealthy) and HAMi's scheduler view are the node's.
-    kinds = ("devices", "hami", "recover")
-    excluded = ["kubelet", "checkpoint"] + [f"{kind}:{r}" for r in resources for kind in kinds]
-    return "/readyz?" + "&".join(f"exclude={e}" for e in excluded)
+def chart_plugins(ds: Mapping[str, Any], objects: Sequence[Mapping[str, Any]], p: Mapping[str, Any]) -> str:
+    """RESOURCE=SOCKET from the device config the plugin reads, or "": the vendor's default (the sidecar's
+    own). Refused where each node registers its own and the chart names several."""
+    if not p["name"]:
+        raise Refused(f"DaemonSet {ds['metadata'].get('name')}: a vendor without a profile: set plugin=")
+    resources = chart_resources(ds, objects, p)
+    r = p["resources"]
+    if r["per_node"] and len(resources) != 1:
+        shown = ", ".join(resources) or "none read"
+        raise Refused(
+            f"DaemonSet {ds['metadata'].get('name')}: each node's plugin registers the resource of its own "
+            f"hardware (the chart's: {shown}): set plugin=RESOURCE=SOCKET for the nodes it runs on"
+        )
+    if not resources or resources == [r["default"]]:
+        return ""
+    return ",".join(f"{x}={r['socket'].replace(NAME, x.rsplit('/', 1)[1])}" for x in resources)
 
 
-def adapt(ds: dict[str, Any], original: Mapping[str, Any], s: Mapping[str, str], plugins: str) -> None:
-    """Apply the settings to one patched DaemonSet (in place)."""
+def adapt(
+    ds: dict[str, Any], original: Mapping[str, Any], s: Mapping[str, str], want: Mapping[str, Any]
+) -> None:
+    """Apply the settings to one patched DaemonSet (in place); `want`: its vendor's choices (profile,
+    plugins, container)."""
     pod = ds["spec"]["template"]["spec"]
-    hami_volumes = by_name(original["spec"]["template"]["spec"].get("volumes"))
-    plugin_dir = (hami_volumes["device-plugin"].get("hostPath") or {}).get("path")
-    if not plugin_dir:
-        raise Refused(f"DaemonSet {ds['metadata']['name']}: HAMi's device-plugin volume is not a hostPath")
+    profile = want["profile"]
+    plugin_dir = plugins_dir(original, want["container"])
     volumes = by_name(pod["volumes"])
-    pod_resources = posixpath.join(posixpath.dirname(plugin_dir.rstrip("/")), "pod-resources")
-    volumes["hami-guard-pod-resources"]["hostPath"]["path"] = pod_resources
+    kubelet_dir = posixpath.dirname(plugin_dir.rstrip("/"))
+    volumes["hami-guard-device-plugins"]["hostPath"]["path"] = plugin_dir
+    volumes["hami-guard-pod-resources"]["hostPath"]["path"] = posixpath.join(kubelet_dir, "pod-resources")
 
     inits = by_name(pod.get("initContainers"))
     sidecar = inits["hami-sidecar"]
     for c in (inits["hami-initcheck"], sidecar):
         set_image(c, s)
-    if "deviceconfig" not in hami_volumes:  # HAMi's node configuration: not in every chart version
+    if "deviceconfig" not in by_name(original["spec"]["template"]["spec"].get("volumes")):
         sidecar["volumeMounts"] = [m for m in sidecar["volumeMounts"] if m["name"] != "deviceconfig"]
+    glob = s["device-glob"]
+    expect = s["expect-devices"] or ("auto" if glob or profile["devices"]["glob"] else "")
     env = {
         "HAMI_GUARD_REGISTRATION_GRACE": s["registration-grace"],
         "HAMI_GUARD_PROBE_INTERVAL": s["probe-interval"],
         "HAMI_GUARD_PROBE_TIMEOUT": s["probe-timeout"],
-        "HAMI_GUARD_PLUGIN": plugins,
-        "HAMI_GUARD_EXPECT_DEVICES": s["expect-devices"],
-        "HAMI_GUARD_DEVICE_GLOB": s["device-glob"],
+        # none: no devices check, which the sidecar spells 0; "": absent, at least one healthy device
+        "HAMI_GUARD_EXPECT_DEVICES": "0" if expect == "none" else expect,
     }
-    kept = []
-    for e in sidecar["env"]:
+    kept = [e for e in sidecar["env"] if e["name"] not in env or env[e["name"]]]
+    for e in kept:
         if e["name"] in env:
-            # none: no devices check, which the sidecar spells 0 (absent, it wants one healthy device)
-            none = e["name"] == "HAMI_GUARD_EXPECT_DEVICES" and env[e["name"]] == "none"
-            e["value"] = "0" if none else env[e["name"]]
-        kept.append(e)
-    if duration(s["recover-unhealthy-after"]):  # off (0) is the sidecar's default: no variable then
-        kept.append({"name": "HAMI_GUARD_RECOVER_UNHEALTHY_AFTER", "value": s["recover-unhealthy-after"]})
+            e["value"] = env[e["name"]]
+    extra = {
+        "HAMI_GUARD_PLUGIN": want["plugins"],
+        "HAMI_GUARD_DEVICE_GLOB": glob,
+        "HAMI_GUARD_RECOVER_UNHEALTHY_AFTER": s["recover-unhealthy-after"]
+        if duration(s["recover-unhealthy-after"])
+        else "",
+    }
+    kept += [{"name": k, "value": v} for k, v in extra.items() if v]  # the sidecar's defaults otherwise
     sidecar["env"] = kept
 
-    containers = by_name(pod["containers"])
-    plugin = containers["device-plugin"]
-    set_liveness(plugin["livenessProbe"], s, "/healthz")
-    plugin["readinessProbe"]["httpGet"]["path"] = readiness_path(plugins)
+    plugin = by_name(pod["containers"])[want["container"]]
+    live = plugin["livenessProbe"]
+    live["periodSeconds"] = int(s["liveness-period"])
+    live["failureThreshold"] = int(s["liveness-failures"])
     place_sidecar(pod, sidecar, s)
 
 
@@ -253,24 +459,29 @@ def set_image(c: dict[str, Any], s: Mapping[str, str]) -> None:
     c["image"] = f"{s['registry']}/{name}:{s['tag']}"
 
 
-def set_liveness(live: dict[str, Any], s: Mapping[str, str], path: str) -> None:
-    """patch.yaml's livenessProbe (in place), asking `path`, with the settings."""
-    live["periodSeconds"] = int(s["liveness-period"])
-    live["failureThreshold"] = int(s["liveness-failures"])
-    if s["liveness"] == "http":
-        del live["exec"]
-        live["httpGet"] = {"path": path, "port": PORT}
-        live["timeoutSeconds"] = 2
-    else:
-        command = live["exec"]["command"]
-        command[-1] = command[-1].replace("GET /healthz ", f"GET {path} ")
-
-
 def place_sidecar(pod: dict[str, Any], sidecar: dict[str, Any], s: Mapping[str, str]) -> None:
     if s["sidecar"] == "container":  # before Kubernetes 1.29: a plain container beside the plugin
         pod["initContainers"] = [c for c in pod["initContainers"] if c["name"] != "hami-sidecar"]
         del sidecar["restartPolicy"]
         pod["containers"].append(sidecar)
+
+
+def vendor_choices(
+    ds: Mapping[str, Any], objects: Sequence[Mapping[str, Any]], s: Mapping[str, str]
+) -> dict[str, Any]:
+    """What one device-plugin DaemonSet is given: its profile, container, port, liveness and plugins."""
+    profile = profile_of(ds, s)
+    assert profile is not None
+    container = plugin_container(ds, profile)
+    plugins = s["plugin"] or chart_plugins(ds, objects, profile)
+    port = sidecar_port(ds, profile, s)
+    return {
+        "profile": profile,
+        "container": container,
+        "port": port,
+        "plugins": plugins,
+        "patch": vendor_patch(profile, container, port, liveness_kind(profile, s)),
+    }
 
 
 # --- DRA drivers' kubelet plugins --------------------------------------------------------------------
@@ -290,7 +501,7 @@ def named_drivers(s: Mapping[str, str]) -> dict[str, str]:
 def dra_drivers(ds: Mapping[str, Any], s: Mapping[str, str]) -> dict[str, str]:
     """{container: DRIVER[=SOCKET]}: the DaemonSet's containers `dra-driver` names, and those that run a
     kubelet plugin of DRA_BINARIES. Empty: not a DRA driver's kubelet plugin."""
-    if ds.get("kind") != "DaemonSet" or is_target(ds):
+    if ds.get("kind") != "DaemonSet" or profile_of(ds, s) is not None:
         return {}
     pod = ((ds.get("spec") or {}).get("template") or {}).get("spec") or {}
     named = named_drivers(s)
@@ -329,8 +540,8 @@ def adapt_dra(
             raise Refused(f"DaemonSet {ds['metadata']['name']}: no hostPath volume {volume} (the kubelet's)")
         folders[volume] = path
     sidecar = by_name(pod["initContainers"])["hami-sidecar"]
-    # After the chart's init containers (NVIDIA's waits for the driver's files): started last, just
-    # before the drivers.
+    # After the chart's init containers (a driver's chart may wait for the driver's files in one):
+    # started last, just before the drivers.
     pod["initContainers"] = [c for c in pod["initContainers"] if c is not sidecar] + [sidecar]
     set_image(sidecar, s)
     for m in sidecar["volumeMounts"]:
@@ -355,7 +566,9 @@ def adapt_dra(
     for name in drivers:
         others = others_excluded(drivers, name)
         live = copy.deepcopy(template["livenessProbe"])
-        set_liveness(live, s, "/healthz" + (f"?{others}" if others else ""))
+        live["periodSeconds"] = int(s["liveness-period"])
+        live["failureThreshold"] = int(s["liveness-failures"])
+        set_liveness(live, s["liveness"] or "exec", PORT, "/healthz" + (f"?{others}" if others else ""))
         ready = copy.deepcopy(template["readinessProbe"])
         gate = "/readyz?exclude=kubelet&exclude=checkpoint"  # the rollout gate, as for the device plugins
         ready["httpGet"]["path"] = gate + (f"&{others}" if others else "")
@@ -364,24 +577,42 @@ def adapt_dra(
     place_sidecar(pod, sidecar, s)
 
 
+def component(patches: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """A kustomize Component: each (patch file, target)."""
+    return {
+        "apiVersion": "kustomize.config.k8s.io/v1alpha1",
+        "kind": "Component",
+        "patches": [{"path": path, "target": dict(target)} for path, target in patches],
+    }
+
+
+def target_of(o: Mapping[str, Any]) -> dict[str, str]:
+    """A kustomize target that is exactly this DaemonSet (names are anchored regular expressions)."""
+    meta = o.get("metadata") or {}
+    found = {"kind": "DaemonSet", "name": re.escape(str(meta.get("name")))}
+    if meta.get("namespace"):
+        found["namespace"] = re.escape(str(meta["namespace"]))
+    return found
+
+
 def render(text: str, s: Mapping[str, str]) -> str:
     objects = load(text)
-    targets = [o for o in objects if is_target(o)]
+    targets = [o for o in objects if profile_of(o, s) is not None]
     dra = {id(o): d for o in objects if (d := dra_drivers(o, s))}
     if not targets and not dra:
-        labels = " or ".join(p["chart"]["selector"] for p in PROFILES)
+        labels = " or ".join(dict.fromkeys(p["chart"]["selector"] for p in candidates(s)))
         raise Refused(
-            f"no DaemonSet labelled {labels} and no DRA kubelet plugin "
+            f"no DaemonSet labelled {labels} (or with pods so labelled) and no DRA kubelet plugin "
             "in the rendered chart: nothing patched (is devicePlugin.enabled false, or is this not HAMi's "
-            "chart nor a DRA driver's? dra-driver=CONTAINER=DRIVER names a kubelet plugin)"
+            "chart, a vendor's device-plugin chart nor a DRA driver's? selector=KEY=VALUE names a device "
+            "plugin's, dra-driver=CONTAINER=DRIVER a kubelet plugin)"
         )
     named = set(named_drivers(s))
     if unknown := named - {c for d in dra.values() for c in d}:
         raise Refused(f"dra-driver: no DaemonSet has a container named {', '.join(sorted(unknown))}", 2)
-    for ds in targets:
-        volumes = by_name(((ds.get("spec") or {}).get("template") or {}).get("spec", {}).get("volumes"))
-        if "device-plugin" not in volumes:
-            raise Refused(f"DaemonSet {ds['metadata'].get('name')}: no volume named device-plugin (HAMi's)")
+    wants = {key(o): vendor_choices(o, objects, s) for o in targets}
+    for o in targets:
+        plugins_dir(o, wants[key(o)]["container"])
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         raise Refused("kubectl is not on PATH (its built-in kustomize applies the patch)")
@@ -389,30 +620,20 @@ def render(text: str, s: Mapping[str, str]) -> str:
     with tempfile.TemporaryDirectory(prefix="hami-guard-") as tmp:
         work = Path(tmp)
         (work / "rendered.yaml").write_text(yaml.safe_dump_all(objects, sort_keys=False))
-        (work / "hami-patch").mkdir()
-        shutil.copy(HERE / "patch.yaml", work / "hami-patch" / "patch.yaml")
-        # kustomization.yaml's component, targeted at the profiles' labels (that file names the default's).
-        labelled = [{"kind": "DaemonSet", "labelSelector": p["chart"]["selector"]} for p in PROFILES]
-        hami = {
-            "apiVersion": "kustomize.config.k8s.io/v1alpha1",
-            "kind": "Component",
-            "patches": [{"path": "patch.yaml", "target": target} for target in labelled],
-        }
-        (work / "hami-patch" / "kustomization.yaml").write_text(yaml.safe_dump(hami))
-        components = ["hami-patch"]
-        if drivers:  # dra.yaml on exactly these DaemonSets (names are anchored regular expressions)
+        components = []
+        if targets:  # each device plugin's DaemonSet, its vendor's patch
+            (work / "hami-patch").mkdir()
+            patches = []
+            for i, o in enumerate(targets):
+                (work / "hami-patch" / f"patch-{i}.yaml").write_text(yaml.safe_dump(wants[key(o)]["patch"]))
+                patches.append((f"patch-{i}.yaml", target_of(o)))
+            (work / "hami-patch" / "kustomization.yaml").write_text(yaml.safe_dump(component(patches)))
+            components.append("hami-patch")
+        if drivers:  # dra.yaml on exactly these DaemonSets
             (work / "dra").mkdir()
             shutil.copy(HERE / "dra.yaml", work / "dra" / "dra.yaml")
-            patches = [
-                {"path": "dra.yaml", "target": {"kind": "DaemonSet", "name": re.escape(str(name))}}
-                for _, _, name in drivers
-            ]
-            component = {
-                "apiVersion": "kustomize.config.k8s.io/v1alpha1",
-                "kind": "Component",
-                "patches": patches,
-            }
-            (work / "dra" / "kustomization.yaml").write_text(yaml.safe_dump(component))
+            dra_patches = [("dra.yaml", target_of(chart)) for chart in objects if key(chart) in drivers]
+            (work / "dra" / "kustomization.yaml").write_text(yaml.safe_dump(component(dra_patches)))
             components.append("dra")
         (work / "kustomization.yaml").write_text(
             "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
@@ -424,14 +645,11 @@ def render(text: str, s: Mapping[str, str]) -> str:
         raise Refused(f"kubectl kustomize failed: {lines[-1]}")
     patched = load(built.stdout)
 
-    originals = {key(o): o for o in targets}
     chart = {key(o): o for o in objects}
     done = 0
     for ds in patched:
-        if key(ds) in originals:
-            original = originals[key(ds)]
-            plugins = s["plugin"] or chart_plugins(original, objects)
-            adapt(ds, copy.deepcopy(original), s, plugins)
+        if key(ds) in wants:
+            adapt(ds, copy.deepcopy(chart[key(ds)]), s, wants[key(ds)])
             done += 1
         elif key(ds) in drivers:
             adapt_dra(ds, copy.deepcopy(chart[key(ds)]), s, drivers[key(ds)])
@@ -441,6 +659,60 @@ def render(text: str, s: Mapping[str, str]) -> str:
     return yaml.safe_dump_all(patched, sort_keys=False)
 
 
+# --- the vendors' kustomize components ---------------------------------------------------------------
+
+COMPONENT_NOTE = """\
+# hami-guard's kustomize component for {vendor}'s device plugin: patch.yaml beside it is
+# manifests/hami-patch/patch.yaml made that vendor's (its plugin's container, HAMI_GUARD_VENDOR, the
+# sidecar's port, the liveness its image can run). Written by `make profiles` (render.py components);
+# edit the profile (hami_guard/profiles/{name}.toml) or patch.yaml, not this. Set the images in your
+# kustomization as for HAMi's component (README.md#install-on-a-cluster); another label: render.py
+# components DIR vendor={name} selector=KEY=VALUE.
+"""
+
+
+def write_component(folder: Path, profile: Mapping[str, Any], s: Mapping[str, str]) -> None:
+    """The kustomize component of one vendor (with the settings' selector, port and liveness) in `folder`:
+    its DaemonSet by the label where the profile's labels the DaemonSet, else by its name."""
+    chart = profile["chart"]
+    target: dict[str, str] = {"kind": "DaemonSet"}
+    if chart["daemonset"] and not s["selector"]:
+        target["name"] = re.escape(chart["daemonset"])
+    else:
+        target["labelSelector"] = chart["selector"]
+    port = int(s["port"] or profile_port(profile))
+    patch = vendor_patch(profile, s["container"] or chart["container"], port, liveness_kind(profile, s))
+    vendor = profile.get("vendor", profile["name"])
+    folder.mkdir(parents=True, exist_ok=True)
+    note = COMPONENT_NOTE.format(vendor=vendor, name=profile["name"])
+    (folder / "kustomization.yaml").write_text(note + yaml.safe_dump(component([("patch.yaml", target)])))
+    (folder / "patch.yaml").write_text(note + yaml.safe_dump(patch, sort_keys=False))
+
+
+def profile_port(profile: Mapping[str, Any]) -> int:
+    """PORT, or the next one the vendor's own containers leave free."""
+    return next(p for p in range(PORT, 65536) if p not in set(profile["chart"]["ports"]))
+
+
+def components(argv: Sequence[str], environ: Mapping[str, str]) -> None:
+    """`components FOLDER [KEY=VALUE...]`: every vendor's component but the default's, FOLDER/<vendor>;
+    with vendor= or selector=, that one, in FOLDER."""
+    if not argv or "=" in argv[0]:
+        raise Refused(
+            "components: expected a folder, then vendor=, selector=, container=, port=, liveness=", 2
+        )
+    folder, s = Path(argv[0]), settings(argv[1:], environ, registry=False)
+    if s["vendor"] or s["selector"]:
+        picked = candidates(s)
+        if len(picked) != 1 or (not picked[0]["name"] and not s["container"]):
+            raise Refused("components: vendor= (with selector=), or selector= and container=, name one", 2)
+        write_component(folder, picked[0], s)
+        return
+    for name, p in sorted(NAMES.items()):
+        if name != DEFAULT_VENDOR:
+            write_component(folder / name, dict(p, name=name), s)
+
+
 def key(o: Mapping[str, Any]) -> tuple[str, str | None, str | None]:
     meta = o.get("metadata") or {}
     return (o.get("kind", ""), meta.get("namespace"), meta.get("name"))
@@ -448,14 +720,17 @@ def key(o: Mapping[str, Any]) -> tuple[str, str | None, str | None]:
 
 def main(argv: Sequence[str]) -> int:
     try:
+        if argv[:1] == ["components"]:
+            components(argv[1:], os.environ)
+            return 0
         s = settings(argv, os.environ)
         sys.stdout.write(render(sys.stdin.read(), s))
     except Refused as e:
         print(f"hami-guard post-renderer: {e}", file=sys.stderr)
         return e.code
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
-        # A DaemonSet with the label but not HAMi's shape (a field missing, of another type).
-        print(f"hami-guard post-renderer: the DaemonSet is not shaped as HAMi's: {e!r}", file=sys.stderr)
+        # A DaemonSet with the label but not a device plugin's shape (a field missing, of another type).
+        print(f"hami-guard post-renderer: the DaemonSet is not shaped as expected: {e!r}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,9 +1,10 @@
 """What HAMi registers on this node: its node configuration's device filter, and the host's GPUs.
 
 `--expect-devices auto` counts the host's device nodes (`--device-glob`, the vendor profile's glob by
-default). HAMi leaves out the GPUs its node configuration filters, so auto subtracts them. The facts
-mirrored here are HAMi's (Project-HAMi/HAMi v2.10; where upstream: the profile's `sources`,
-node-configuration):
+default). HAMi leaves out the GPUs its node configuration filters, so auto subtracts them, for a vendor
+whose plugin reads that configuration (the profile's [chart] node_config; "" for none: nothing is
+subtracted). The facts mirrored here are HAMi's (Project-HAMi/HAMi v2.10; where upstream: the profile's
+`sources`, node-configuration):
 
 - the file is JSON, `/config/config.json` in the plugin's container (the ConfigMap
   `<release>-device-plugin`, key `config.json`, or the chart's `externalConfigName`);
@@ -272,7 +273,7 @@ class Sources:
     """Where the node's facts are read (the defaults are the real paths; tests point elsewhere)."""
 
     device_glob: str
-    config_path: str = CONFIG_PATH
+    config_path: str = CONFIG_PATH  # "": none (a vendor whose plugin reads no node configuration)
     node_name: str = ""
     gpus_dir: str = profiles.DEFAULT.devices.driver_gpus
     vfio_dir: str = VFIO_DIR
@@ -304,12 +305,14 @@ def _expectation(src: Sources) -> Expectation:
     nodes = sorted(glob.glob(src.device_glob))
     folder = os.path.dirname(src.device_glob) or "/dev"
     notes: list[str] = []
-    vfio = vfio_gpus(src.vfio_dir, src.profile.devices.pci_vendor)
+    vfio = vfio_gpus(src.vfio_dir, src.profile.devices.pci_vendor) if src.profile.devices.pci_vendor else []
     if vfio:
         notes.append(
             f"{len(vfio)} {src.profile.vendor} GPU(s) bound to vfio-pci (handed to virtual machines) have no "
             f"device node and are not counted: {', '.join(vfio)}"
         )
+    if not src.config_path:  # the vendor's plugin reads no node configuration of HAMi's: nothing filtered
+        return Expectation(len(nodes), len(nodes), tuple(nodes), (), tuple(notes))
     try:
         raw = read_bounded(src.config_path, MAX_CONFIG_BYTES, follow=True)
     except FileNotFoundError:

@@ -36,8 +36,8 @@ class Gpu:
 
     def node(self, folder: str, pattern: str = profiles.DEFAULT.devices.node) -> str:
         """The GPU's device node in `folder` (`pattern` by its minor), or "no device node" when the driver
-        names no minor."""
-        if self.minor is None:
+        names no minor or the profile no node."""
+        if self.minor is None or not pattern:
             return "no device node"
         return os.path.join(folder, pattern.replace(profiles.MINOR, str(self.minor)))
 
@@ -124,9 +124,11 @@ def read_gpus(gpus_dir: str) -> tuple[list[Gpu], str]:
 
 
 def vfio_gpus(vfio_dir: str, pci_vendor: str = profiles.DEFAULT.devices.pci_vendor) -> list[str]:
-    """PCI addresses of the display devices of `pci_vendor` (the profile's) bound to vfio-pci. Never
-    raises."""
-    out = []
+    """PCI addresses of the display devices of `pci_vendor` (the profile's) bound to vfio-pci; none for a
+    vendor whose ID is not known (""). Never raises."""
+    out: list[str] = []
+    if not pci_vendor:
+        return out
     try:
         names = sorted(os.listdir(vfio_dir))[:MAX_GPUS]
     except OSError:

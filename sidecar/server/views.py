@@ -1,8 +1,9 @@
 """HTTP views: they read the health state and never wait on a probe.
 
 `/healthz` (and `/livez`) is the plugin's livenessProbe: it fails only where a plugin restart is
-the remedy. `/readyz` is its readinessProbe: every check must pass. `/sidecarz` is the sidecar's
-own readiness, `/sidecarz/live` its own liveness (docs/design.md#sidecar-probes).
+the remedy. `/readyz` is its readinessProbe: every check must pass. Both take `exclude=`, a check's
+name or a kind of check (`exclude=devices`: every `devices:<resource>`), repeatable. `/sidecarz` is the
+sidecar's own readiness, `/sidecarz/live` its own liveness (docs/design.md#sidecar-probes).
 
 With a bad configuration the sidecar judges nothing and serves that (build_error_app): `/healthz`
 200 (a plugin restart never mends the sidecar's flags), everything that tells the truth 503.
@@ -11,7 +12,7 @@ With a bad configuration the sidecar judges nothing and serves that (build_error
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from aiohttp import web
 from multidict import MultiMapping
@@ -79,9 +80,20 @@ async def readyz(request: web.Request) -> web.Response:
     return _response(_judged(request.app[SIDECAR_KEY], request.query, live=False))
 
 
+def excluded(checks: Iterable[str], given: Iterable[str]) -> set[str]:
+    """The checks `exclude=` leaves out: each named (`devices:vendor.example/gpu`), and every check of a kind
+    named without its subject (`devices`: each `devices:<resource>`), so that a probe's path need not
+    name the resource."""
+    out = set(given)
+    kinds = {e for e in out if ":" not in e}
+    if kinds:
+        out.update(name for name in checks if name.partition(":")[0] in kinds)
+    return out
+
+
 def _judged(sidecar: Sidecar, query: MultiMapping[str], live: bool) -> Answer:
     state = sidecar.state
-    exclude = query.getall("exclude", [])
+    exclude = excluded(state.checks, query.getall("exclude", []))
     ok = state.healthy(exclude) if live else sidecar.ready and state.all_ok(exclude)
     if ok and "verbose" not in query:
         # The hot path of every probe: one set difference, no probe.
