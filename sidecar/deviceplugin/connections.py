@@ -270,7 +270,9 @@ class ConnectionEvidence:
         replaces the old, whose devices stay listed until the new list comes): None, as when
         pod-resources cannot be read."""
         live = seen.pod_resources.value
-        healthy = physical_devices(live.get(plugin.resource, ())) if live is not None else set()
+        healthy = (
+            physical_devices(live.get(plugin.resource, ()), plugin.resource) if live is not None else set()
+        )
         if not seen.kubelet_rules.refuses_second_register or not healthy:
             s.shadowed = None
             return None
@@ -378,5 +380,5 @@ class ConnectionEvidence:
         live = seen.pod_resources.value
         if live is None:
             return ""
-        n = len(physical_devices(live.get(r, ())))
+        n = len(physical_devices(live.get(r, ()), r))
         return f"; pod-resources lists {n} healthy device(s)" if n else "; no healthy device listed"

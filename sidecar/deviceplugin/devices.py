@@ -90,11 +90,11 @@ class DeviceChecks:
         counts: dict[str, int] = {}
         live = seen.pod_resources.value
         if live is not None:
-            counts["pod_resources"] = len(physical_devices(live.get(r, ())))
+            counts["pod_resources"] = len(physical_devices(live.get(r, ()), r))
         cp = seen.checkpoint.value
         devices = cp.devices(r) if cp is not None else None
         if devices is not None and self.kubelet.fresh(cp):
-            counts["checkpoint"] = len(physical_devices(devices))
+            counts["checkpoint"] = len(physical_devices(devices, r))
         if seen.host_devices is not None:
             counts["host"] = seen.host_devices
         return counts
@@ -176,13 +176,13 @@ class DeviceChecks:
             why = "a lost hold of the plugin awaits its confirmation"
         elif live is None:
             why = f"pod-resources cannot be read ({seen.pod_resources.error})"
-        listed = frozenset(physical_devices(live.get(r, ()))) if live is not None else None
+        listed = frozenset(physical_devices(live.get(r, ()), r)) if live is not None else None
         pods = seen.recovery.pod_devices.value
         held: dict[str, str] | None = None
         if pods is not None:
             held = {}
             for device, pod in sorted(pods.get(r, {}).items()):
-                held.setdefault(physical_device(device), pod)
+                held.setdefault(physical_device(device, r), pod)
         verdict = rec.judge(listed, why, seen.recovery, held, now=self.clock(), wall=self.wall())
         for event, count in verdict.events:
             self.listener.recovery(r, event, count)

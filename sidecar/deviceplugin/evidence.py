@@ -38,7 +38,7 @@ def accepted_devices(
     devices = checkpoint.devices(resource)
     if devices is None or checkpoint.mtime_ns < max(plugin.mtime_ns, kubelet.mtime_ns):
         return None
-    return len(physical_devices(devices))
+    return len(physical_devices(devices, resource))
 
 
 def unrecorded_connection(connections: int, checkpoint: Checkpoint | None, accepted: int | None) -> bool:
@@ -272,7 +272,7 @@ def endpoint_alive(r: str, seen: RoundEvidence) -> bool | None:
     live = seen.pod_resources.value
     if live is None:
         return None
-    if physical_devices(live.get(r, ())):
+    if physical_devices(live.get(r, ()), r):
         return True
     cp = seen.checkpoint.value
     return False if cp is not None and cp.devices(r) else None

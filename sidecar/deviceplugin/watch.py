@@ -429,7 +429,9 @@ class DevicePluginWatch:
     def _expected(self) -> hamiconfig.Expectation:
         s = self.settings
         return hamiconfig.expectation(
-            hamiconfig.Sources(s.device_glob, s.hami_config, s.node_name, s.driver_gpus_dir, s.vfio_dir)
+            hamiconfig.Sources(
+                s.device_glob, s.hami_config, s.node_name, s.driver_gpus_dir, s.vfio_dir, profile=s.profile
+            )
         )
 
     async def _off_loop(self, read: Callable[[], T], fallback: T) -> T:
