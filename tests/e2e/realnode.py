@@ -91,15 +91,12 @@ async def real_node(
     **overrides: Any,
 ) -> AsyncIterator[RealNode]:
     """`kubelet_netns`: the kubelet in a network namespace of its own, the sidecar and plugins in the
-    test's, as in a pod without hostNetwork (the sidecar reads the kubelet's /proc/<pid>/net/unix)."""
+    test's, as in a pod without hostNetwork (the sidecar reads the kubelet's /proc/<pid>/net/unix).
+    `overrides` may name the plugins (`plugins=`) in place of `sockets` of nvidia.com/gpu."""
     pod_resources = os.path.join(short_tmp, "pod-resources", "kubelet.sock")
+    overrides.setdefault("plugins", tuple(PluginSpec(GPU, s) for s in sockets))
     settings = replace(
-        SETTINGS,
-        device_plugin_dir=dp_dir,
-        pod_resources_socket=pod_resources,
-        port=free_port(),
-        plugins=tuple(PluginSpec(GPU, s) for s in sockets),
-        **overrides,
+        SETTINGS, device_plugin_dir=dp_dir, pod_resources_socket=pod_resources, port=free_port(), **overrides
     )
     plugins: list[RealPlugin] = []
     async with RealKubelet(

@@ -11,18 +11,9 @@ The sidecar judges each by the same rules: every one registered, and a drop of o
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import AsyncIterator
-from dataclasses import replace
-
-import aiohttp
-
 from sidecar.config import PluginSpec
-from testing import free_port
-from testing.realkubelet import RealKubelet, RealPlugin, Release
-from tests.e2e.realnode import SETTINGS, UUIDS, RealNode
-from tests.e2e.running import sidecar_running
+from testing.realkubelet import Release
+from tests.e2e.realnode import UUIDS, real_node
 
 ASCEND_UUID = "a3c9f1d2-6b7e-4c8a-9d0f-1e2b3c4d5e6f"
 PLUGINS = (
@@ -33,44 +24,23 @@ PLUGINS = (
 )
 
 
-@contextlib.asynccontextmanager
-async def vendors_node(dp_dir: str, short_tmp: str, release: Release) -> AsyncIterator[RealNode]:
-    pod_resources = os.path.join(short_tmp, "pod-resources", "kubelet.sock")
-    settings = replace(
-        SETTINGS,
-        device_plugin_dir=dp_dir,
-        pod_resources_socket=pod_resources,
-        port=free_port(),
-        plugins=tuple(PluginSpec(r, s) for r, s, _ in PLUGINS),
-    )
-    plugins: list[RealPlugin] = []
-    async with RealKubelet(dp_dir, pod_resources, release=release) as kubelet:
-        try:
-            for resource, socket, devices in PLUGINS:
-                p = RealPlugin(dp_dir, resource, socket, devices, release=release)
-                plugins.append(p)
-                mark = p.mark()
-                await p.start()
-                await p.wait_event("stream-open", after=mark)
-            async with sidecar_running(settings) as (sidecar, _), aiohttp.ClientSession() as http:
-                yield RealNode(dp_dir, kubelet, sidecar, settings, http, release, plugins)
-        finally:
-            for p in plugins:
-                await p.close()
-
-
 async def test_every_vendors_plugin_registers_and_a_drop_fails_that_one_alone(
     release: Release, dp_dir: str, short_tmp: str
 ) -> None:
-    async with vendors_node(dp_dir, short_tmp, release) as node:
+    specs = tuple(PluginSpec(r, s) for r, s, _ in PLUGINS)
+    async with real_node(dp_dir, short_tmp, release, plugins=specs) as node:
+        for resource, socket, devices in PLUGINS:
+            await node.plugin(resource, socket, devices)
         await node.until("/readyz", 200)
         body = (await node.get("/readyz?verbose"))[1]
         for resource, _, _ in PLUGINS:
             for kind in ("plugin", "registered", "kubelet-client", "devices"):
                 assert f"[+]{kind}:{resource} ok" in body, body
         counts = node.sidecar.judge.devices()
-        assert counts["huawei.com/Ascend910B3"]["pod_resources"] == 4
+        assert counts["huawei.com/Ascend910B3"]["pod_resources"] == 1  # <NPU UUID>-<i>: one NPU's vNPUs
         assert counts["cambricon.com/mlu"]["pod_resources"] == 2
+        assert counts["amd.com/gpu"]["pod_resources"] == 1  # <bus>#<n>: one GPU, AMD's profile folds
+        assert counts["nvidia.com/gpu"]["pod_resources"] == 2  # <GPU-UUID>-<n>: two GPUs
         amd = next(p for p in node.plugins if p.resource == "amd.com/gpu")
         await amd.end_stream("oldest")  # the kubelet drops the dpm-shaped plugin
         await node.until("/healthz?verbose", 503, contains="[-]registered:amd.com/gpu failed")
