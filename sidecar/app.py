@@ -178,6 +178,7 @@ class Sidecar:
                     self._follow_vanished(plugin)
             elif event.kind == "created":
                 identity = socket_identity(s.plugin_path(plugin))
+                self.device_plugins.socket_created(plugin)
                 self.judge.plugin_socket_created(plugin.resource, identity)
         elif event.name != CHECKPOINT_NAME:
             return

@@ -327,18 +327,19 @@ class Connections:
 
         sock_diag matches the file by its identity, never through a symbolic link (a link at the path
         to another plugin's socket is not this one's). Once the file is gone, the identity it had still
-        matches while the plugin's listener that bound it is in the table (`gone_as`: that file and the
-        listener's own inode; the kernel keeps a socket's bound identity after an unlink, and the inode
-        number is another file's only once the listener closed); otherwise, `strict` (a caller that
-        follows the listener), whose connections are whose cannot be told: no count, never 0; not
-        `strict`, none.
+        matches, under the plugin's own name (`gone_as`: the file the plugin's listener bound, and that
+        listener's inode; the kernel keeps a socket's bound identity after an unlink): the kubelet's
+        connections to a listener someone else unlinked, or none once the plugin stopped. Without it,
+        `strict` (a caller that follows the listener): whose connections are whose cannot be told, no
+        count, never 0; not `strict`, none.
         """
         if self.exact:
-            vfs = _socket_file(path)
+            vfs, named = _socket_file(path), None
             if vfs is None and gone_as is not None:
-                bound, listener = gone_as
-                alive = any(s.ino == listener and s.state == LISTEN and s.vfs == bound for s in self.sockets)
-                vfs = bound if alive else None
+                # The file the plugin's listener bound, which the kernel keeps while that listener or an
+                # end it accepted lives: its ends under the plugin's own name (an inode number freed once
+                # they all closed may be another file's, never under that name on that device).
+                vfs, named = gone_as[0], {normalise(path), *bound_as}
             if vfs is None and not strict:
                 return frozenset()
             if vfs is None:
@@ -348,6 +349,8 @@ class Connections:
             ids: set[int] = set()
             for s in self.sockets:
                 if s.state != ESTABLISHED or s.vfs != vfs or s.shutdown:
+                    continue
+                if named is not None and s.path not in named:
                     continue
                 peer = ends.get(s.peer)
                 if peer is None or peer.peer != s.ino or peer.state != ESTABLISHED:

@@ -239,6 +239,18 @@ class DevicePluginWatch:
             # Never left waiting for a verdict that will not come: the next round judges the socket.
             self.judge.end_judgement(plugin.resource)
 
+    def socket_created(self, plugin: PluginSpec) -> None:
+        """A plugin socket's creation event: its file is noted at once (an lstat), so that its end is
+        judged by its listener even where no round saw it (a plugin that served and stopped between two
+        rounds); the listener itself is looked up by the rounds, and by that verdict."""
+        path = self.settings.plugin_path(plugin)
+        identity, bound = socket_identity(path), file_id(path)
+        known = self._listeners.get(plugin.resource)
+        if identity is None or bound is None or bound[1] != identity.ino:
+            return
+        if known is None or known.identity != identity:
+            self._listeners[plugin.resource] = PluginListener(bound, None, identity)
+
     def _gone_as(self, plugin: PluginSpec) -> tuple[tuple[int, int], int] | None:
         """The file the plugin's listener bound and that listener's inode, as last found (its own socket
         file may be gone since: the kernel keeps the identity)."""
@@ -388,7 +400,7 @@ class DevicePluginWatch:
         )
         identity = socket_identity(path)
         listener = self._listeners.get(plugin.resource)
-        if identity is None and ids is not None and listener is not None:
+        if identity is None and ids and listener is not None:
             # The file is gone and its listener, still there, holds the kubelet's connections: they are
             # that file's, which the kernel keeps for the listener.
             identity = listener.identity
