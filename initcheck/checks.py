@@ -2,7 +2,7 @@
 
 Standard library only: this runs at every plugin start on every node. Which process is the kubelet
 is `hami_guard.node.proc`'s rule (the sidecar's and the doctor's too); where it listens is read by
-`hami_guard.node.kubelet`, imported only when a process of a kubelet's name is visible.
+`hami_guard.node.kubelet`, imported only when the kubelet's process is known.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import stat
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
-from hami_guard.node.proc import kubelet_names, kubelet_pids, no_kubelet
+from hami_guard.node.proc import kubelet_names, kubelet_pids, kubelet_processes, no_kubelet, not_listening
 from hami_guard.node.sockets import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, try_connect
 
 if TYPE_CHECKING:
@@ -360,10 +360,13 @@ def check_kubelet_path(o: Options) -> Finding:
             "--no-connect: which process listens on kubelet.sock is not asked (a connection tells it), "
             "so where the kubelet listens was not checked",
         )
+    kubelets = kubelet_processes(o.socket_path, o.proc, names)
+    if not kubelets.trusted:
+        return Finding("PATH_MISMATCH", "skip", o.socket_path, not_listening(names), ignored=kubelets.ignored)
     from hami_guard.node.kubelet import KubeletLookupError, listening_paths  # noqa: PLC0415  # start-up cost
 
     try:
-        found = listening_paths(o.socket_path, o.kubelet_process, o.proc)
+        found = listening_paths(o.socket_path, o.kubelet_process, o.proc, kubelets)
     except KubeletLookupError as e:
         return Finding("PATH_MISMATCH", "skip", o.socket_path, str(e), ignored=e.ignored)
     if found.matches(o.socket_path):

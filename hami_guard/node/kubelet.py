@@ -66,25 +66,31 @@ class KubeletSockets:
         return False
 
 
-def find_kubelet(kubelet_path: str, name: str, proc: str = "/proc") -> tuple[int, KubeletProcesses]:
+def find_kubelet(
+    kubelet_path: str, name: str, proc: str = "/proc", found: KubeletProcesses | None = None
+) -> tuple[int, KubeletProcesses]:
     """The kubelet's pid, by the rule of `hami_guard.node.proc`: of the processes that bear a kubelet's
-    name (the known ones and `name`), the one that listens on `kubelet_path`. KubeletLookupError when
-    none is visible, or none of them listens there."""
+    name (the known ones and `name`), the one that listens on `kubelet_path` (`found`, the caller's
+    `kubelet_processes`, else asked here). KubeletLookupError when none is visible, or none of them
+    listens there."""
     names = kubelet_names(name)
-    if not kubelet_pids(proc, names):
-        raise KubeletLookupError(no_kubelet(names))
-    found = kubelet_processes(kubelet_path, proc, names)
+    if found is None:
+        if not kubelet_pids(proc, names):
+            raise KubeletLookupError(no_kubelet(names))
+        found = kubelet_processes(kubelet_path, proc, names)
     if not found.trusted:
         raise KubeletLookupError(not_listening(names), found.ignored)
     return int(found.trusted[0]), found
 
 
-def listening_paths(kubelet_path: str, name: str, proc: str = "/proc") -> KubeletSockets:
-    """Where the kubelet listens: the listeners among its own socket descriptors (`/proc/<pid>/fd`), by
-    the lines of its `/proc/<pid>/net/unix` (its network namespace's, wherever this process runs) that
-    the kernel printed as lines (a name bound to print a made-up line there is not one:
-    `hami_guard.node.netunix`)."""
-    pid, found = find_kubelet(kubelet_path, name, proc)
+def listening_paths(
+    kubelet_path: str, name: str, proc: str = "/proc", kubelets: KubeletProcesses | None = None
+) -> KubeletSockets:
+    """Where the kubelet (`find_kubelet`) listens: the listeners among its own socket descriptors
+    (`/proc/<pid>/fd`), by the lines of its `/proc/<pid>/net/unix` (its network namespace's, wherever
+    this process runs) that the kernel printed as lines (a name bound to print a made-up line there is
+    not one: `hami_guard.node.netunix`)."""
+    pid, found = find_kubelet(kubelet_path, name, proc, kubelets)
     ignored = found.ignored
     name_ = comm(proc, str(pid))
     if not name_:
