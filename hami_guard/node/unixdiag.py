@@ -32,6 +32,7 @@ from hami_guard.node.netunix import (
 from hami_guard.node.proc import (
     KUBELET_PROCESS_NAMES,
     KubeletProcesses,
+    kubelet_pids,
     kubelet_processes,
     listener_pid,
     trusted_process,
@@ -592,11 +593,15 @@ def _host_namespace(
     if any(s.state == LISTEN and s.vfs == kvfs for s in sockets):
         return "the kubelet's listener on kubelet.sock is in this network namespace"
     # The kubelet's process only (the one that listens on kubelet.sock): another of its name may run in
-    # any namespace.
+    # any namespace. Which one listens is asked (a connection) only when one of them runs in this one.
+    mine = _netns_inode(os.path.join(proc, "self"))
+    if mine is None or not any(
+        _netns_inode(os.path.join(proc, p)) == mine for p in kubelet_pids(proc, names)
+    ):
+        return ""
     if kubelets is None:
         kubelets = kubelet_processes(kubelet_path, proc, names)
-    mine = _netns_inode(os.path.join(proc, "self"))
     for pid in kubelets.trusted:
-        if mine is not None and _netns_inode(os.path.join(proc, pid)) == mine:
+        if _netns_inode(os.path.join(proc, pid)) == mine:
             return f"the kubelet's process (pid {pid}) runs in this network namespace"
     return ""
