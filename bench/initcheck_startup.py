@@ -1,7 +1,10 @@
-"""Wall time and peak RSS of `hami-initcheck` on a healthy socket, next to a bare `python -c pass`.
+"""Wall time, CPU time and peak RSS of `hami-initcheck` on a healthy socket, next to a bare
+`python -c pass`: with the kubelet (a process named kubelet) listening on it, as on a node under
+hostPID, and with the socket served by a process of another name while that kubelet is visible
+elsewhere (it is ignored).
 
 Goal: wall <= 2.5x the bare interpreter, peak RSS <= 20 MiB. Medians from one run,
-alternating the two commands so that machine noise hits both alike.
+alternating the commands so that machine noise hits them alike.
 """
 
 from __future__ import annotations
