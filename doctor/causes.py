@@ -117,6 +117,8 @@ def initcheck_causes(findings: Iterable[Finding]) -> tuple[Cause, Cause]:
             target.evidence.append(f"{f.id} (warning): {f.found}")
         elif f.status == "skip" and f.id == "PATH_MISMATCH":
             path.evidence.append(f"PATH_MISMATCH not checked: {f.found}")
+        # Processes of a kubelet's name that are not the kubelet: named, never judged by.
+        path.evidence += [f"{f.id}: ignored {ignored}" for ignored in f.ignored]
     return path, perm
 
 

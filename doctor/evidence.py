@@ -44,11 +44,11 @@ from doctor.types import (
 )
 from hami_guard import profiles
 from hami_guard.flags import AUTO_DEVICES, PluginSpec
-from hami_guard.node.proc import process_visible
+from hami_guard.node.kubelet import KubeletLookupError, listening_paths
+from hami_guard.node.proc import KUBELET_PROCESS_NAMES, KubeletProcesses, kubelet_processes
 from hami_guard.node.sockets import try_connect
 from hami_guard.node.unixdiag import (
     KUBELET_BOUND_PATH,
-    KUBELET_PROCESS_NAMES,
     Connections,
     DiagUnavailable,
     SocketOwner,
@@ -104,7 +104,14 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
     # The kubelet's connections and whose listener serves each plugin socket, read before the probes
     # (a probe's own connection lingers a few ms), from one reading of this namespace, as the sidecar.
     names = {*KUBELET_PROCESS_NAMES, s.kubelet_process_name}
-    mine, seen = _read_connections(s, g, names)
+    # Which process is the kubelet (the one of a kubelet's name that listens on kubelet.sock), once for
+    # the readers that follow.
+    kubelets = g.take(
+        "the kubelet's process",
+        lambda: kubelet_processes(s.kubelet_path, names=names),
+        KubeletProcesses(listener="could not be read"),
+    )
+    mine, seen = _read_connections(s, g, names, kubelets)
     first_read = time.monotonic()
     first = [
         g.take(
@@ -117,7 +124,9 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
     sockets = None if isinstance(mine, str) else mine
     owners = [
         g.take(
-            f"owner of {path}", partial(socket_owner, path, s.kubelet_path, sockets, names=names), _NO_OWNER
+            f"owner of {path}",
+            partial(socket_owner, path, s.kubelet_path, sockets, names=names, kubelets=kubelets),
+            _NO_OWNER,
         )
         for path in paths
     ]
@@ -142,8 +151,8 @@ async def gather(s: DoctorSettings) -> NodeEvidence:
         for spec, path, probe, held, owner in zip(s.plugins, paths, probes, connections, owners, strict=True)
     )
     process = g.take(
-        "the kubelet's process",
-        lambda: kubelet_process(s.kubelet_process_name),
+        "the kubelet's listening paths",
+        lambda: kubelet_process(s.kubelet_path, s.kubelet_process_name),
         KubeletProcess(False, "the kubelet's process could not be read"),
     )
     none: tuple[str, ...] = ()
@@ -258,16 +267,21 @@ def _diag_dump() -> list[UnixSocket] | str:
 
 
 def _read_connections(
-    s: DoctorSettings, g: Gathering, names: set[str]
+    s: DoctorSettings, g: Gathering, names: set[str], kubelets: KubeletProcesses | None = None
 ) -> tuple[list[UnixSocket] | str, Connections | str]:
-    """One reading of this namespace's Unix sockets, and of the kubelet's connections from it."""
+    """One reading of this namespace's Unix sockets, and of the kubelet's connections from it (with the
+    caller's `kubelet_processes`, else read again)."""
     unread: list[UnixSocket] | str = "this network namespace's sockets could not be read"
     mine = g.take("this network namespace's sockets", _diag_dump, unread)
     unseen: Connections | str = "the kubelet's connections could not be read"
     seen = g.take(
         "the kubelet's connections",
         lambda: kubelet_connections(
-            s.kubelet_path, names=names, mine=mine, served=[s.plugin_path(p) for p in s.plugins]
+            s.kubelet_path,
+            names=names,
+            mine=mine,
+            served=[s.plugin_path(p) for p in s.plugins],
+            kubelets=kubelets,
         ),
         unseen,
     )
@@ -327,17 +341,14 @@ async def _lasting(
     return lasting
 
 
-def kubelet_process(name: str) -> KubeletProcess:
-    """pid, version and listening paths of the kubelet (in k3s or kubelite too), or why they are unknown."""
-    if not process_visible(name):
-        return KubeletProcess(False, f"no process named {name} is visible (run with hostPID)")
-    # Imports psutil: here, so that a broken psutil costs this reader alone (said in the report's errors).
-    from hami_guard.node.kubelet import KubeletLookupError, listening_paths  # noqa: PLC0415
-
+def kubelet_process(kubelet_path: str, name: str, proc: str = "/proc") -> KubeletProcess:
+    """pid, version and listening paths of the kubelet (in k3s or kubelite too), or why they are unknown:
+    the process of a kubelet's name that listens on `kubelet_path` (`hami_guard.node.proc`), the others
+    named as ignored."""
     try:
-        found = listening_paths(name)
+        found = listening_paths(kubelet_path, name, proc)
     except KubeletLookupError as e:
-        return KubeletProcess(False, str(e))
+        return KubeletProcess(False, str(e), ignored=e.ignored)
     return KubeletProcess(
         True,
         pid=found.pid,
@@ -345,6 +356,7 @@ def kubelet_process(name: str) -> KubeletProcess:
         listening=found.paths,
         distribution=found.distribution,
         process=found.process,
+        ignored=found.ignored,
     )
 
 

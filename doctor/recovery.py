@@ -5,15 +5,19 @@ re-reads such a device (sidecar/deviceplugin/recovery.py). The doctor, run in th
 the sidecar's `/status` (`--sidecar-status`, loopback by default) and says per resource what was done:
 the restarts asked for, the devices they brought back, and those unhealthy again after theirs (really
 unhealthy: a problem, with its fix). No sidecar answering there: no row. Every reading is bounded (the
-probe timeout, 1 MiB) and total: whatever answers, a row or nothing, never an exception.
+probe timeout for the whole answer, not for each read: a server that sends one byte at a time is cut
+at that deadline; 1 MiB) and total: whatever answers, a row or nothing, never an exception.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.client
 import json
-import urllib.error
-import urllib.request
+import socket
+import threading
+import urllib.parse
 from typing import Any
 
 from doctor.types import Cause
@@ -25,14 +29,57 @@ DEFAULT_URL = "http://127.0.0.1:9395/status"  # the sidecar's port, in the pod's
 SHOWN = 8
 
 
+class NoSidecar(Exception):
+    """Nothing answers at the URL (refused, unreachable, not a 200): no sidecar to ask."""
+
+
+class Late(Exception):
+    """The answer did not come whole within the deadline."""
+
+
 def _get(url: str, timeout: float) -> bytes:
-    # The opener for http:// only: a URL given must not reach files or other schemes.
-    opener = urllib.request.OpenerDirector()
-    for handler in (urllib.request.HTTPHandler(), urllib.request.HTTPErrorProcessor()):
-        opener.add_handler(handler)
-    with opener.open(url, timeout=timeout) as answer:
+    """The body of a GET of an http:// URL, whole within `timeout` seconds from the first byte sent to the
+    last received: each read waits at most that, and at the deadline the connection is cut (a watchdog
+    shuts the socket down), however the server drips. NoSidecar when nothing answers, Late at the
+    deadline; http.client's exceptions for a peer that does not speak HTTP."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:  # a URL given must not reach files or other schemes
+        raise ValueError(f"{url!r}: not an http:// address")
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    late = threading.Event()
+
+    def cut() -> None:
+        late.set()
+        if conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)  # a blocked read returns at once
+
+    watchdog = threading.Timer(timeout, cut)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        try:
+            conn.connect()
+        except OSError as e:
+            raise NoSidecar(str(e)) from None
+        if late.is_set():
+            raise Late
+        path = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+        conn.request("GET", path, headers={"Connection": "close"})
+        answer = conn.getresponse()
+        if answer.status != 200:
+            raise NoSidecar(f"HTTP {answer.status}")
         body: bytes = answer.read(MAX_STATUS_BYTES + 1)
-        return body
+    except (OSError, http.client.HTTPException):
+        if late.is_set():
+            raise Late from None
+        raise
+    finally:
+        watchdog.cancel()
+        conn.close()
+    if late.is_set():  # the cut ended the body early
+        raise Late
+    return body
 
 
 def read_recovery(url: str, timeout: float) -> Reading[Any] | None:
@@ -42,9 +89,11 @@ def read_recovery(url: str, timeout: float) -> Reading[Any] | None:
         return Reading.failed(f"--sidecar-status {url!r}: an http:// address")
     try:
         body = _get(url, timeout)
-    except (urllib.error.URLError, OSError, ValueError):
-        return None  # nothing listens there, or it does not answer in time: no sidecar to ask
-    except Exception as e:  # a peer that is not HTTP
+    except (NoSidecar, ValueError):
+        return None  # nothing listens there: no sidecar to ask
+    except Late:
+        return Reading.failed(f"{url}: no whole answer within {timeout:g}s (the deadline of the whole read)")
+    except Exception as e:  # a peer that is not HTTP, or that hung up mid-answer
         return Reading.failed(f"{url}: {type(e).__name__}: {e}")
     if len(body) > MAX_STATUS_BYTES:
         return Reading.failed(f"{url}: over {MAX_STATUS_BYTES} bytes")

@@ -149,8 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kubeconfig",
         default="",
-        help="read this node's Node (HAMi's registration) with this kubeconfig's current context instead of "
-        "the Pod's ServiceAccount; on a node, the kubelet's own (/etc/kubernetes/kubelet.conf) may read it",
+        help="read this node's Node (HAMi's registration) and, with --dra-resourceslices, its ResourceSlices "
+        "with this kubeconfig's current context instead of the Pod's ServiceAccount; on a node, the "
+        "kubelet's own (/etc/kubernetes/kubelet.conf) may read them",
     )
     p.add_argument("--kube-context", default="", help="the kubeconfig's context (default its current one)")
     p.add_argument(
@@ -167,16 +168,18 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
     parser = build_parser()
     args = parse_with_env(parser, argv, environ)
     dra = dra_drivers(parser, args)
-    api = dra_api(parser, args, environ)
     vendor = vendor_settings(parser, args, bool(dra))
     plugins = vendor.plugins
     hami = hami_settings(parser, args, environ, plugins, vendor.profile)
-    hami_api = hami.api
-    if args.kubeconfig and hami.registration:
+    # --kubeconfig serves every route of the API the doctor takes (HAMi's registration, the ResourceSlices).
+    kube = None
+    if args.kubeconfig and (hami.registration or args.dra_resourceslices):
         try:
-            hami_api = from_kubeconfig(args.kubeconfig, args.kube_context)
+            kube = from_kubeconfig(args.kubeconfig, args.kube_context)
         except KubeconfigError as e:
             parser.error(f"--kubeconfig: {e}")
+    api = kube if kube is not None and args.dra_resourceslices else dra_api(parser, args, environ)
+    hami_api = kube if kube is not None and hami.registration else hami.api
     keys = hami_keys(plugins, hami.annotations, vendor.profile if vendor.given else None)
     status = args.sidecar_status
     if status is None:

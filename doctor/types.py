@@ -113,11 +113,14 @@ class KubeletProcess:
     listening: tuple[str, ...] = ()
     distribution: str = ""  # kubelet, k3s, rke2 or microk8s; "" when not visible
     process: str = ""  # the process that runs the kubelet (kubelet, k3s-server, kubelite, ...)
+    # Processes of a kubelet's name that are not the kubelet (they do not listen on kubelet.sock as this
+    # pod sees it): "pid N (name): why".
+    ignored: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The report's JSON `kubelet` object."""
         if not self.visible:
-            return {"visible": False, "why": self.why}
+            return {"visible": False, "why": self.why, "ignored": list(self.ignored)}
         return {
             "visible": True,
             "pid": self.pid,
@@ -125,6 +128,7 @@ class KubeletProcess:
             "version": self.version,
             "distribution": self.distribution,
             "process": self.process,
+            "ignored": list(self.ignored),
         }
 
 

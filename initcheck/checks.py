@@ -1,7 +1,8 @@
 """The checks of `kubelet.sock`, each a function from what is on the node to a `Finding`.
 
-Standard library only: this runs at every plugin start on every node. The kubelet
-process lookup (psutil) lives in `hami_guard.node.kubelet` and is imported only when needed.
+Standard library only: this runs at every plugin start on every node. Which process is the kubelet
+is `hami_guard.node.proc`'s rule (the sidecar's and the doctor's too); where it listens is read by
+`hami_guard.node.kubelet`, imported only when the kubelet's process is known.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import stat
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
-from hami_guard.node.proc import no_kubelet, process_visible
+from hami_guard.node.proc import kubelet_names, kubelet_pids, kubelet_processes, no_kubelet, not_listening
 from hami_guard.node.sockets import DEFAULT_DIR, DEFAULT_KUBELET_PROCESS, try_connect
 
 if TYPE_CHECKING:
@@ -32,15 +33,20 @@ class Finding(NamedTuple):
     found: str = ""
     expected: str = ""
     remedy: str = ""
+    # PATH_MISMATCH: the processes of a kubelet's name that are not the kubelet, "pid N (name): why".
+    ignored: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "id": self.id,
             "status": self.status,
             "path": self.path,
             "evidence": {"found": self.found, "expected": self.expected},
             "remedy": self.remedy,
         }
+        if self.ignored:
+            out["ignored"] = list(self.ignored)
+        return out
 
 
 class Options(NamedTuple):
@@ -54,6 +60,7 @@ class Options(NamedTuple):
     connect: bool = True
     strict: bool = False
     kubelet_process: str = DEFAULT_KUBELET_PROCESS
+    proc: str = "/proc"  # where the process table is read (a test gives one of its own)
 
     @property
     def folder(self) -> str:
@@ -71,6 +78,7 @@ def options_for(
     connect: bool = True,
     strict: bool = False,
     kubelet_process: str = DEFAULT_KUBELET_PROCESS,
+    proc: str = "/proc",
 ) -> Options:
     """Options for the plugin's identity; absent, it is this process's (with its supplementary groups)."""
     own_identity = plugin_uid is None and plugin_gid is None
@@ -85,6 +93,7 @@ def options_for(
         connect=connect,
         strict=strict,
         kubelet_process=kubelet_process,
+        proc=proc,
     )
 
 
@@ -337,18 +346,37 @@ def check_connect(o: Options) -> Finding:
 
 
 def check_kubelet_path(o: Options) -> Finding:
-    if not process_visible(o.kubelet_process):
-        return Finding("PATH_MISMATCH", "skip", o.socket_path, no_kubelet(o.kubelet_process))
+    """Does the kubelet listen on this socket? The kubelet is the process of a kubelet's name that
+    listens on it (`hami_guard.node.proc`); the others are named as ignored. None that does, or none
+    visible: not checked (skip), never a failure."""
+    names = kubelet_names(o.kubelet_process)
+    if not kubelet_pids(o.proc, names):
+        return Finding("PATH_MISMATCH", "skip", o.socket_path, no_kubelet(names))
+    if not o.connect:
+        return Finding(
+            "PATH_MISMATCH",
+            "skip",
+            o.socket_path,
+            "--no-connect: which process listens on kubelet.sock is not asked (a connection tells it), "
+            "so where the kubelet listens was not checked",
+        )
+    kubelets = kubelet_processes(o.socket_path, o.proc, names)
+    if not kubelets.trusted:
+        return Finding("PATH_MISMATCH", "skip", o.socket_path, not_listening(names), ignored=kubelets.ignored)
+    from hami_guard.node.kubelet import KubeletLookupError, listening_paths  # noqa: PLC0415  # start-up cost
+
     try:
-        from hami_guard.node.kubelet import KubeletLookupError, listening_paths  # noqa: PLC0415  # psutil
-    except ImportError as e:  # a broken psutil costs this check, not the run
-        return Finding("PATH_MISMATCH", "skip", o.socket_path, f"psutil cannot be imported: {e}")
-    try:
-        found = listening_paths(o.kubelet_process)
+        found = listening_paths(o.socket_path, o.kubelet_process, o.proc, kubelets)
     except KubeletLookupError as e:
-        return Finding("PATH_MISMATCH", "skip", o.socket_path, str(e))
+        return Finding("PATH_MISMATCH", "skip", o.socket_path, str(e), ignored=e.ignored)
     if found.matches(o.socket_path):
-        return Finding("PATH_MISMATCH", "pass", o.socket_path, f"kubelet pid {found.pid} listens here")
+        return Finding(
+            "PATH_MISMATCH",
+            "pass",
+            o.socket_path,
+            f"kubelet pid {found.pid} listens here",
+            ignored=found.ignored,
+        )
     listening = ", ".join(found.paths) or "no Unix socket"
     who = "kubelet" if found.process == "kubelet" else f"kubelet (inside {found.process})"
     return Finding(
@@ -358,6 +386,7 @@ def check_kubelet_path(o: Options) -> Finding:
         f"{who} pid {found.pid} listens on: {listening}",
         f"the kubelet listening on {o.socket_path}",
         path_remedy(o.socket_path, found.paths, found.distribution),
+        found.ignored,
     )
 
 

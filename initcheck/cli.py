@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def options_from(args: argparse.Namespace) -> Options:
+def options_from(args: argparse.Namespace, proc: str = "/proc") -> Options:
     return options_for(
         os.path.join(args.device_plugin_dir, args.kubelet_socket),
         plugin_uid=args.plugin_uid,
@@ -63,6 +63,7 @@ def options_from(args: argparse.Namespace) -> Options:
         connect=args.connect,
         strict=args.strict,
         kubelet_process=args.kubelet_process_name,
+        proc=proc,
     )
 
 
@@ -84,10 +85,11 @@ def check_with_wait(
         time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
 
 
-def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None, proc: str = "/proc") -> int:
+    """hami-initcheck; `proc` is where the process table is read (a test gives one of its own)."""
     out = out or sys.stdout
     args = parse_with_env(build_parser(), sys.argv[1:] if argv is None else argv)
-    options = options_from(args)
+    options = options_from(args, proc)
 
     def on_term(signum: int, _frame: FrameType | None) -> None:
         raise Terminated(signal.Signals(signum).name)
@@ -135,6 +137,8 @@ def print_text(findings: list[Finding], options: Options, code: int, out: TextIO
             print(one_line(line), file=out)
         elif f.status == "skip" and f.id == "PATH_MISMATCH":
             print(one_line(f"note: {f.id} skipped: {f.found}"), file=out)
+        for ignored in f.ignored:  # processes of a kubelet's name that are not the kubelet
+            print(one_line(f"note: {f.id} ignored: {ignored}"), file=out)
     if code == exitcodes.OK:
         passed = sum(f.status == "pass" for f in findings)
         print(one_line(f"ok: {options.socket_path}: {passed} checks passed"), file=out)

@@ -17,6 +17,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from collections import Counter
@@ -103,15 +104,17 @@ from testing.grpcserve import GoStyleUnimplemented
 from testing.netns import Netns
 from testing.plugin import hami_device_ids
 from tests.conftest import wait_for
-from tests.test_initcheck import FLIPPER
+from tests.proctable import isolated
+from tests.test_initcheck import FLIPPER, stand_in
 
 GPU = "nvidia.com/gpu"
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[1]
 
-# These tests start processes named kubelet, k3s-server and kubelite, which every check on the machine
-# can see, and read the process table: each holds the process-table lock (tests/conftest.py), so no
-# test here sees another's stand-in kubelet.
+# hami-doctor reads a process table of the test's own (tests/proctable.py): pid 1, the test's process and
+# the processes it started, never another process of a kubelet's name on the machine. These tests start
+# processes named kubelet, k3s-server and kubelite, which every check on the machine can see: each holds
+# the process-table lock (tests/conftest.py), so no test that reads the machine's table sees them.
 pytestmark = pytest.mark.usefixtures("process_table")
 
 
@@ -142,10 +145,12 @@ class Doctor:
         self, *extra: str, env: dict[str, str] | None = None, ns: Netns | None = None
     ) -> tuple[int, str]:
         """The one way a test starts hami-doctor: a real process (in `ns`, a pod's network namespace, when
-        given), never a traceback on stderr."""
+        given) with a process table of the test's own (its processes, taken now), never a traceback on
+        stderr."""
         argv = self.argv(*extra)
+        table = os.path.join(tempfile.mkdtemp(prefix="proc-", dir=self.tmp), "table")
         proc = await asyncio.create_subprocess_exec(
-            *(ns.command(argv) if ns is not None else argv),
+            *isolated(ns.command(argv) if ns is not None else argv, table),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env={**os.environ, **(env or {})},
@@ -256,17 +261,35 @@ async def test_socket_permission(
     assert (code, doc["most_likely"]) == (1, "socket-permission")
 
 
-async def test_socket_path_mismatch(
-    doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin], kubelet_elsewhere: tuple[object, str]
-) -> None:
-    _, where = kubelet_elsewhere
-    code, out = await doctor.run()
-    assert code == 1
-    first = out.splitlines()[3]
-    assert first.split()[1:4] == ["socket", "path", "mismatch"]
-    assert where in out
-    code, doc = await doctor.report()
+async def test_socket_path_mismatch(doctor: Doctor, short_tmp: str) -> None:
+    """The kubelet listens on this very kubelet.sock, but bound it in another folder (the file was moved
+    since): it dials plugins there, not here."""
+    where = os.path.join(short_tmp, "k", "device-plugins", "kubelet.sock")
+    with stand_in("kubelet", short_tmp, where, os.path.join(doctor.dir, "kubelet.sock")):
+        code, out = await doctor.run()
+        assert code == 1
+        first = out.splitlines()[3]
+        assert first.split()[1:4] == ["socket", "path", "mismatch"]
+        assert where in out
+        code, doc = await doctor.report()
     assert doc["most_likely"] == "socket-path"
+
+
+async def test_a_process_named_kubelet_elsewhere_is_ignored(
+    doctor: Doctor, node: tuple[FakeKubelet, FakeDevicePlugin], kubelet_elsewhere: tuple[Any, str]
+) -> None:
+    """A process named kubelet that does not listen on kubelet.sock (another kubelet on the machine) is
+    not the kubelet: the report names it as ignored, and judges as without it."""
+    other, _ = kubelet_elsewhere
+    code, doc = await doctor.report()
+    assert (code, doc["most_likely"]) == (0, None), verdicts(doc)
+    why = f"it does not listen on kubelet.sock as this pod sees it (pid {os.getpid()} does)"
+    ignored = f"pid {other.pid} (kubelet): {why}"
+    assert f"PATH_MISMATCH: ignored {ignored}" in row(doc, "socket-path")["evidence"]
+    kubelet = doc["kubelet"]
+    assert isinstance(kubelet, dict)
+    assert kubelet == {"visible": False, "why": kubelet["why"], "ignored": [ignored]}
+    assert kubelet["why"].startswith("no process named kubelet, k3s, k3s-agent, k3s-server or kubelite ")
 
 
 async def test_protocol_mismatch(doctor: Doctor) -> None:
@@ -1166,6 +1189,7 @@ def test_text_json_and_npd_renderings() -> None:
         "version": "1.29.3",
         "distribution": "",
         "process": "",
+        "ignored": [],
     }
     line = npd_line(report)
     assert line.startswith("plugin not serving: nvidia-gpu.sock: refused xxx")

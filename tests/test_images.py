@@ -24,6 +24,7 @@ import pytest
 
 from testing import free_port
 from tests.conftest import wait_ready
+from tests.proctable import isolated
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "/opt/hami-guard"
@@ -159,14 +160,15 @@ def test_every_command_the_image_ships_starts(
         assert done.returncode == 0, f"{script.name} --help: {done.stderr[-2000:]}"
 
 
-# It runs the check against the machine's process table: never at the same time as the stand-in
-# kubelets of test_initcheck.py and test_doctor.py (the process-table lock, tests/conftest.py).
-@pytest.mark.usefixtures("process_table")
-def test_init_image_runs_initcheck_with_psutil_only(image: Callable[[str], Image], listening: str) -> None:
+def test_init_image_runs_initcheck_with_psutil_only(
+    image: Callable[[str], Image], listening: str, short_tmp: str
+) -> None:
     img = image("Dockerfile.init")
     assert img.requirements.read_text().count("==") == 1  # psutil, and nothing else
     argv = img.here(img.entrypoint)
-    ok = subprocess.run([*argv, "--device-plugin-dir", listening], capture_output=True, text=True)
+    # With a process table of the test's own (tests/proctable.py): no other kubelet on the machine.
+    own = isolated([*argv, "--device-plugin-dir", listening], os.path.join(short_tmp, "table"))
+    ok = subprocess.run(own, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert ok.stdout.splitlines()[-1].startswith("ok: ")
     failing = subprocess.run([*argv, "--device-plugin-dir", "/nonexistent"], capture_output=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -21,12 +23,14 @@ import pytest
 from initcheck import exitcodes
 from initcheck.checks import Finding, Options, options_for, os_failure
 from initcheck.cli import TRANSIENT, check_with_wait, main
+from tests.proctable import isolated, own_proc
 
 PY = sys.executable
 
-# These tests start processes named kubelet, k3s-server and kubelite, which every check on the machine
-# can see, and read the process table: each holds the process-table lock (tests/conftest.py), so no
-# test here sees another's stand-in kubelet.
+# Each check reads a process table of the test's own (tests/proctable.py): pid 1, this process and the
+# processes it started, never another process of a kubelet's name on the machine. These tests start
+# processes named kubelet, k3s-server and kubelite, which every check on the machine can see: each holds
+# the process-table lock (tests/conftest.py), so no test that reads the machine's table sees them.
 pytestmark = pytest.mark.usefixtures("process_table")
 
 
@@ -49,8 +53,10 @@ def listener(folder: str) -> Iterator[socket.socket]:
 
 
 def check(folder: str, *args: str) -> tuple[int, str]:
+    """hami-initcheck, in this process, with a process table of this test's own."""
     out = io.StringIO()
-    code = main(["--device-plugin-dir", folder, *args], out=out)
+    with own_proc() as proc:
+        code = main(["--device-plugin-dir", folder, *args], out=out, proc=proc)
     return code, out.getvalue()
 
 
@@ -199,13 +205,78 @@ def test_failure_line_has_id_path_found_expected_and_fix(folder: str) -> None:
     assert "; fix: " in line
 
 
-def test_path_mismatch_names_where_the_kubelet_listens(
+LISTENER = (
+    "import os, socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); "
+    "os.rename(sys.argv[1], sys.argv[2]) if len(sys.argv) > 2 else None; print('ready', flush=True); "
+    "time.sleep(60)"
+)
+
+
+@contextlib.contextmanager
+def stand_in(name: str, tmp: str, bound: str, moved_to: str = "") -> Iterator[subprocess.Popen[bytes]]:
+    """A real process named `name` (a link to the interpreter), listening on the socket it bound at
+    `bound`; with `moved_to`, that socket file is moved there once it listens (the process still
+    listens on it, and its net/unix still names `bound`)."""
+    exe = os.path.join(tmp, name)
+    os.makedirs(tmp, exist_ok=True)
+    if not os.path.exists(exe):
+        os.symlink(os.path.realpath(PY), exe)
+    os.makedirs(os.path.dirname(bound), exist_ok=True)
+    argv = [exe, "-c", LISTENER, bound, *([moved_to] if moved_to else [])]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_kubelet_is_the_process_of_its_name_that_listens_here(
+    folder: str, short_tmp: str, kubelet_elsewhere: tuple[subprocess.Popen[bytes], str]
+) -> None:
+    """A process named kubelet that listens elsewhere (started first: the lower pid) is not the kubelet:
+    it is named as ignored, and the one that listens on kubelet.sock as this pod sees it is checked."""
+    other, _ = kubelet_elsewhere
+    with stand_in("kubelet", os.path.join(short_tmp, "k"), os.path.join(folder, "kubelet.sock")) as kubelet:
+        code, out = check(folder, "--output", "json")
+        text = check(folder)[1]
+    assert code == 0, out
+    (path,) = [c for c in json.loads(out)["checks"] if c["id"] == "PATH_MISMATCH"]
+    why = f"it does not listen on kubelet.sock as this pod sees it (pid {kubelet.pid} does)"
+    assert (path["status"], path["evidence"]["found"]) == ("pass", f"kubelet pid {kubelet.pid} listens here")
+    assert path["ignored"] == [f"pid {other.pid} (kubelet): {why}"]
+    assert f"note: PATH_MISMATCH ignored: pid {other.pid} (kubelet): {why}" in text.splitlines()
+    assert text.splitlines()[-1].startswith(f"ok: {folder}/kubelet.sock:")
+
+
+def test_a_process_named_kubelet_elsewhere_is_ignored_not_a_mismatch(
     folder: str, listener: socket.socket, kubelet_elsewhere: tuple[subprocess.Popen[bytes], str]
 ) -> None:
-    proc, where = kubelet_elsewhere
+    """kubelet.sock served by a process of another name, and a process named kubelet listening
+    elsewhere (another kubelet on the machine: a CI runner's kind, a virtual-kubelet-style tool): no
+    process of a kubelet's name listens here, so the check is skipped as with none visible (the plugin
+    starts), and the other is named."""
+    other, _ = kubelet_elsewhere
     code, out = check(folder)
+    assert (code, failure_ids(out)) == (0, [])
+    assert (
+        "note: PATH_MISMATCH skipped: no process named kubelet, k3s, k3s-agent, k3s-server or kubelite "
+        in out
+    )
+    why = f"it does not listen on kubelet.sock as this pod sees it (pid {os.getpid()} does)"
+    assert f"note: PATH_MISMATCH ignored: pid {other.pid} (kubelet): {why}" in out
+
+
+def test_path_mismatch_names_where_the_kubelet_listens(folder: str, short_tmp: str) -> None:
+    """The kubelet listens on this very socket file, but bound it elsewhere (the file was moved since):
+    the kubelet dials plugins in its own folder, not this one."""
+    where = os.path.join(short_tmp, "k", "device-plugins", "kubelet.sock")
+    with stand_in("kubelet", short_tmp, where, os.path.join(folder, "kubelet.sock")) as kubelet:
+        code, out = check(folder)
     assert (code, failure_ids(out)) == (100, ["PATH_MISMATCH"])
-    assert f"kubelet pid {proc.pid} listens on: {where}" in out
+    assert f"kubelet pid {kubelet.pid} listens on: {where}" in out
+    assert f"mount the host folder {os.path.dirname(where)} (where this kubelet kubelet" in out
 
 
 def test_path_matches_where_the_kubelet_listens(
@@ -220,7 +291,20 @@ def test_path_matches_where_the_kubelet_listens(
 def test_no_visible_kubelet_is_said_and_skipped(folder: str, listener: socket.socket) -> None:
     code, out = check(folder, "--kubelet-process-name", "no-such-kubelet")
     assert code == 0
-    assert "note: PATH_MISMATCH skipped: no process named no-such-kubelet is visible" in out
+    names = "kubelet, k3s, k3s-agent, k3s-server, kubelite or no-such-kubelet"
+    assert f"note: PATH_MISMATCH skipped: no process named {names} is visible" in out
+    assert "ignored" not in out
+
+
+def test_no_connect_asks_no_listener(
+    folder: str, listener: socket.socket, kubelet_elsewhere: tuple[subprocess.Popen[bytes], str]
+) -> None:
+    """Which process listens is told by a connection: --no-connect asks none, and the check is skipped."""
+    code, out = check(folder, "--no-connect")
+    assert code == 0
+    assert (
+        "note: PATH_MISMATCH skipped: --no-connect: which process listens on kubelet.sock is not asked" in out
+    )
 
 
 def test_json_output_shape(folder: str) -> None:
@@ -236,21 +320,30 @@ def test_json_output_shape(folder: str) -> None:
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PY, "-m", "initcheck", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=30,
-        check=False,
-    )
+    """hami-initcheck, a process, with a process table of this test's own where root can give it one."""
+    with tempfile.TemporaryDirectory(prefix="hg-") as d:
+        return subprocess.run(
+            isolated([PY, "-m", "initcheck", *args], os.path.join(d, "table")),
+            capture_output=True,
+            text=True,
+            env={**os.environ, **(env or {})},
+            timeout=30,
+            check=False,
+        )
 
 
-def missing_socket_options(folder: str) -> Options:
-    return options_for(os.path.join(folder, "kubelet.sock"), kubelet_process="no-such-kubelet")
+@pytest.fixture
+def proc() -> Iterator[str]:
+    """A process table of this test's own, taken when the test starts."""
+    with own_proc() as table:
+        yield table
 
 
-def test_wait_passes_when_the_socket_appears(folder: str) -> None:
+def missing_socket_options(folder: str, proc: str) -> Options:
+    return options_for(os.path.join(folder, "kubelet.sock"), kubelet_process="no-such-kubelet", proc=proc)
+
+
+def test_wait_passes_when_the_socket_appears(folder: str, proc: str) -> None:
     path = os.path.join(folder, "kubelet.sock")
     rounds: list[list[Finding]] = []
     waiting = threading.Event()
@@ -261,7 +354,7 @@ def test_wait_passes_when_the_socket_appears(folder: str) -> None:
 
     result: list[list[Finding]] = []
     waiter = threading.Thread(
-        target=lambda: result.append(check_with_wait(missing_socket_options(folder), 60, on_round))
+        target=lambda: result.append(check_with_wait(missing_socket_options(folder, proc), 60, on_round))
     )
     waiter.start()
     try:
@@ -278,10 +371,10 @@ def test_wait_passes_when_the_socket_appears(folder: str) -> None:
     assert [f.id for f in result[0] if f.status == "fail"] == []
 
 
-def test_wait_gives_up_after_n_seconds(folder: str) -> None:
+def test_wait_gives_up_after_n_seconds(folder: str, proc: str) -> None:
     rounds: list[list[Finding]] = []
     started = time.monotonic()
-    findings = check_with_wait(missing_socket_options(folder), 0.3, rounds.append)
+    findings = check_with_wait(missing_socket_options(folder, proc), 0.3, rounds.append)
     assert time.monotonic() - started >= 0.3  # waited the whole time (how much longer is bench's business)
     assert len(rounds) >= 2  # and polled while it waited
     assert [f.id for f in findings if f.status == "fail"] == ["SOCKET_MISSING"]
@@ -289,10 +382,10 @@ def test_wait_gives_up_after_n_seconds(folder: str) -> None:
     assert (code, failure_ids(out)) == (100, ["SOCKET_MISSING"])
 
 
-def test_wait_does_not_wait_out_a_failure_no_kubelet_clears(folder: str) -> None:
+def test_wait_does_not_wait_out_a_failure_no_kubelet_clears(folder: str, proc: str) -> None:
     open(os.path.join(folder, "kubelet.sock"), "w").close()
     rounds: list[list[Finding]] = []
-    findings = check_with_wait(missing_socket_options(folder), 3600, rounds.append)
+    findings = check_with_wait(missing_socket_options(folder, proc), 3600, rounds.append)
     assert len(rounds) == 1
     assert [f.id for f in findings if f.status == "fail"] == ["NOT_A_SOCKET"]
 
@@ -367,25 +460,34 @@ def test_environment_twins_and_a_flag_wins(folder: str, short_tmp: str, listener
     assert result.stdout.startswith(f"fail: SOCKET_MISSING {short_tmp}/kubelet.sock")
 
 
-def test_only_the_standard_library_and_psutil_are_imported(
-    folder: str, listener: socket.socket, kubelet_elsewhere: tuple[subprocess.Popen[bytes], str]
+def test_only_the_standard_library_is_imported(
+    folder: str, short_tmp: str, kubelet_elsewhere: tuple[subprocess.Popen[bytes], str]
 ) -> None:
     code = (
         "import sys\nfrom initcheck.cli import main\n"
         "import io\nrc = main(sys.argv[1:], out=io.StringIO())\n"
         "print(rc, sorted({m.split('.')[0] for m in sys.modules} & {'grpc', 'aiohttp', 'watchdog', 'psutil', "
-        "'sidecar', 'google', 'tomllib'}))"  # tomllib: the vendor profiles, which initcheck never reads
+        "'sidecar', 'google', 'tomllib', 'json'}))"  # tomllib: the vendor profiles, never read here
     )
 
     def imported(*args: str) -> list[str]:
-        result = subprocess.run([PY, "-c", code, *args], capture_output=True, text=True, check=True)
+        with tempfile.TemporaryDirectory(prefix="hg-") as d:
+            argv = isolated([PY, "-c", code, *args], os.path.join(d, "table"))
+            result = subprocess.run(argv, capture_output=True, text=True, check=True)
         return result.stdout.split(maxsplit=1)
 
-    # A kubelet is visible: psutil reads where it listens (and finds it elsewhere).
-    assert imported("--device-plugin-dir", folder) == ["100", "['psutil']\n"]
-    # No kubelet to inspect, or the socket is missing: psutil is never loaded.
-    assert imported("--device-plugin-dir", folder, "--kubelet-process-name", "nobody") == ["0", "[]\n"]
+    # The kubelet listens here: where it listens is read from /proc, with the standard library alone.
+    with stand_in("kubelet", os.path.join(short_tmp, "k"), os.path.join(folder, "kubelet.sock")):
+        assert imported("--device-plugin-dir", folder) == ["0", "[]\n"]
+    os.unlink(os.path.join(folder, "kubelet.sock"))
+    # A kubelet elsewhere, none, or the socket missing: nothing more.
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(os.path.join(folder, "kubelet.sock"))
+        s.listen()
+        assert imported("--device-plugin-dir", folder) == ["0", "[]\n"]
     assert imported("--device-plugin-dir", folder + "x") == ["100", "[]\n"]
+    # json only for --output json.
+    assert imported("--device-plugin-dir", folder + "x", "--output", "json") == ["100", "['json']\n"]
 
 
 # -- races, refused looks and hostile names --------------------------------------------------------------
@@ -419,7 +521,7 @@ def flipping_kubelet(folder: str) -> Iterator[str]:
 
 
 def test_a_kubelet_restarting_every_3_ms_never_breaks_the_exit_code_contract(
-    folder: str, flipping_kubelet: str
+    folder: str, flipping_kubelet: str, proc: str
 ) -> None:
     """200 runs against a kubelet.sock re-created every 3 ms: each ends 0 or 100 with findings, none
     raises; a socket that vanished mid-run is SOCKET_MISSING (which --wait waits out), never a crash."""
@@ -428,14 +530,14 @@ def test_a_kubelet_restarting_every_3_ms_never_breaks_the_exit_code_contract(
     argv = ["--device-plugin-dir", folder, "--kubelet-process-name", "none"]
     for _ in range(200):
         out = io.StringIO()
-        codes[main([*argv, "--wait", "1"], out)] += 1
+        codes[main([*argv, "--wait", "1"], out, proc)] += 1
         seen.update(failure_ids(out.getvalue()))
     assert set(codes) <= {0, 100}, codes
     assert set(seen) <= {"SOCKET_MISSING", "STALE_SOCKET"}, seen
     # Without --wait each run reports what it met: every failure is one a restarting kubelet explains.
     for _ in range(100):
         out = io.StringIO()
-        codes[main(argv, out)] += 1
+        codes[main(argv, out, proc)] += 1
         seen.update(failure_ids(out.getvalue()))
     assert set(codes) <= {0, 100}, codes
     assert set(seen) <= {"SOCKET_MISSING", "STALE_SOCKET"}, seen
@@ -511,23 +613,19 @@ def test_printed_commands_are_shell_quoted(folder: str, short_tmp: str, name: st
 
 @pytest.mark.parametrize(("process", "distribution"), [("k3s-server", "k3s"), ("kubelite", "microk8s")])
 def test_the_kubelet_inside_k3s_and_microk8s_is_found(
-    folder: str, listener: socket.socket, short_tmp: str, process: str, distribution: str
+    folder: str, short_tmp: str, process: str, distribution: str
 ) -> None:
-    exe = os.path.join(short_tmp, process)
-    os.symlink(os.path.realpath(PY), exe)
+    here = os.path.join(folder, "kubelet.sock")
+    with stand_in(process, short_tmp, here) as proc:
+        code, out = check(folder, "--output", "json")
+    assert code == 0, out
+    (path,) = [c for c in json.loads(out)["checks"] if c["id"] == "PATH_MISMATCH"]
+    assert (path["status"], path["evidence"]["found"]) == ("pass", f"kubelet pid {proc.pid} listens here")
+    # Bound elsewhere (the file moved since): the fix names that distribution's folder.
     where = os.path.join(short_tmp, "k", "device-plugins", "kubelet.sock")
-    os.makedirs(os.path.dirname(where))
-    code = (
-        "import socket,sys,time; s=socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); "
-        "print('ready', flush=True); time.sleep(60)"
-    )
-    proc = subprocess.Popen([exe, "-c", code, where], stdout=subprocess.PIPE)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
-        code_, out = check(folder)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert (code_, failure_ids(out)) == (100, ["PATH_MISMATCH"])
+    os.unlink(here)
+    with stand_in(process, short_tmp, where, here) as proc:
+        code, out = check(folder)
+    assert (code, failure_ids(out)) == (100, ["PATH_MISMATCH"])
     assert f"kubelet (inside {process}) pid {proc.pid} listens on: {where}" in out
     assert f"mount the host folder {os.path.dirname(where)} (where this {distribution} kubelet" in out

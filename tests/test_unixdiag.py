@@ -367,7 +367,7 @@ def test_where_the_kubelet_listens_is_not_told_by_a_name(ns: Netns, short_tmp: s
             + kernel_line("01", "00010000", listener.ino, "/var/lib/kubelet/device-plugins/kubelet.sock"),
         ]
         with Holder(names(*lies), ns.command([])):
-            found = listening_paths(name)
+            found = listening_paths(kubelet, name)
     assert (found.pid, found.paths) == (k.pid, (kubelet,))
     # The real line is long enough never to be taken for a part of a name printed before it. A short one
     # may be, wherever the kernel prints it: then where the kubelet listens cannot be told, and the check

@@ -1,2 +1,2 @@
 """What reads the node: the kubelet's sockets and paths, the kernel's Unix socket tables (`/proc/net/unix`,
-sock_diag), and the process table. Standard library, and psutil where a process must be looked up."""
+sock_diag), and the process table (which process is the kubelet: `proc`). Standard library only."""

@@ -1,5 +1,10 @@
 """Where the kubelet really listens: its Unix sockets, read from the process (needs hostPID, and to read
-another root process's descriptors CAP_SYS_PTRACE)."""
+another root process's descriptors CAP_SYS_PTRACE).
+
+The kubelet is the process `hami_guard.node.proc` names (the rule all three programs share): of those
+bearing a kubelet's name, the one that listens on the kubelet.sock this process sees. Standard library
+only.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,27 @@ import os
 from collections.abc import Collection
 from dataclasses import dataclass
 
-import psutil
-
 from hami_guard.node.netunix import LISTEN, ProcTable, read_proc_net_unix, socket_inodes
-from hami_guard.node.proc import distribution, no_kubelet, process_names
+from hami_guard.node.proc import (
+    KubeletProcesses,
+    cmdline,
+    comm,
+    distribution,
+    kubelet_names,
+    kubelet_pids,
+    kubelet_processes,
+    no_kubelet,
+    not_listening,
+)
 
 
 class KubeletLookupError(Exception):
-    """No kubelet process could be inspected; the path check is skipped, not failed."""
+    """No kubelet process could be inspected; the path check is skipped, not failed. `ignored` names
+    the processes of a kubelet's name that are not the kubelet."""
+
+    def __init__(self, why: str, ignored: tuple[str, ...] = ()) -> None:
+        super().__init__(why)
+        self.ignored = ignored
 
 
 @dataclass(frozen=True)
@@ -23,6 +41,8 @@ class KubeletSockets:
     paths: tuple[str, ...]
     process: str = "kubelet"  # the process name that holds the kubelet (k3s-server, kubelite, ...)
     distribution: str = "kubelet"  # kubelet, k3s, rke2 or microk8s
+    ignored: tuple[str, ...] = ()  # other processes of a kubelet's name: "pid N (name): why"
+    proc: str = "/proc"
 
     def matches(self, path: str) -> bool:
         """True when the kubelet listens on `path`, by name or by inode through /proc/<pid>/root.
@@ -38,7 +58,7 @@ class KubeletSockets:
             return False
         for p in self.paths:
             try:
-                theirs = os.stat(f"/proc/{self.pid}/root{p}")
+                theirs = os.stat(f"{self.proc}/{self.pid}/root{p}")
             except OSError:
                 continue
             if (theirs.st_dev, theirs.st_ino) == (mine.st_dev, mine.st_ino):
@@ -46,52 +66,50 @@ class KubeletSockets:
         return False
 
 
-def find_kubelet(name: str) -> psutil.Process:
-    """The kubelet's process: `kubelet` first, then the processes that embed it (k3s, microk8s)."""
-    names = process_names(name)
-    found: dict[str, psutil.Process] = {}
-    try:
-        for proc in psutil.process_iter(["name"]):
-            pname = proc.info["name"]
-            if pname in names and pname not in found:
-                found[pname] = proc
-    except psutil.Error as e:
-        raise KubeletLookupError(f"the process table could not be read: {e}") from None
-    for n in names:
-        if n in found:
-            return found[n]
-    raise KubeletLookupError(no_kubelet(name))
+def find_kubelet(
+    kubelet_path: str, name: str, proc: str = "/proc", found: KubeletProcesses | None = None
+) -> tuple[int, KubeletProcesses]:
+    """The kubelet's pid, by the rule of `hami_guard.node.proc`: of the processes that bear a kubelet's
+    name (the known ones and `name`), the one that listens on `kubelet_path` (`found`, the caller's
+    `kubelet_processes`, else asked here). KubeletLookupError when none is visible, or none of them
+    listens there."""
+    names = kubelet_names(name)
+    if found is None:
+        if not kubelet_pids(proc, names):
+            raise KubeletLookupError(no_kubelet(names))
+        found = kubelet_processes(kubelet_path, proc, names)
+    if not found.trusted:
+        raise KubeletLookupError(not_listening(names), found.ignored)
+    return int(found.trusted[0]), found
 
 
-def listening_paths(name: str) -> KubeletSockets:
-    """Where the kubelet listens: the listeners among its own socket descriptors (`/proc/<pid>/fd`), by
-    the lines of its `/proc/<pid>/net/unix` (its network namespace's, wherever this process runs) that
-    the kernel printed as lines (a name bound to print a made-up line there is not one:
-    `hami_guard.node.netunix`)."""
-    proc = find_kubelet(name)
-    try:
-        comm = proc.name()
-        try:
-            cmdline = proc.cmdline()
-        except psutil.AccessDenied:
-            cmdline = []
-    except psutil.NoSuchProcess:
-        raise KubeletLookupError(f"kubelet pid {proc.pid} exited during the check") from None
-    except (psutil.Error, OSError) as e:
-        raise KubeletLookupError(f"kubelet pid {proc.pid} could not be read: {e}") from None
-    held = socket_inodes("/proc", str(proc.pid))
+def listening_paths(
+    kubelet_path: str, name: str, proc: str = "/proc", kubelets: KubeletProcesses | None = None
+) -> KubeletSockets:
+    """Where the kubelet (`find_kubelet`) listens: the listeners among its own socket descriptors
+    (`/proc/<pid>/fd`), by the lines of its `/proc/<pid>/net/unix` (its network namespace's, wherever
+    this process runs) that the kernel printed as lines (a name bound to print a made-up line there is
+    not one: `hami_guard.node.netunix`)."""
+    pid, found = find_kubelet(kubelet_path, name, proc, kubelets)
+    ignored = found.ignored
+    name_ = comm(proc, str(pid))
+    if not name_:
+        raise KubeletLookupError(f"kubelet pid {pid} exited during the check", ignored)
+    held = socket_inodes(proc, str(pid))
     if held is None:
         raise KubeletLookupError(
-            f"kubelet pid {proc.pid} is visible but its sockets cannot be read (needs root or CAP_SYS_PTRACE)"
+            f"kubelet pid {pid} is visible but its sockets cannot be read (needs root or CAP_SYS_PTRACE)",
+            ignored,
         )
     try:
-        table = read_proc_net_unix(f"/proc/{proc.pid}")
+        table = read_proc_net_unix(os.path.join(proc, str(pid)))
     except OSError as e:
-        raise KubeletLookupError(f"kubelet pid {proc.pid} could not be read: {e.strerror or e}") from None
+        raise KubeletLookupError(f"kubelet pid {pid} could not be read: {e.strerror or e}", ignored) from None
     paths = listeners(table, held)
     if isinstance(paths, str):
-        raise KubeletLookupError(f"kubelet pid {proc.pid}: {paths}")
-    return KubeletSockets(proc.pid, paths, comm, distribution(comm, cmdline))
+        raise KubeletLookupError(f"kubelet pid {pid}: {paths}", ignored)
+    dist = distribution(name_, cmdline(proc, str(pid)))
+    return KubeletSockets(pid, paths, name_, dist, ignored, proc)
 
 
 def listeners(table: ProcTable, held: Collection[int]) -> tuple[str, ...] | str:

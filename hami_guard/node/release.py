@@ -19,7 +19,7 @@ import stat
 import struct
 from dataclasses import dataclass
 
-from hami_guard.node.proc import COMM_LENGTH
+from hami_guard.node.proc import COMM_LENGTH, kubelet_processes, not_listening
 
 MAX_BUILDINFO = 1 << 20  # the section holds the module list: kilobytes; never read more than this
 MAX_SECTIONS = 4096
@@ -114,28 +114,37 @@ def kubelet_pids(names: set[str]) -> list[int]:
     return sorted(found)
 
 
-def from_process(names: set[str]) -> Release | str:
+def from_process(names: set[str], kubelet_path: str | None = None, proc: str = "/proc") -> Release | str:
     """The release of the kubelet process among `names`, from its binary; or why it is not known.
 
-    Every visible process of those names must be read and name the same release: anyone can name a
-    process `kubelet`, and a look-alike whose binary can be read while the kubelet's cannot must not
-    choose the rules."""
-    pids = kubelet_pids(names)
+    With `kubelet_path`, the kubelet is the process of those names that listens on it (the rule of
+    `hami_guard.node.proc`): the others are not read. Without, every visible process of those names
+    must be read and name the same release: anyone can name a process `kubelet`, and a look-alike whose
+    binary can be read while the kubelet's cannot must not choose the rules."""
+    if kubelet_path is not None:
+        found = kubelet_processes(kubelet_path, proc, names)
+        if not found.trusted and not found.ignored:
+            return "no kubelet process is visible"
+        if not found.trusted:
+            return not_listening(names)
+        pids = [int(found.trusted[0])]
+    else:
+        pids = kubelet_pids(names)
     if not pids:
         return "no kubelet process is visible"
     seen: dict[str, int] = {}
     for pid in pids:
         try:
-            version = from_buildinfo(buildinfo(f"/proc/{pid}/exe"))
+            version = from_buildinfo(buildinfo(f"{proc}/{pid}/exe"))
         except (OSError, ValueError) as e:
-            return f"/proc/{pid}/exe: {getattr(e, 'strerror', None) or e}"
+            return f"{proc}/{pid}/exe: {getattr(e, 'strerror', None) or e}"
         if version is None:
-            return f"/proc/{pid}/exe names no Kubernetes version (a -trimpath build)"
+            return f"{proc}/{pid}/exe names no Kubernetes version (a -trimpath build)"
         seen.setdefault(version, pid)
     if len(seen) > 1:
         return "processes of the kubelet's name name different releases: " + ", ".join(sorted(seen))
     ((version, pid),) = seen.items()
     minor = parse(version)
     if minor is None:
-        return f"/proc/{pid}/exe names {version!r}, not a release"
+        return f"{proc}/{pid}/exe names {version!r}, not a release"
     return Release(version, minor, f"the binary of pid {pid}")

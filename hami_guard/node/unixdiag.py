@@ -29,11 +29,30 @@ from hami_guard.node.netunix import (
     read_proc_net_unix,
     socket_inodes,
 )
+from hami_guard.node.proc import (
+    KUBELET_PROCESS_NAMES,
+    KubeletProcesses,
+    kubelet_pids,
+    kubelet_processes,
+    listener_pid,
+    trusted_process,
+)
 from hami_guard.node.sockets import try_connect
 
 # The /proc reader lives in hami_guard.node.netunix (the init container reads where the kubelet listens with
-# it); these of its names are this module's too.
-__all__ = ["ESTABLISHED", "LISTEN", "UnixSocket", "normalise", "proc_net_unix"]
+# it), which process is the kubelet in hami_guard.node.proc (the rule all three programs share); these of
+# their names are this module's too.
+__all__ = [
+    "ESTABLISHED",
+    "KUBELET_PROCESS_NAMES",
+    "LISTEN",
+    "KubeletProcesses",
+    "UnixSocket",
+    "kubelet_processes",
+    "listener_pid",
+    "normalise",
+    "proc_net_unix",
+]
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -261,7 +280,6 @@ def _parse(payload: bytes) -> UnixSocket | None:
 
 
 KUBELET_BOUND_PATH = "/var/lib/kubelet/device-plugins/kubelet.sock"
-KUBELET_PROCESS_NAMES = frozenset({"kubelet", "k3s-server", "k3s-agent", "k3s", "kubelite"})
 
 
 @dataclass(frozen=True)
@@ -439,7 +457,7 @@ def kubelet_connections(
     listening = kubelets.listener
     if kubelets.trusted:
         pids = kubelets.trusted
-    elif isinstance(listening, int) and listening and _trusted(proc, str(listening)):
+    elif isinstance(listening, int) and listening and trusted_process(proc, str(listening)):
         pids = (str(listening),)
     elif kubelets.ignored:
         return f"no kubelet process is known: {'; '.join(kubelets.ignored)}"
@@ -511,110 +529,6 @@ def _listener_sockets(path: str, proc: str) -> frozenset[int] | str:
     return fds
 
 
-_PEERCRED = struct.Struct("=iII")  # struct ucred: pid, uid, gid
-
-
-def listener_pid(path: str, timeout: float = 0.2) -> int | str:
-    """The process that listens on the socket file at `path` (its pid in this reader's pid namespace,
-    0 where it is not visible there), or why it cannot be told.
-
-    The kernel's word, for any user: a connection's SO_PEERCRED on the connecting side is the
-    process that called listen() (man 7 unix). The connection is closed at once, unused.
-    """
-    name = os.path.basename(path)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        try:
-            s.connect(path)
-            raw = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        except (TimeoutError, BlockingIOError):
-            return f"{name} accepts no connection now (its backlog is full): who listens cannot be told"
-        except OSError as e:
-            return f"{name} refuses a connection ({e.strerror or e}): nothing listens on it"
-    pid: int = _PEERCRED.unpack(raw)[0]
-    return pid
-
-
-@dataclass(frozen=True)
-class KubeletProcesses:
-    """The visible processes that bear a kubelet's name and run as root outside any pod: the one that
-    listens on the kubelet.sock this process sees, and the others, ignored, with why."""
-
-    trusted: tuple[str, ...] = ()
-    ignored: tuple[str, ...] = ()  # "pid N (name): why"
-    listener: int | str = 0  # the pid that listens on kubelet.sock (0: not visible), or why not known
-
-
-def kubelet_processes(
-    kubelet_path: str, proc: str = "/proc", names: Collection[str] = KUBELET_PROCESS_NAMES
-) -> KubeletProcesses:
-    """The kubelet's process: of the processes `_kubelet_pids` finds, the one that listens on the
-    socket file at `kubelet_path` (`listener_pid`). A name, root and a cgroup outside the pods' are no
-    proof: a root process named kubelet in a container another runtime runs listens on a kubelet.sock
-    of its own mount namespace, not the host's."""
-    candidates = _kubelet_pids(proc, names)
-    listening = listener_pid(kubelet_path)
-    if not candidates:
-        return KubeletProcesses(listener=listening)
-    trusted = tuple(
-        pid for pid in candidates if isinstance(listening, int) and listening and int(pid) == listening
-    )
-    if isinstance(listening, str):
-        why = f"which process listens on kubelet.sock cannot be told: {listening}"
-    elif listening == 0:
-        why = "the process that listens on kubelet.sock is not visible from this pod"
-    else:
-        why = f"it does not listen on kubelet.sock as this pod sees it (pid {listening} does)"
-    ignored = tuple(f"pid {pid} ({_comm(proc, pid)}): {why}" for pid in candidates if pid not in trusted)
-    return KubeletProcesses(trusted, ignored, listening)
-
-
-_PID_CACHE: dict[tuple[str, frozenset[str]], list[str]] = {}
-
-
-def _kubelet_pids(proc: str, names: Collection[str] = KUBELET_PROCESS_NAMES) -> list[str]:
-    """The pids of visible kubelet processes (`comm` is cut to 15 characters, so are the names).
-
-    A process counts when it bears one of the names, runs as root, and is not in a pod's cgroup:
-    anyone may name a process "kubelet", and root in a container may bind any path in a network
-    namespace of its own. The last answer is kept while each of its processes still qualifies: a
-    scan of /proc is done when a kubelet restarts, not every probe round.
-    """
-    wanted = frozenset(n[:15] for n in names)
-    key = (proc, wanted)
-    cached = _PID_CACHE.get(key)
-    if cached and all(_comm(proc, pid) in wanted and _trusted(proc, pid) for pid in cached):
-        return cached
-    try:
-        entries = os.listdir(proc)
-    except OSError:
-        return []
-    pids = [pid for pid in entries if pid.isdigit() and _comm(proc, pid) in wanted and _trusted(proc, pid)]
-    _PID_CACHE[key] = pids
-    return pids
-
-
-def _trusted(proc: str, pid: str) -> bool:
-    """Run by root (real and effective uid 0, as this reader's user namespace sees it) and not in a
-    pod's cgroup (every pod's cgroup path holds "kubepods", with the cgroupfs and systemd drivers)."""
-    try:
-        with open(os.path.join(proc, pid, "status"), encoding="utf-8", errors="replace") as f:
-            uids = next((line.split()[1:3] for line in f if line.startswith("Uid:")), [])
-        with open(os.path.join(proc, pid, "cgroup"), encoding="utf-8", errors="replace") as f:
-            cgroups = f.read(1 << 16)
-    except OSError:
-        return False
-    return uids == ["0", "0"] and "kubepods" not in cgroups
-
-
-def _comm(proc: str, pid: str) -> str:
-    try:
-        with open(os.path.join(proc, pid, "comm"), encoding="utf-8", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 # -- who serves a socket file: this pod, or another process --------------------------------------------
 Owner = Literal["this-pod", "elsewhere", "unknown"]
 
@@ -641,6 +555,8 @@ def socket_owner(
     sockets: Sequence[UnixSocket] | None = None,
     proc: str = "/proc",
     names: Collection[str] = KUBELET_PROCESS_NAMES,
+    *,
+    kubelets: KubeletProcesses | None = None,
 ) -> SocketOwner:
     """Does the listener behind the socket file at `path` belong to this pod?
 
@@ -650,9 +566,10 @@ def socket_owner(
     pod's ("this-pod"); none here while something accepts connections on the file means another
     process, in another namespace, serves it ("elsewhere": a second device plugin that re-bound
     the same path, which a kubelet up to 1.36 keeps if it registered last). Where this namespace is the
-    host's (the kubelet's listener on `kubelet_path` is here too, or a visible kubelet process
-    runs in it), every hostNetwork process shares it and the answer is "unknown". `sockets` is a
-    `diag_dump()` taken by the caller, else one is taken here.
+    host's (the kubelet's listener on `kubelet_path` is here too, or the kubelet's process runs in it:
+    the one that listens on `kubelet_path`, `kubelet_processes`, the caller's `kubelets` when given),
+    every hostNetwork process shares it and the answer is "unknown". `sockets` is a `diag_dump()` taken
+    by the caller, else one is taken here.
     """
     try:
         st = os.lstat(path)  # never through a symbolic link: a link's target is not this socket
@@ -667,7 +584,7 @@ def socket_owner(
             return SocketOwner("unknown", f"this network namespace's listeners cannot be read: {e}")
     vfs = (st.st_dev, st.st_ino)
     mine = [s for s in sockets if s.state == LISTEN and s.vfs == vfs]
-    host = _host_namespace(kubelet_path, sockets, proc, names)
+    host = _host_namespace(kubelet_path, sockets, proc, names, kubelets)
     name = os.path.basename(path)
     if host:
         return SocketOwner(
@@ -692,20 +609,32 @@ def socket_owner(
 
 
 def _host_namespace(
-    kubelet_path: str | None, sockets: Sequence[UnixSocket], proc: str, names: Collection[str]
+    kubelet_path: str | None,
+    sockets: Sequence[UnixSocket],
+    proc: str,
+    names: Collection[str],
+    kubelets: KubeletProcesses | None,
 ) -> str:
     """Why this network namespace is the host's, or "" when it is not known to be."""
-    if kubelet_path is not None:
-        try:
-            st = os.stat(kubelet_path)
-        except OSError:
-            pass
-        else:
-            kvfs = (st.st_dev, st.st_ino)
-            if any(s.state == LISTEN and s.vfs == kvfs for s in sockets):
-                return "the kubelet's listener on kubelet.sock is in this network namespace"
+    if kubelet_path is None:
+        return ""
+    try:
+        st = os.stat(kubelet_path)
+    except OSError:
+        return ""
+    kvfs = (st.st_dev, st.st_ino)
+    if any(s.state == LISTEN and s.vfs == kvfs for s in sockets):
+        return "the kubelet's listener on kubelet.sock is in this network namespace"
+    # The kubelet's process only (the one that listens on kubelet.sock): another of its name may run in
+    # any namespace. Which one listens is asked (a connection) only when one of them runs in this one.
     mine = _netns_inode(os.path.join(proc, "self"))
-    for pid in _kubelet_pids(proc, names):
-        if mine is not None and _netns_inode(os.path.join(proc, pid)) == mine:
+    if mine is None or not any(
+        _netns_inode(os.path.join(proc, p)) == mine for p in kubelet_pids(proc, names)
+    ):
+        return ""
+    if kubelets is None:
+        kubelets = kubelet_processes(kubelet_path, proc, names)
+    for pid in kubelets.trusted:
+        if _netns_inode(os.path.join(proc, pid)) == mine:
             return f"the kubelet's process (pid {pid}) runs in this network namespace"
     return ""

@@ -289,7 +289,7 @@ class DevicePluginWatch:
             and (self._rules.version or now - last_read < RELEASE_RETRY)
         ):
             return self._node_rules(self._rules)
-        read = partial(release.from_process, self.names)
+        read = partial(release.from_process, self.names, s.kubelet_path)
         late = "the kubelet's binary could not be read in time"
         self._rules = kubelet_rules(await self._off_loop(read, late))
         self._rules_read = (generation, now)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import json
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +21,49 @@ SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 DEFAULT_TOKEN_FILE = f"{SA_DIR}/token"
 DEFAULT_CA_FILE = f"{SA_DIR}/ca.crt"
 MAX_KUBECONFIG = 1024 * 1024
+MAX_PEM = 4 * 1024 * 1024  # a CA bundle, a client certificate or key: kilobytes, a system bundle 200 KiB
+
+
+class NotRegularFile(OSError):
+    """A credential's path names something else than a regular file (a FIFO, a device, a folder, a
+    socket): it is not read."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_regular(path: str, limit: int) -> bytes:
+    """The bytes of the regular file at `path`, at most `limit` (OSError beyond). Looked at before it is
+    opened and once open, and opened with O_NONBLOCK: a FIFO, a device or a folder is `NotRegularFile`
+    at once, never an open or a read that waits for a writer (the sidecar's event loop, the doctor)."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise NotRegularFile(errno.EINVAL, f"{_kind(mode)}, not a regular file", path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode  # what was opened, had the path changed since
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(errno.EINVAL, f"{_kind(mode)}, not a regular file", path)
+        chunks: list[bytes] = []
+        taken = 0
+        while taken <= limit and (chunk := os.read(fd, min(1 << 16, limit + 1 - taken))):
+            chunks.append(chunk)
+            taken += len(chunk)
+    finally:
+        os.close(fd)
+    if taken > limit:
+        raise OSError(errno.EFBIG, f"over {limit} bytes", path)
+    return b"".join(chunks)
 
 
 @dataclass(frozen=True)
@@ -36,6 +81,22 @@ class ApiAccess:
     cert_data: str = ""  # PEM, inline
     key_data: str = ""
     source: str = ""  # where these came from, for the reasons ("" the ServiceAccount's files)
+
+    def read_token(self, limit: int) -> str:
+        """The token in `token_file`, read now (a projected token rotates): a regular file of at most
+        `limit` bytes, else OSError (`read_regular`)."""
+        return read_regular(self.token_file, limit).decode("utf-8", "replace").strip()
+
+    def read_ca(self) -> str:
+        """The PEM certificates in `ca_file` (a regular file: `read_regular`), for `cadata`: what is not
+        ASCII (a bundle's comments) is left out, which no PEM block holds. Raises OSError."""
+        return read_regular(self.ca_file, MAX_PEM).decode("ascii", "ignore")
+
+    def check_client_files(self) -> None:
+        """`cert_file` and `key_file`, which OpenSSL opens by name, are regular files: OSError else."""
+        for path in (self.cert_file, self.key_file):
+            if path and not stat.S_ISREG(mode := os.stat(path).st_mode):
+                raise NotRegularFile(errno.EINVAL, f"{_kind(mode)}, not a regular file", path)
 
 
 def in_cluster(environ: Mapping[str, str] | None = None) -> str:
@@ -55,12 +116,9 @@ def from_kubeconfig(path: str, context: str = "") -> ApiAccess:
     """The API server and credentials of a kubeconfig's context (its current one by default). Paths in
     it are relative to its folder, as kubectl reads them. Raises KubeconfigError."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_KUBECONFIG + 1)
+        raw = read_regular(path, MAX_KUBECONFIG)
     except OSError as e:
         raise KubeconfigError(f"{path}: {e.strerror or e}") from e
-    if len(raw) > MAX_KUBECONFIG:
-        raise KubeconfigError(f"{path}: over {MAX_KUBECONFIG} bytes")
     doc = _load(raw, path)
     ctx_name = context or _str(doc.get("current-context"))
     ctx = _named(doc, "contexts", ctx_name, path).get("context")

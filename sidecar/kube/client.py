@@ -48,8 +48,7 @@ def _token(access: ApiAccess) -> tuple[str, str]:
     if not access.token_file:
         return "", ""  # a client certificate alone (a kubelet's kubeconfig)
     try:
-        with open(access.token_file, encoding="utf-8", errors="replace") as f:
-            return f.read(MAX_TOKEN).strip(), ""
+        return access.read_token(MAX_TOKEN), ""
     except OSError as e:
         return "", f"no ServiceAccount token ({access.token_file}: {e.strerror or e})"
 
@@ -60,7 +59,7 @@ def ssl_context(access: ApiAccess) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cadata=access.ca_data)
     else:
         ca = access.ca_file if access.ca_file and os.path.exists(access.ca_file) else None
-        ctx = ssl.create_default_context(cafile=ca)
+        ctx = ssl.create_default_context(cadata=access.read_ca() if ca else None)
     if access.cert_file or access.cert_data:
         if access.cert_data:  # load_cert_chain reads files only: a private folder, removed at once
             with tempfile.TemporaryDirectory(prefix="hami-kube-") as d:
@@ -71,6 +70,7 @@ def ssl_context(access: ApiAccess) -> ssl.SSLContext:
                         f.write(data)
                 ctx.load_cert_chain(cert, key if access.key_data else None)
         else:
+            access.check_client_files()
             ctx.load_cert_chain(access.cert_file, access.key_file or None)
     return ctx
 
