@@ -833,3 +833,15 @@ def test_the_settings_give_each_vendor_its_keys() -> None:
     assert w is not None
     k = w.judge.keys[R]
     assert (k.handshake, k.format, k.stamps, k.cache_fixed) == (HAMI_HANDSHAKE, anno.JSON, False, True)
+
+
+def test_the_doctor_says_a_format_skew_is_no_restarts_business(clock: Clock) -> None:
+    judge = HamiJudge((DCU_KEYS,), "node-1", 0.0, clock)
+    ev = evidence(DCU_KEYS, register((D1, True)), "Reported now", frozenset({f"{D1}-fake-0"}))
+    v = judge.judge(DCU, ev)
+    cause = registration_cause(
+        [HamiReading(DCU_KEYS, ev, v, "Reported now", 2, "kubeconfig k", "node-1")], []
+    )
+    assert cause.verdict == "problem" and "format_skew" not in cause.evidence[0]
+    assert "legacy CSV (DecodeNodeDevices)" in cause.evidence[0]
+    assert "do not restart" in cause.fix[0] and "kubectl get daemonsets" in cause.fix[1]

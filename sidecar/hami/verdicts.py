@@ -319,7 +319,8 @@ class HamiJudge:
         """Why the plugin's register loop stopped: the handshake it stamps every 30 s unchanged for twice
         `repair` while it serves and registers (the same plugin all along); None: it did not."""
         st, k = self._state[resource], self.keys[resource]
-        if not k.stamps or handshake is None or not (ev.plugin_ok and ev.registered_ok):
+        # A snapshot (no `repair`: hami-doctor) cannot see a stamp stop.
+        if not k.stamps or self.repair <= 0 or handshake is None or not (ev.plugin_ok and ev.registered_ok):
             st.stamp = None
             return None
         if handshake != st.stalled_at:
