@@ -1111,7 +1111,7 @@ def test_promtool_checks_the_rules(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(shipped_rules())} rules found" in result.stdout
-    assert len(shipped_rules()) == 16
+    assert len(shipped_rules()) == 18
 
 
 def test_every_alert_names_its_node_and_links_its_fix_in_the_runbook() -> None:
