@@ -845,3 +845,24 @@ def test_the_doctor_says_a_format_skew_is_no_restarts_business(clock: Clock) -> 
     assert cause.verdict == "problem" and "format_skew" not in cause.evidence[0]
     assert "legacy CSV (DecodeNodeDevices)" in cause.evidence[0]
     assert "do not restart" in cause.fix[0] and "kubectl get daemonsets" in cause.fix[1]
+
+
+@pytest.mark.parametrize("stamp", ["Requesting_2026-01-01 00:00:00", "Deleted_2026-01-01 00:00:00"])
+def test_the_handshake_rules_read_each_vendors_key(clock: Clock, stamp: str) -> None:
+    """DCU's handshake key (hami.io/node-handshake-dcu): an expired Requesting_ with the allocatable at 0,
+    and a Deleted_ that stays, are judged on it as on NVIDIA's; NVIDIA's key on a DCU node is not read."""
+    judge = HamiJudge((replace(DCU_KEYS, stamps=False),), "node-1", REPAIR, clock)
+    kubelet = frozenset({f"{D1}-fake-0"})
+    codes = []
+    for _ in range(8):
+        ev = evidence(DCU_KEYS, csv((D1, True)), stamp, kubelet)
+        assert ev.node is not None
+        view = replace(
+            ev.node, allocatable={DCU: 0}, annotations={**ev.node.annotations, HAMI_HANDSHAKE: "x"}
+        )
+        v = judge.judge(DCU, replace(ev, node=view))
+        codes.append(v.code)
+        clock.now += SCHEDULER_TICK
+    want = "handshake_expired" if stamp.startswith("Requesting") else "handshake_deleted"
+    assert codes[0] == "ok" and codes[-1] == want, codes
+    assert stamp in v.reason and not v.restarts  # the value of DCU's key, not NVIDIA's "x"

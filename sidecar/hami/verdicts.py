@@ -29,6 +29,16 @@ docs/design.md#hami-registration:
    60 s with a `Requesting_` handshake (the scheduler drops the node's devices: v2.10 at once, and adds
    them back from the annotation for a minute at a time). Readiness only: the scheduler's doing, which a
    plugin restart does not change.
+6. The register annotation in the format HAMi's decoder for the vendor does not read (`format_skew`:
+   JSON where HAMi v2.10.0 reads Hygon DCU's as the legacy CSV text, CSV where it reads JSON): readiness
+   only, never liveness, however long it lasts: a plugin restart writes the same format.
+7. A plugin that stamps its own handshake every 30 s (`HamiKeys.stamps`: Ascend's, DCU's) whose
+   handshake has not changed for twice `repair` while it serves and registers, with the same socket
+   (`stamp_stalled`): its register loop stopped; liveness, within the same restart budget as 4. A
+   restarted plugin whose stamp has not moved yet is the same episode. A snapshot (`repair` 0) never.
+8. Rule 4 for a HAMi release whose plugin caches its annotation only after the patch
+   (`HamiKeys.cache_fixed`, from --hami-version and --hami-cache-fixed-in): readiness only, since
+   HAMi's own loop retries a failed patch. No release up to v2.10.0 carries that fix.
 """
 
 from __future__ import annotations
