@@ -76,23 +76,8 @@ def compare(
     """What differs between the annotation and the kubelet's healthy devices, and what HAMi's scheduler
     makes of it."""
     listed = {g for d in kubelet or () if (g := gpu_of(d, resource)) is not None}
-    if register is not None and register.skew:
-        return skewed(key, value, register, len(listed))
     if register is None or register.gpus is None:
-        if register is None:
-            code: Code = "missing"
-            what = "is absent"
-        else:
-            code, what = "unparsable", f"does not decode ({register.why}): {(value or '')[:80]!r}"
-        if copy is not None:
-            return last_copy(key, what, copy, listed if kubelet is not None else None)
-        return Diff(
-            code,
-            f"HAMi's annotation {key} {what}",
-            0,
-            "sees no GPU of this node from it ('node unregistered'), unless it read an earlier one",
-            len(listed),
-        )
+        return unreadable(key, value, register, copy, listed if kubelet is not None else None)
     gpus = len(register.healthy)
     count = max(len(register.ids), len(listed))
     ok = Diff("ok", "", gpus, f"offers the {gpus} healthy GPU(s) the annotation lists", count)
@@ -127,6 +112,30 @@ def compare(
         text,
         gpus,
         f"does not offer GPU(s) the kubelet lists: {listed_ids(missing | marked)}",
+        count,
+    )
+
+
+def unreadable(
+    key: str, value: str | None, register: Register | None, copy: Read | None, listed: set[str] | None
+) -> Diff:
+    """The annotation absent, or not decodable by HAMi's decoder for the vendor (in the other format:
+    a skew)."""
+    count = len(listed or ())
+    if register is not None and register.skew:
+        return skewed(key, value, register, count)
+    if register is None:
+        code: Code = "missing"
+        what = "is absent"
+    else:
+        code, what = "unparsable", f"does not decode ({register.why}): {(value or '')[:80]!r}"
+    if copy is not None:
+        return last_copy(key, what, copy, listed)
+    return Diff(
+        code,
+        f"HAMi's annotation {key} {what}",
+        0,
+        "sees no GPU of this node from it ('node unregistered'), unless it read an earlier one",
         count,
     )
 
