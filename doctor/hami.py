@@ -18,8 +18,9 @@ from collections.abc import Sequence
 
 from doctor.patterns import RESTART_PLUGIN
 from doctor.types import Cause, HamiReading, LogFindings, LogHit
+from hami_guard import profiles
 from sidecar.deviceplugin.probes import Reading
-from sidecar.hami.annotation import parse_handshake
+from sidecar.hami.annotation import CSV, JSON, parse_handshake
 from sidecar.hami.facts import HAMI_LOOP, cache_note
 from sidecar.hami.verdicts import DIFFERS, HamiKeys
 from sidecar.hami.watch import HamiWatch
@@ -42,7 +43,9 @@ async def gather_hami(
 ) -> tuple[HamiReading, ...]:
     """One reading of the Node, each resource judged with no wait (a snapshot). `serving`: per resource,
     the plugin answers its probe; the kubelet holds it when pod-resources lists its devices."""
-    hkeys = tuple(HamiKeys(r, k, handshake) for r, k in keys)
+    # Each vendor's register format, as HAMi decodes it; no stamp rule (a snapshot cannot see a stamp
+    # stop advancing).
+    hkeys = tuple(HamiKeys(r, k, handshake, register_format(r)) for r, k in keys)
     watch = HamiWatch(hkeys, {}, api, node, pod_resources_socket="", timeout=timeout, every=0.0, repair=0.0)
     listed = kubelet.value or {}
     checks = {k.resource: (serving.get(k.resource, False), bool(listed.get(k.resource))) for k in hkeys}
@@ -69,6 +72,12 @@ async def gather_hami(
     return tuple(out)
 
 
+def register_format(resource: str) -> str:
+    """The format HAMi decodes `resource`'s register annotation in: its vendor profile's, else JSON."""
+    v = profiles.for_resource(resource)
+    return v.hami.register_format if v is not None else JSON
+
+
 def hami_causes(readings: Sequence[HamiReading], plugin_logs: Sequence[LogFindings]) -> list[Cause]:
     """hami-registration and hami-handshake: one row each."""
     return [registration_cause(readings, plugin_logs), handshake_cause(readings)]
@@ -92,6 +101,8 @@ def registration_cause(readings: Sequence[HamiReading], logs: Sequence[LogFindin
                     "spec.nodeName)"
                 ],
             )
+        elif v.code == "format_skew":
+            cause.problem(f"{res}: {v.reason.split('. A plugin restart', 1)[0]}", _skew_fix(r.keys.format))
         elif v.status is Status.FAILED and v.code in DIFFERS:
             cause.problem(f"{res}: {_snapshot(v.reason)}", _fix(stuck, key, v.code))
             cause.note_first(f"{res}: HAMi's scheduler {v.scheduler}")
@@ -100,6 +111,17 @@ def registration_cause(readings: Sequence[HamiReading], logs: Sequence[LogFindin
         else:
             cause.evidence.append(f"{res}: {v.reason}")
     return cause
+
+
+def _skew_fix(reads: str) -> list[str]:
+    """What mends a register annotation in the format HAMi's decoder for the vendor does not read."""
+    wants = "the legacy CSV text (EncodeNodeDevices)" if reads == CSV else "JSON (MarshalNodeDevices)"
+    return [
+        f"HAMi's scheduler decodes this vendor's annotation as {wants}; the plugin writes the other "
+        "format, and a restart writes the same again: do not restart it. Run the plugin release made for "
+        "your HAMi release (or the HAMi release that reads what the plugin writes); compare the images:",
+        "$ kubectl get daemonsets -A -o wide | grep -i -e hami -e device-plugin",
+    ]
 
 
 def _snapshot(reason: str) -> str:

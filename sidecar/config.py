@@ -71,9 +71,9 @@ DEFAULT_DEVICE_GLOB = vendor_glob(PROFILE)
 # HAMi's annotations of the default resource (the profile's [hami]).
 HAMI_REGISTER = PROFILE.register_key(PROFILE.resources.default)
 HAMI_HANDSHAKE = PROFILE.handshake_key(PROFILE.resources.default)
-# The register annotation's formats the `hami:` check reads (sidecar/hami/annotation.py): a vendor's of
-# another format has no check (reading it as JSON would call it unparsable and restart a healthy plugin).
-HAMI_READS = ("device-info-json",)
+# The register annotation's formats the `hami:` check reads (sidecar/hami/annotation.py), each as HAMi
+# decodes the vendor's: JSON (UnMarshalNodeDevices) or the legacy CSV (DecodeNodeDevices, Hygon DCU's).
+HAMI_READS = ("device-info-json", "device-info-csv")
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,10 @@ class Settings(flags.DeviceFolder):
     hami_handshake_given: bool = False  # --hami-handshake-annotation (or its variable) was set
     hami_repair: float = 60.0  # HAMi's 30 s loop, its 5 s retry, two of our readings and a margin
     hami_interval: float = 10.0  # at most one GET of the Node this often
+    # HAMi's release (the chart's appVersion, filled by the post-renderer; "" unknown), and the first
+    # release whose plugin caches its annotation only after the patch ("" none known: up to v2.10.0 none).
+    hami_version: str = ""
+    hami_cache_fixed_in: str = ""
 
     @property
     def profile(self) -> VendorProfile:
@@ -348,6 +352,19 @@ def hami_flags(p: argparse.ArgumentParser, *, timing: bool = True) -> None:
         help="HAMi's scheduler handshake annotation (default: the vendor's for each resource, "
         f"{d.hami_handshake_annotation} for {d.plugins[0].resource})",
     )
+    p.add_argument(
+        "--hami-version",
+        default="",
+        help="HAMi's release, e.g. v2.10.0 (the post-renderer fills it from the chart's appVersion; "
+        "default unknown): with --hami-cache-fixed-in, whether a stale annotation is HAMi's own retry",
+    )
+    p.add_argument(
+        "--hami-cache-fixed-in",
+        default="",
+        help="the first HAMi release whose plugin caches its annotation only after the patch succeeds "
+        "(default none known: no release up to v2.10.0 does); from it on a stale annotation fails "
+        "readiness only",
+    )
     if not timing:
         return
     p.add_argument(
@@ -425,6 +442,8 @@ class HamiSettings:
     handshake_given: bool
     repair: float
     interval: float
+    version: str = ""
+    cache_fixed_in: str = ""
 
 
 def hami_settings(
@@ -469,6 +488,8 @@ def hami_settings(
         given,
         getattr(args, "hami_repair", d.hami_repair),
         getattr(args, "hami_interval", d.hami_interval),
+        (args.hami_version or "").strip()[:64],
+        (args.hami_cache_fixed_in or "").strip()[:64],
     )
 
 
@@ -551,6 +572,8 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
         hami_handshake_given=hami.handshake_given,
         hami_repair=hami.repair,
         hami_interval=hami.interval,
+        hami_version=hami.version,
+        hami_cache_fixed_in=hami.cache_fixed_in,
     )
 
 

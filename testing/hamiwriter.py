@@ -20,6 +20,14 @@ v2.10.0), never from its code. `Registrar` is the plugin's `WatchAndRegister` lo
 - HAMi waits 30 s after a success and 5 s after an error. A new `Registrar` (a plugin restart: a new
   process, or HAMi's new plugin objects after a kubelet restart) starts with an empty cache.
 
+Other vendors' plugins (`Vendor`, from the vendor's profile: hami_guard/profiles) write their own register
+key in the format HAMi decodes for them (JSON, or Hygon DCU's legacy CSV text of `EncodeNodeDevices`:
+`id,count,devmem,devcore,type,numa,health,index,mode:` per device, Project-HAMi/dcu-vgpu-device-plugin),
+and Ascend's and DCU's stamp their handshake key in the same patch every round, with no cache:
+`Reported_<2006.01.02 15:04:05>` (Project-HAMi/ascend-device-plugin internal/server/register.go) and
+`Reported <time.Now()>` (DCU's register.go). `Vendor.skewed()` writes the other format, as a plugin built
+for another HAMi release would.
+
 `held_order` keeps one order for every round, as a one-GPU node's map always does: a test's way to keep a
 stale annotation stale on two GPUs.
 
@@ -36,12 +44,14 @@ import logging
 import os
 import random
 import ssl
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from hami_guard import profiles
 from sidecar.hami.facts import MAP_GROUP
 from sidecar.kube.access import DEFAULT_CA_FILE, DEFAULT_TOKEN_FILE, in_cluster
 
@@ -100,6 +110,66 @@ def marshal(
             d["health"] = True
         out.append(d)
     return json.dumps(out, separators=(",", ":"))
+
+
+def encode_csv(
+    gpus: Sequence[Gpu], order: Sequence[int] | None = None, split: int = 4, memory: int = 16384
+) -> str:
+    """HAMi's legacy EncodeNodeDevices text of these GPUs (9 fields each, ended by `:`), as DCU's plugin
+    writes it, listed in `order`."""
+    return "".join(
+        f"{gpus[i].uuid},{split},{memory},100,DCU-Z100,0,{str(gpus[i].healthy).lower()},{i},hami:"
+        for i in (range(len(gpus)) if order is None else order)
+    )
+
+
+@dataclass(frozen=True)
+class Vendor:
+    """One vendor's plugin as HAMi's annotations see it: its register and handshake keys, the format it
+    writes, and whether it stamps the handshake (and how) in each round's patch."""
+
+    register: str = REGISTER
+    format: str = "device-info-json"
+    handshake: str = HANDSHAKE
+    stamp: str = ""  # "" none (NVIDIA's since HAMi v2.8); else the stamp's prefix: "Reported_" or "Reported "
+    cached: bool = True  # patches only a changed encoding, cache written first (NVIDIA's); else every round
+
+    @classmethod
+    def of(cls, vendor: str, resource: str) -> Vendor:
+        """The vendor's plugin for `resource`, from its profile."""
+        p = profiles.named(vendor)
+        if p is None:
+            raise ValueError(f"no vendor profile {vendor!r}")
+        stamp = {"Ascend": "Reported_", "Hygon DCU": "Reported "}.get(p.vendor, "")
+        return cls(
+            p.register_key(resource),
+            p.hami.register_format,
+            p.handshake_key(resource),
+            stamp,
+            p.hami.stuck_cache,
+        )
+
+    @classmethod
+    def for_resource(cls, resource: str) -> Vendor:
+        """The plugin of the vendor whose profile owns `resource` (NVIDIA's HAMi plugin otherwise)."""
+        p = profiles.for_resource(resource)
+        return cls.of(p.name, resource) if p is not None else cls()
+
+    def skewed(self) -> Vendor:
+        """The same plugin writing the other format (built for another HAMi release)."""
+        other = "device-info-csv" if self.format == "device-info-json" else "device-info-json"
+        return replace(self, format=other)
+
+    def encode(self, gpus: Sequence[Gpu], order: Sequence[int]) -> str:
+        return encode_csv(gpus, order) if self.format == "device-info-csv" else marshal(gpus, order)
+
+    def stamped(self) -> str:
+        now = time.time()
+        if self.stamp == "Reported_":
+            return self.stamp + time.strftime("%Y.%m.%d %H:%M:%S", time.localtime(now + 1))
+        # Go's time.Now().String(): to the nanosecond, a new value every round
+        clock = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+        return f"{self.stamp}{clock}.{time.time_ns() % 10**9:09d}"
 
 
 def same_devices(a: str | None, b: str | None) -> bool:
@@ -187,7 +257,9 @@ class Registrar:
         error_interval: float = ERROR_INTERVAL,
         fail_patch: Callable[[], bool] = lambda: False,
         order: Order = go_map_order,
+        vendor: Vendor | None = None,
     ) -> None:
+        self.vendor = vendor or Vendor()
         self.api = api
         self.node = node
         self.gpus = gpus
@@ -214,14 +286,17 @@ class Registrar:
             self.error = str(e)
             self.say(f"get node error {e}")
             return False
-        gpus = self.gpus()
-        encoded = marshal(gpus, self.order(len(gpus)))
-        if encoded == self.cache:  # a string: the same devices in another order differ
+        gpus, v = self.gpus(), self.vendor
+        encoded = v.encode(gpus, self.order(len(gpus)))
+        if v.cached and encoded == self.cache:  # a string: the same devices in another order differ
             self.say("Device info unchanged, skipping annotation update")
             return True
         self.cache = encoded  # HAMi's order: the cache first, then the patch
         self.say(f"Updating node annotations with {len(gpus)} device(s)")
-        meta: dict[str, Any] = {"annotations": {REGISTER: encoded}}
+        annotations = {v.register: encoded}
+        if v.stamp:
+            annotations[v.handshake] = v.stamped()
+        meta: dict[str, Any] = {"annotations": annotations}
         if self.fail_patch():
             meta["resourceVersion"] = "1"  # a precondition the Node no longer meets
         try:

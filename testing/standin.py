@@ -27,7 +27,8 @@ life of the process (the FIXME in HAMi's nvinternal/plugin/server.go). Faults ar
   a round in another order patches a stale annotation again).
 
 In a Pod (KUBERNETES_SERVICE_HOST and NODE_NAME set), it also writes HAMi's node annotation
-`hami.io/node-nvidia-register` as HAMi's plugin does, with the ServiceAccount's token: after each
+`hami.io/node-nvidia-register` as HAMi's plugin does (another vendor's resource: that vendor's key, format
+and stamp, `hamiwriter.Vendor`), with the ServiceAccount's token: after each
 Register the kubelet accepts, a `WatchAndRegister` loop with an empty cache (testing/hamiwriter.py:
 the GPUs in Go's map order, a new one each round, compared as a string with the cache, the cache written
 before the PATCH; `--annotation-interval`, `--annotation-error-interval`: HAMi's 30 s and 5 s).
@@ -208,6 +209,7 @@ async def write_annotations(plugin: StandInPlugin, args: argparse.Namespace) -> 
         error_interval=args.annotation_error_interval,
         fail_patch=lambda: take_one_shot(args.control, ANNOTATION_PATCH_FAILS),
         order=lambda n: hamiwriter.held_order(n) if plugin.order_held else hamiwriter.go_map_order(n),
+        vendor=hamiwriter.Vendor.for_resource(args.resource),  # its vendor's key, format and stamp
     )
     started = 0
     try:

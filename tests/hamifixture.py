@@ -51,6 +51,7 @@ from testing.hamiwriter import (
     Gpu,
     Order,
     Registrar,
+    Vendor,
     go_map_order,
     held_order,
     marshal,
@@ -66,6 +67,7 @@ __all__ = [
     "Gpu",
     "HamiRegistrar",
     "HamiScheduler",
+    "Vendor",
     "go_map_order",
     "held_order",
     "marshal",
@@ -100,6 +102,7 @@ class HamiRegistrar(Registrar):
         interval: float = 30.0,
         error_interval: float = 5.0,
         order: Order = go_map_order,
+        vendor: Vendor | None = None,
     ) -> None:
         super().__init__(
             AsUser(api, user),
@@ -108,6 +111,7 @@ class HamiRegistrar(Registrar):
             interval=interval,
             error_interval=error_interval,
             order=order,
+            vendor=vendor,
         )
 
 

@@ -268,12 +268,11 @@ def test_the_vendor_follows_the_resource() -> None:
     assert (s.hami_handshake("acme.example/x"), s.hami_handshake_given) == ("a.io/h", True)
 
 
-def test_a_register_annotation_the_hami_check_cannot_read_has_no_check() -> None:
-    """Hygon DCU's register annotation is HAMi's legacy text, not the JSON the hami: check reads: no check,
-    rather than a check calling it unparsable and restarting a healthy plugin. --hami-annotation still
-    names one explicitly."""
+def test_a_register_annotation_in_hamis_legacy_text_has_its_check() -> None:
+    """Hygon DCU's register annotation is HAMi's legacy text, which HAMi decodes for DCU
+    (DecodeNodeDevices) and so does the hami: check. --hami-annotation still names one explicitly."""
     s = parse_settings(["--vendor", "dcu"], environ={})
-    assert s.hami_keys() == ()
+    assert s.hami_keys() == (("hygon.com/dcunum", "hami.io/node-dcu-register"),)
     s = parse_settings(["--vendor", "dcu", "--hami-annotation", "hygon.com/dcunum=a.io/r"], environ={})
     assert s.hami_keys() == (("hygon.com/dcunum", "a.io/r"),)
 

@@ -20,7 +20,7 @@ from doctor.types import Cause, HamiReading
 from sidecar.config import HAMI_HANDSHAKE, HAMI_REGISTER, parse_settings, read_settings
 from sidecar.deviceplugin.naming import physical_devices
 from sidecar.hami import annotation as anno
-from sidecar.hami.facts import cache_note, rounds_to_repatch, same_order_odds, usual_order_odds
+from sidecar.hami.facts import cache_fixed, cache_note, rounds_to_repatch, same_order_odds, usual_order_odds
 from sidecar.hami.verdicts import (
     CODES,
     DIFFERS,
@@ -33,6 +33,7 @@ from sidecar.hami.verdicts import (
     HamiJudge,
     HamiKeys,
 )
+from sidecar.hami.watch import from_settings
 from sidecar.health import Status
 from sidecar.kube.access import KubeconfigError, from_kubeconfig
 from sidecar.server.metrics import HAMI_CODES
@@ -635,3 +636,233 @@ def test_kubeconfig_routes(tmp_path: pytest.TempPathFactory) -> None:
             from_kubeconfig(path)
     with pytest.raises(KubeconfigError):
         from_kubeconfig(os.path.join(d, "absent"))
+
+
+# -- every vendor's format, stamp and release ----------------------------------------------------------
+DCU = "hygon.com/dcunum"
+DCU_KEYS = HamiKeys(DCU, "hami.io/node-dcu-register", "hami.io/node-handshake-dcu", anno.CSV, stamps=True)
+ASCEND = "huawei.com/Ascend910B3"
+ASCEND_KEYS = HamiKeys(
+    ASCEND, "hami.io/node-register-Ascend910B3", "hami.io/node-handshake-Ascend910B3", stamps=True
+)
+D1, D2 = "DCU-0001", "DCU-0002"
+
+
+def csv(*gpus: tuple[str, bool], fields: int = 9) -> str:
+    """HAMi's legacy EncodeNodeDevices text, as the DCU plugin writes it."""
+    tail = ",{i},hami" if fields == 9 else ""
+    return "".join(
+        f"{g},4,16384,100,DCU-Z100,0,{str(h).lower()}{tail.format(i=i)}:" for i, (g, h) in enumerate(gpus)
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "ids", "healthy"),
+    [
+        (csv((D1, True), (D2, False)), [D1, D2], {D1}),
+        (csv((D1, True), fields=7), [D1], {D1}),
+        ("::" + csv((D1, True)) + "::", [D1], {D1}),  # empty segments are skipped
+        (f"{D1},4,1,100,t,0,T,3,hami:", [D1], {D1}),  # Go's ParseBool: T, t, 1, TRUE, ...
+        (f"{D1},4,1,100,t,0,0:", [D1], set()),
+        (":", [], set()),
+    ],
+)
+def test_csv_decodes_as_decode_node_devices(value: str, ids: list[str], healthy: set[str]) -> None:
+    r = anno.parse_csv(value)
+    assert r.gpus is not None and [g.id for g in r.gpus] == ids and r.healthy == healthy
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "",
+        f"{D1},4,1,100,t,0,true",  # no ':'
+        f"{D1},4,1,100,t,0:",  # 6 fields
+        f"{D1},4,1,100,t,0,true,1:",  # 8 fields
+        f"{D1},4,1,100,t,0,yes:",  # not ParseBool's
+        f"{D1},4,1,100,t,0,true,-1,hami:",  # index < 0
+        f"{D1},x,1,100,t,0,true:",
+        f"{D1},4,99999999999,100,t,0,true:",  # past int32
+        f"{D1},4,1,100,t,٣,true:",  # a digit Go does not take
+        csv((D1, True)) + "bad:",
+    ],
+)
+def test_csv_that_decode_node_devices_refuses(value: str) -> None:
+    assert anno.parse_csv(value).gpus is None
+
+
+def test_the_other_format_is_a_skew_both_ways() -> None:
+    js, text = register((G1, True)), csv((D1, True))
+    assert anno.parse_register(text, anno.CSV).gpus is not None
+    skew = anno.parse_register(js, anno.CSV)
+    assert (skew.gpus, skew.skew) == (None, anno.JSON) and "DecodeNodeDevices" in skew.why
+    skew = anno.parse_register(text, anno.JSON)
+    assert (skew.gpus, skew.skew) == (None, anno.CSV) and "UnMarshalNodeDevices" in skew.why
+    assert anno.parse_register("{", anno.CSV).skew == ""  # in neither format: unparsable, no skew
+
+
+def test_gpu_of_folds_by_the_resources_profile() -> None:
+    assert anno.gpu_of(f"{D1}-fake-3", DCU) == D1
+    assert anno.gpu_of(D1, DCU) == D1
+    assert anno.gpu_of(f"{D1}-fake-3") is None  # the default profile's: not a GPU of NVIDIA's
+
+
+def evidence(keys: HamiKeys, register_value: str, handshake: str, kubelet: frozenset[str]) -> HamiEvidence:
+    view = anno.NodeView(
+        "node-1", {keys.register: register_value, keys.handshake: handshake}, {keys.resource: 2}
+    )
+    return replace(HEALTHY, node=view, kubelet=kubelet)
+
+
+def test_dcu_csv_that_agrees_is_ok(clock: Clock) -> None:
+    judge = HamiJudge((DCU_KEYS,), "node-1", REPAIR, clock)
+    kubelet = frozenset(f"{g}-fake-{i}" for g in (D1, D2) for i in range(4))
+    v = judge.judge(DCU, evidence(DCU_KEYS, csv((D1, True), (D2, True)), HS, kubelet))
+    assert (v.status, v.code, v.gpus) == (Status.OK, "ok", 2)
+    v = judge.judge(DCU, evidence(DCU_KEYS, csv((D1, True), (D2, False)), HS, kubelet))
+    assert v.code == "repairing"  # the DCU's health compared as NVIDIA's is
+
+
+def test_a_format_skew_is_not_ready_and_never_a_restart(clock: Clock) -> None:
+    """JSON where HAMi decodes DCU's annotation as CSV: a restart rewrites the same format."""
+    judge = HamiJudge((DCU_KEYS,), "node-1", REPAIR, clock)
+    kubelet = frozenset({f"{D1}-fake-0"})
+    for i in range(40):  # the plugin stamps `Reported <time>` every 30 s
+        v = judge.judge(DCU, evidence(DCU_KEYS, register((D1, True)), f"Reported {i}", kubelet))
+        assert (v.status, v.code, v.restarts) == (Status.FAILED, "format_skew", False)
+        assert not v.live_failed and "legacy CSV (DecodeNodeDevices)" in v.reason
+        clock.now += REPAIR
+    # NVIDIA's legacy CSV, which HAMi since v2.8 reads as JSON only: the same
+    v = HamiJudge((KEYS,), "node-1", REPAIR, clock).judge(
+        R, evidence(KEYS, csv((G1, True), fields=7), HS, splits(G1))
+    )
+    assert (v.code, v.restarts) == ("format_skew", False)
+
+
+def ascend(clock: Clock, stamp: str, plugin: object = ("sock", 1), ok: bool = True) -> HamiEvidence:
+    value = register((G1, True))
+    return replace(
+        evidence(ASCEND_KEYS, value, stamp, frozenset({G1})), plugin_id=plugin, plugin_ok=ok, registered_ok=ok
+    )
+
+
+def test_a_stamp_that_stops_is_one_restart(clock: Clock) -> None:
+    judge = HamiJudge((ASCEND_KEYS,), "node-1", REPAIR, clock)
+    for i in range(10):  # the plugin stamps every 30 s: never stalled
+        assert judge.judge(ASCEND, ascend(clock, f"Reported_2026.01.01 00:00:{i:02d}")).code == "ok"
+        clock.now += 30
+    still = "Reported_2026.01.01 00:01:00"
+    seen = []
+    for _ in range(6):
+        seen.append(judge.judge(ASCEND, ascend(clock, still)))
+        clock.now += 30
+    assert [v.code for v in seen[:4]] == ["ok"] * 4  # under twice --hami-repair
+    assert seen[4].code == "stamp_stalled" and seen[4].live_failed and "register loop" in seen[4].reason
+    # The restart: a new socket, the same stamp for a while, then it advances again.
+    v = judge.judge(ASCEND, ascend(clock, still, ("sock", 2)))
+    assert (v.status, v.code, v.live_failed) == (Status.OK, "repairing", False)
+    clock.now += 30
+    assert judge.judge(ASCEND, ascend(clock, "Reported_2026.01.01 00:05:00", ("sock", 2))).code == "ok"
+    # The plugin down: its own checks judge it, no stamp rule.
+    for _ in range(10):
+        clock.now += 30
+        assert not judge.judge(ASCEND, ascend(clock, still, ("sock", 2), ok=False)).live_failed
+
+
+def test_a_stalled_stamp_spends_the_budget_like_the_others(clock: Clock) -> None:
+    judge = HamiJudge((ASCEND_KEYS,), "node-1", REPAIR, clock)
+    live = []
+    for sock in range(RESTART_BUDGET + 2):
+        for _ in range(6):
+            v = judge.judge(ASCEND, ascend(clock, "Reported_x", ("sock", sock)))
+            clock.now += 30
+        live.append(v.live_failed)
+    assert live == [True] * RESTART_BUDGET + [False, False]
+    assert v.budget_spent and v.status is Status.FAILED
+
+
+def test_no_stamp_rule_where_the_plugin_writes_none(clock: Clock) -> None:
+    """NVIDIA's plugin has written no handshake since HAMi v2.8: the scheduler's Requesting_ stays."""
+    judge = HamiJudge((KEYS,), "node-1", REPAIR, clock)
+    for _ in range(20):
+        assert judge.judge(R, HEALTHY).code == "ok"
+        clock.now += 30
+
+
+@pytest.mark.parametrize(
+    ("version", "fixed_in", "fixed"),
+    [
+        ("", "", False),
+        ("v2.10.0", "", False),
+        ("v2.12.0", "", False),  # no setting says the fix is there
+        ("v2.10.0", "v2.10.1", False),
+        ("v2.10.1", "v2.10.1", True),
+        ("2.11", "v2.10.1", True),
+        ("v2.11.0-rc1", "v2.10.1", True),
+        ("latest", "v2.10.1", False),
+        ("v2.11.0", "soon", False),
+    ],
+)
+def test_the_stuck_cache_rule_follows_the_release(version: str, fixed_in: str, fixed: bool) -> None:
+    assert cache_fixed(version, fixed_in) is fixed
+
+
+def test_a_release_that_retries_itself_is_readiness_only(clock: Clock) -> None:
+    judge = HamiJudge((replace(KEYS, cache_fixed=True),), "node-1", REPAIR, clock)
+    stale = replace(HEALTHY, kubelet=splits(G1))
+    for _ in range(10):
+        v = judge.judge(R, stale)
+        clock.now += 30
+    assert (v.status, v.code, v.restarts) == (Status.FAILED, "stale_health", False)
+    assert "retries a failed patch itself" in v.reason
+
+
+def test_the_settings_give_each_vendor_its_keys() -> None:
+    pod = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443", "NODE_NAME": "n"}
+    s = parse_settings(["--vendor", "dcu"], pod)
+    w = from_settings(s)
+    assert w is not None
+    k = w.judge.keys[DCU]
+    assert (k.handshake, k.format, k.stamps, k.cache_fixed) == (
+        "hami.io/node-handshake-dcu",
+        anno.CSV,
+        True,
+        False,
+    )
+    w = from_settings(parse_settings(["--hami-version", "v2.11.0", "--hami-cache-fixed-in", "v2.10.1"], pod))
+    assert w is not None
+    k = w.judge.keys[R]
+    assert (k.handshake, k.format, k.stamps, k.cache_fixed) == (HAMI_HANDSHAKE, anno.JSON, False, True)
+
+
+def test_the_doctor_says_a_format_skew_is_no_restarts_business(clock: Clock) -> None:
+    judge = HamiJudge((DCU_KEYS,), "node-1", 0.0, clock)
+    ev = evidence(DCU_KEYS, register((D1, True)), "Reported now", frozenset({f"{D1}-fake-0"}))
+    v = judge.judge(DCU, ev)
+    cause = registration_cause(
+        [HamiReading(DCU_KEYS, ev, v, "Reported now", 2, "kubeconfig k", "node-1")], []
+    )
+    assert cause.verdict == "problem" and "format_skew" not in cause.evidence[0]
+    assert "legacy CSV (DecodeNodeDevices)" in cause.evidence[0]
+    assert "do not restart" in cause.fix[0] and "kubectl get daemonsets" in cause.fix[1]
+
+
+@pytest.mark.parametrize("stamp", ["Requesting_2026-01-01 00:00:00", "Deleted_2026-01-01 00:00:00"])
+def test_the_handshake_rules_read_each_vendors_key(clock: Clock, stamp: str) -> None:
+    """DCU's handshake key (hami.io/node-handshake-dcu): an expired Requesting_ with the allocatable at 0,
+    and a Deleted_ that stays, are judged on it as on NVIDIA's; NVIDIA's key on a DCU node is not read."""
+    judge = HamiJudge((replace(DCU_KEYS, stamps=False),), "node-1", REPAIR, clock)
+    kubelet = frozenset({f"{D1}-fake-0"})
+    codes = []
+    for _ in range(8):
+        ev = evidence(DCU_KEYS, csv((D1, True)), stamp, kubelet)
+        assert ev.node is not None
+        view = replace(
+            ev.node, allocatable={DCU: 0}, annotations={**ev.node.annotations, HAMI_HANDSHAKE: "x"}
+        )
+        v = judge.judge(DCU, replace(ev, node=view))
+        codes.append(v.code)
+        clock.now += SCHEDULER_TICK
+    want = "handshake_expired" if stamp.startswith("Requesting") else "handshake_deleted"
+    assert codes[0] == "ok" and codes[-1] == want, codes
+    assert stamp in v.reason and not v.restarts  # the value of DCU's key, not NVIDIA's "x"

@@ -1111,7 +1111,7 @@ def test_promtool_checks_the_rules(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(shipped_rules())} rules found" in result.stdout
-    assert len(shipped_rules()) == 16
+    assert len(shipped_rules()) == 18
 
 
 def test_every_alert_names_its_node_and_links_its_fix_in_the_runbook() -> None:
@@ -1402,3 +1402,14 @@ def test_readme_kustomization_is_the_examples() -> None:
     assert shown["resources"] == example["resources"]
     assert shown["images"] == example["images"]
     assert [Path(c).name for c in shown["components"]] == [Path(c).name for c in example["components"]]
+
+
+def test_hamis_release_reaches_the_sidecar_from_the_chart_or_the_setting() -> None:
+    """HAMI_GUARD_HAMI_VERSION: the setting, or with `chart` the DaemonSet's app.kubernetes.io/version label
+    (Helm's from the chart's appVersion); absent by default (unknown: the sidecar keeps the stuck-cache
+    rule), as on the kustomize route."""
+    assert "HAMI_GUARD_HAMI_VERSION" not in sidecar_env(post_rendered())
+    assert sidecar_env(post_rendered("hami-version=chart"))["HAMI_GUARD_HAMI_VERSION"] == "2.10.0"
+    assert sidecar_env(post_rendered("hami-version=v2.10.1"))["HAMI_GUARD_HAMI_VERSION"] == "v2.10.1"
+    read = parse_settings([], environ={"HAMI_GUARD_HAMI_VERSION": "v2.10.0"})
+    assert read.hami_version == "v2.10.0"

@@ -94,6 +94,12 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
         "",
         f"the host's device nodes as the sidecar sees /dev ({HOST_DEV}); default: the vendor's",
     ),
+    "hami-version": (
+        "",
+        "HAMi's release, e.g. v2.10.0 (the sidecar's stuck-cache rule follows it); `chart`: the "
+        "DaemonSet's app.kubernetes.io/version label (Helm's, from the chart's appVersion); default unknown "
+        "(the kustomize route cannot read the label: the same render either way)",
+    ),
     "registration-grace": ("45", "seconds a plugin may take to register"),
     "probe-interval": ("10", "seconds between the sidecar's probe rounds"),
     "probe-timeout": ("2", "seconds one gRPC probe may take"),
@@ -405,6 +411,15 @@ def chart_plugins(ds: Mapping[str, Any], objects: Sequence[Mapping[str, Any]], p
     return ",".join(f"{x}={r['socket'].replace(NAME, x.rsplit('/', 1)[1])}" for x in resources)
 
 
+def hami_version(ds: Mapping[str, Any]) -> str:
+    """HAMi's release as the chart labels the DaemonSet (app.kubernetes.io/version, from its appVersion);
+    "" when it does not, or the label is not a version."""
+    labels = (ds.get("metadata") or {}).get("labels") or {}
+    v = labels.get("app.kubernetes.io/version", "")
+    ok = isinstance(v, str) and 0 < len(v) <= 64 and all(c.isalnum() or c in ".-+" for c in v)
+    return v if ok else ""
+
+
 def adapt(
     ds: dict[str, Any], original: Mapping[str, Any], s: Mapping[str, str], want: Mapping[str, Any]
 ) -> None:
@@ -443,6 +458,9 @@ def adapt(
         "HAMI_GUARD_RECOVER_UNHEALTHY_AFTER": s["recover-unhealthy-after"]
         if duration(s["recover-unhealthy-after"])
         else "",
+        "HAMI_GUARD_HAMI_VERSION": hami_version(original)
+        if s["hami-version"] == "chart"
+        else s["hami-version"],
     }
     kept += [{"name": k, "value": v} for k, v in extra.items() if v]  # the sidecar's defaults otherwise
     sidecar["env"] = kept

@@ -216,6 +216,8 @@ HAMI_REASON_COLOURS = {
     "wrong_node": "red",
     "handshake_deleted": "red",
     "handshake_expired": "red",
+    "format_skew": "red",
+    "stamp_stalled": "red",
 }
 
 
@@ -247,7 +249,10 @@ def hami_registration() -> table.Panel:
             "--hami-repair: missing, unparsable, mismatched (the scheduler does not see GPUs the kubelet "
             "lists), stale_health (it places Pods on GPUs the kubelet took out), last_copy (the annotation "
             "is gone after the scheduler read it: it schedules on its last copy); wrong_node (NODE_NAME); "
-            "handshake_deleted, handshake_expired (the scheduler keeps the node out). Alerts "
+            "handshake_deleted, handshake_expired (the scheduler keeps the node out); format_skew (the "
+            "annotation is in the format HAMi's decoder for the vendor does not read: not ready, no "
+            "restart); stamp_stalled (the plugin's Reported stamp stopped: its loop stopped, one restart). "
+            "Alerts "
             "HamiSchedulerCannotSeeGPUs, HamiSchedulerPlacesPodsOnUnhealthyGPUs, "
             "HamiSchedulerSchedulesFromLastCopy. Empty where the sidecar has no API access or "
             "--no-hami-registration."

@@ -56,10 +56,12 @@ class Gpu:
 
 @dataclass(frozen=True)
 class Register:
-    """The register annotation: its GPUs, or (None) why HAMi's scheduler cannot read them."""
+    """The register annotation: its GPUs, or (None) why HAMi's scheduler cannot read them; `skew` the
+    format it is written in when that is the other one, which HAMi's decoder for the vendor does not read."""
 
     gpus: tuple[Gpu, ...] | None
     why: str = ""
+    skew: str = ""
 
     @property
     def healthy(self) -> frozenset[str]:
@@ -96,8 +98,84 @@ class NodeView:
     kubelet_version: str = ""  # status.nodeInfo.kubeletVersion, as the kubelet reports it
 
 
-def parse_register(value: str) -> Register:
-    """HAMi's register annotation, decoded as HAMi's scheduler decodes it."""
+JSON, CSV = "device-info-json", "device-info-csv"  # the profiles' register_format values
+_FORMAT_NAMES = {JSON: "JSON (UnMarshalNodeDevices)", CSV: "legacy CSV (DecodeNodeDevices)"}
+
+
+def parse_register(value: str, fmt: str = JSON) -> Register:
+    """HAMi's register annotation, decoded as HAMi's scheduler decodes it for the vendor: `fmt` JSON
+    (`UnMarshalNodeDevices`) or the legacy CSV (`DecodeNodeDevices`). A value HAMi cannot decode that is
+    in the other format is a format skew (`skew`)."""
+    own, other = (parse_csv, parse_json) if fmt == CSV else (parse_json, parse_csv)
+    got = own(value)
+    if got.gpus is not None:
+        return got
+    if other(value).gpus is not None:
+        wrote, reads = (JSON, CSV) if fmt == CSV else (CSV, JSON)
+        return Register(
+            None,
+            f"written in {_FORMAT_NAMES[wrote]}, while HAMi's scheduler decodes this vendor's annotation as "
+            f"{_FORMAT_NAMES[reads]}: it cannot decode it",
+            wrote,
+        )
+    return got
+
+
+def parse_csv(value: str) -> Register:
+    """HAMi's legacy register text, decoded as `DecodeNodeDevices` (pkg/device/devices.go) does: devices
+    split on `:` (required; empty segments skipped), each `id,count,devmem,devcore,type,numa,health`
+    with `,index,mode` after it or not; health through Go's ParseBool, index >= 0; the first bad device
+    fails the whole decode."""
+    if len(value) > MAX_VALUE:
+        return Register(None, f"the value exceeds {MAX_VALUE} bytes")
+    if ":" not in value:
+        return Register(None, "no device separator ':': HAMi's scheduler cannot decode it")
+    gpus: list[Gpu] = []
+    for i, segment in enumerate(s for s in value.split(":") if s):
+        if len(gpus) >= MAX_GPUS:
+            return Register(None, f"over {MAX_GPUS} entries")
+        gpu = _csv_gpu(segment.split(","))
+        if isinstance(gpu, str):
+            return Register(None, f"device {i}: {gpu}: HAMi's scheduler cannot decode it")
+        gpus.append(gpu)
+    return Register(tuple(gpus))
+
+
+_BOOLS = {"1": True, "t": True, "T": True, "TRUE": True, "true": True, "True": True}
+_BOOLS |= {"0": False, "f": False, "F": False, "FALSE": False, "false": False, "False": False}
+
+
+def _go_int(text: str, low: int, high: int) -> int | None:
+    """Go's strconv.Atoi/ParseInt(text, 10, ...): an optional sign and ASCII digits, within range."""
+    digits = text[1:] if text[:1] in "+-" else text
+    if not digits or not digits.isascii() or not digits.isdigit() or len(digits) > 20:
+        return None
+    n = int(text)
+    return n if low <= n <= high else None
+
+
+def _csv_gpu(fields: list[str]) -> Gpu | str:
+    if len(fields) not in (7, 9):
+        return f"unexpected field count {len(fields)}"
+    ident, count, devmem, devcore, kind, numa, health = fields[:7]
+    for name, text in (("count", count), ("devmem", devmem), ("devcore", devcore)):
+        if _go_int(text, *_INT32) is None:
+            return f"invalid {name} field"
+    if _go_int(numa, -(2**63), 2**63 - 1) is None:
+        return "invalid numa field"
+    if health not in _BOOLS:
+        return "invalid health field"
+    index, mode = 0, "hami-core"
+    if len(fields) == 9:
+        got = _go_int(fields[7], -(2**63), 2**63 - 1)
+        if got is None or got < 0:
+            return "invalid index field"
+        index, mode = got, fields[8]
+    return Gpu(ident, index, int(count), _BOOLS[health], mode, kind)
+
+
+def parse_json(value: str) -> Register:
+    """HAMi's register annotation as `UnMarshalNodeDevices` decodes it: a JSON array of DeviceInfo."""
     if len(value) > MAX_VALUE:
         return Register(None, f"the value exceeds {MAX_VALUE} bytes")
     try:
@@ -211,11 +289,15 @@ def _dict(v: Any) -> dict[str, Any]:
     return v if isinstance(v, dict) else {}
 
 
-def gpu_of(device: str) -> str | None:
-    """The GPU a kubelet device ID stands for: the GPU's ID itself (the default profile's form: NVML's
-    UUID, which HAMi's annotation carries), or HAMi's split ID `<ID>-<n>` folded to it; None for any
-    other ID (MIG devices, other vendors')."""
-    vendor = profiles.DEFAULT
+def gpu_of(device: str, resource: str = "") -> str | None:
+    """The device a kubelet device ID stands for, by the profile of `resource` (the default profile's
+    without one): the device's ID itself (the form HAMi's annotation carries: NVML's UUID for NVIDIA), a
+    share folded by the profile (`physical_device`: Ascend's `<UUID>-<i>`, DCU's `<ID>-fake-<i>`), or
+    HAMi's split ID `<ID>-<n>` folded to it; None for any other ID (MIG devices, other vendors')."""
+    vendor = (profiles.for_resource(resource) if resource else None) or profiles.DEFAULT
+    folded = vendor.physical_device(device) if resource else device
+    if folded != device and vendor.is_device(folded):
+        return folded
     if vendor.is_device(device):
         return device
     head, sep, tail = device.rpartition("-")

@@ -31,6 +31,8 @@ Code = Literal[
     "wrong_node",
     "handshake_deleted",
     "handshake_expired",
+    "format_skew",
+    "stamp_stalled",
 ]
 CODES: tuple[Code, ...] = get_args(Code)
 
@@ -68,29 +70,18 @@ def compare(
     register: Register | None,
     kubelet: frozenset[str] | None,
     copy: Read | None,
+    *,
+    resource: str = "",
 ) -> Diff:
     """What differs between the annotation and the kubelet's healthy devices, and what HAMi's scheduler
     makes of it."""
-    listed = {g for d in kubelet or () if (g := gpu_of(d)) is not None}
+    listed = {g for d in kubelet or () if (g := gpu_of(d, resource)) is not None}
     if register is None or register.gpus is None:
-        if register is None:
-            code: Code = "missing"
-            what = "is absent"
-        else:
-            code, what = "unparsable", f"does not decode ({register.why}): {(value or '')[:80]!r}"
-        if copy is not None:
-            return last_copy(key, what, copy, listed if kubelet is not None else None)
-        return Diff(
-            code,
-            f"HAMi's annotation {key} {what}",
-            0,
-            "sees no GPU of this node from it ('node unregistered'), unless it read an earlier one",
-            len(listed),
-        )
+        return unreadable(key, value, register, copy, listed if kubelet is not None else None)
     gpus = len(register.healthy)
     count = max(len(register.ids), len(listed))
     ok = Diff("ok", "", gpus, f"offers the {gpus} healthy GPU(s) the annotation lists", count)
-    if kubelet is None or not comparable(register, kubelet):
+    if kubelet is None or not comparable(register, kubelet, resource):
         return ok
     if not register.gpus and listed and copy is not None:
         # HAMi's NVIDIA decoder takes an empty list for an error ("no gpu found on node"): the copy stays.
@@ -121,6 +112,41 @@ def compare(
         text,
         gpus,
         f"does not offer GPU(s) the kubelet lists: {listed_ids(missing | marked)}",
+        count,
+    )
+
+
+def unreadable(
+    key: str, value: str | None, register: Register | None, copy: Read | None, listed: set[str] | None
+) -> Diff:
+    """The annotation absent, or not decodable by HAMi's decoder for the vendor (in the other format:
+    a skew)."""
+    count = len(listed or ())
+    if register is not None and register.skew:
+        return skewed(key, value, register, count)
+    if register is None:
+        code: Code = "missing"
+        what = "is absent"
+    else:
+        code, what = "unparsable", f"does not decode ({register.why}): {(value or '')[:80]!r}"
+    if copy is not None:
+        return last_copy(key, what, copy, listed)
+    return Diff(
+        code,
+        f"HAMi's annotation {key} {what}",
+        0,
+        "sees no GPU of this node from it ('node unregistered'), unless it read an earlier one",
+        count,
+    )
+
+
+def skewed(key: str, value: str | None, register: Register, count: int) -> Diff:
+    """The annotation in the format HAMi's decoder for the vendor does not read."""
+    return Diff(
+        "format_skew",
+        f"HAMi's annotation {key} is {register.why}: {(value or '')[:80]!r}",
+        0,
+        "cannot decode the annotation: it keeps a copy it read before, else the node is 'node unregistered'",
         count,
     )
 
@@ -168,19 +194,20 @@ def meanwhile(d: Diff, copy: Read | None, resource: str, handshake: bool) -> tup
     )
 
 
-def comparable(register: Register, kubelet: frozenset[str]) -> bool:
-    """Whether the two lists name the same things: every kubelet ID a GPU or HAMi's split of one, and
-    every annotated GPU a UUID outside MIG (whose devices the kubelet names otherwise)."""
-    return all(gpu_of(d) is not None for d in kubelet) and all(
-        gpu_of(g.id) == g.id and g.mode.lower() != "mig" for g in register.gpus or ()
+def comparable(register: Register, kubelet: frozenset[str], resource: str = "") -> bool:
+    """Whether the two lists name the same things: every kubelet ID a device of the resource's vendor or
+    a share of one, and every annotated device such an ID outside MIG (whose devices the kubelet names
+    otherwise)."""
+    return all(gpu_of(d, resource) is not None for d in kubelet) and all(
+        gpu_of(g.id, resource) == g.id and g.mode.lower() != "mig" for g in register.gpus or ()
     )
 
 
-def diff_note(register: Register | None, kubelet: frozenset[str] | None, why: str) -> str:
+def diff_note(register: Register | None, kubelet: frozenset[str] | None, why: str, resource: str = "") -> str:
     """What the verdict could not compare, said after it."""
     if kubelet is None:
         return f"; the kubelet's devices cannot be read ({why}): only the annotation's presence is judged"
-    if register is not None and register.gpus is not None and not comparable(register, kubelet):
+    if register is not None and register.gpus is not None and not comparable(register, kubelet, resource):
         return "; its devices are not GPU UUIDs or HAMi's splits of them (MIG?): not compared"
     return ""
 

@@ -104,3 +104,30 @@ def plugin_down_note(resource: str) -> str:
         f"it drops the node once the Node's allocatable {resource} is 0, and (v2.9 and later) adds it back "
         "from the annotation at a later tick and drops it again, until the plugin writes the annotation anew"
     )
+
+
+# The vendors whose device plugin stamps HAMi's handshake `Reported` on a timer of its own, with its
+# register patch every 30 s (5 s after an error): Ascend (`Reported_<time>`, watchAndRegister in
+# Project-HAMi/ascend-device-plugin internal/server/register.go) and Hygon DCU (`Reported <time>`,
+# WatchAndRegister in Project-HAMi/dcu-vgpu-device-plugin internal/pkg/dcu/register.go). Biren's stamps
+# only when the kubelet opens ListAndWatch and at its heartbeat (a flag of the plugin's), NVIDIA's
+# in-tree plugin none since HAMi v2.8.0, AMD's none: a still stamp says nothing of theirs.
+STAMPS_ON_TIMER = frozenset({"Ascend", "Hygon DCU"})
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    """A HAMi release `v2.10.0` (or `2.10.0`, a suffix after `-` or `+` ignored) as numbers; None: not one."""
+    core = version.strip().removeprefix("v").split("-", 1)[0].split("+", 1)[0]
+    parts = core.split(".")
+    if not 1 <= len(parts) <= 3 or not all(p.isascii() and p.isdigit() and len(p) < 6 for p in parts):
+        return None
+    return tuple(int(p) for p in parts) + (0,) * (3 - len(parts))
+
+
+def cache_fixed(version: str, fixed_in: str) -> bool:
+    """Whether HAMi release `version` caches its plugin's annotation only after the patch succeeds (the
+    fix of the cache written before the patch): only when a setting names the first release that
+    carries it (`fixed_in`) and `version` is that one or later. No release up to v2.10.0 carries it;
+    unknown (either empty or not a release) keeps the stuck-cache rule."""
+    have, first = _release(version), _release(fixed_in)
+    return have is not None and first is not None and have >= first

@@ -29,6 +29,16 @@ docs/design.md#hami-registration:
    60 s with a `Requesting_` handshake (the scheduler drops the node's devices: v2.10 at once, and adds
    them back from the annotation for a minute at a time). Readiness only: the scheduler's doing, which a
    plugin restart does not change.
+6. The register annotation in the format HAMi's decoder for the vendor does not read (`format_skew`:
+   JSON where HAMi v2.10.0 reads Hygon DCU's as the legacy CSV text, CSV where it reads JSON): readiness
+   only, never liveness, however long it lasts: a plugin restart writes the same format.
+7. A plugin that stamps its own handshake every 30 s (`HamiKeys.stamps`: Ascend's, DCU's) whose
+   handshake has not changed for twice `repair` while it serves and registers, with the same socket
+   (`stamp_stalled`): its register loop stopped; liveness, within the same restart budget as 4. A
+   restarted plugin whose stamp has not moved yet is the same episode. A snapshot (`repair` 0) never.
+8. Rule 4 for a HAMi release whose plugin caches its annotation only after the patch
+   (`HamiKeys.cache_fixed`, from --hami-version and --hami-cache-fixed-in): readiness only, since
+   HAMi's own loop retries a failed patch. No release up to v2.10.0 carries that fix.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from sidecar.hami.annotation import NodeView, Register, parse_handshake, parse_register
+from sidecar.hami.annotation import JSON, NodeView, Register, parse_handshake, parse_register
 from sidecar.hami.compare import CODES, Code, Diff, Read, agrees, compare, diff_note, meanwhile
 from sidecar.hami.facts import HAMI_LOOP, HANDSHAKE_EXPIRY, HARM, SCHEDULER_TICK, cache_note
 from sidecar.health import Status
@@ -50,6 +60,7 @@ __all__ = [
     "NOT_JUDGED",
     "RESTART_BUDGET",
     "SCHEDULER_TICK",
+    "SKEWED",
     "UNSEEN",
     "Code",
     "HamiEvidence",
@@ -61,13 +72,16 @@ __all__ = [
 # Restarts of the plugin (new sockets) that did not mend the annotation, before liveness stops asking.
 RESTART_BUDGET = 3
 
+# Fails readiness only: the annotation in the format HAMi's decoder for the vendor does not read (a
+# restart rewrites the same format).
+SKEWED: frozenset[Code] = frozenset({"format_skew"})
 # Passes, with the reason why nothing was judged: the Node unread, the plugin down, no scheduler.
 NOT_JUDGED: frozenset[Code] = frozenset({"no_evidence", "plugin_down", "no_handshake"})
 # The annotation differs from the kubelet: past `repair`, a plugin restart is the remedy.
 DIFFERS: frozenset[Code] = frozenset({"missing", "unparsable", "mismatched", "stale_health", "last_copy"})
 # HAMi's scheduler does not see (some of) the GPUs the kubelet lists: HamiSchedulerCannotSeeGPUs.
 UNSEEN: frozenset[Code] = frozenset(
-    {"missing", "unparsable", "mismatched", "handshake_deleted", "handshake_expired"}
+    {"missing", "unparsable", "mismatched", "handshake_deleted", "handshake_expired", "format_skew"}
 )
 
 
@@ -116,15 +130,23 @@ class _State:
     copy: Read | None = None  # the last one HAMi's scheduler has read: in place for a tick of its
     zero_since: float | None = None  # the Node's allocatable of the resource at 0 since
     zero_requesting: bool = False  # a Requesting_ handshake seen while it is
+    stamp: tuple[str, float, Hashable | None] | None = None  # the handshake, since when, with which plugin
+    stalled_at: str | None = None  # the handshake that stopped at the last stamp_stalled failure
 
 
 @dataclass(frozen=True)
 class HamiKeys:
-    """Where HAMi keeps one resource's registration: the register and handshake annotation keys."""
+    """Where HAMi keeps one resource's registration: the register and handshake annotation keys (""
+    none: AMD's), the format HAMi's decoder reads the register in, whether the plugin stamps the
+    handshake on a timer (Ascend's and DCU's `Reported` every 30 s), and whether the scheduler's HAMi
+    release retries a failed patch itself (its plugin caches the annotation only after the patch)."""
 
     resource: str
     register: str
     handshake: str
+    format: str = JSON
+    stamps: bool = False
+    cache_fixed: bool = False
 
 
 class HamiJudge:
@@ -170,14 +192,50 @@ class HamiJudge:
                 "wrong_node",
             )
         value = node.annotations.get(k.register)
-        register = parse_register(value) if value is not None else None
-        handshake = node.annotations.get(k.handshake)
+        register = parse_register(value, k.format) if value is not None else None
+        handshake = node.annotations.get(k.handshake) if k.handshake else None
         _remember(st, value, register, handshake, now)
         _zero(st, node, resource, handshake, now)
-        d = compare(k.register, value, register, ev.kubelet, st.copy)
+        stalled = self._stalled(resource, ev, handshake, now)
+        d = compare(k.register, value, register, ev.kubelet, st.copy, resource=resource)
         if d.text and not (ev.plugin_ok and ev.registered_ok):
             return self._plugin_down(resource, ev, d, handshake is not None)
-        if d.text and handshake is None:
+        early = self._vendor(resource, ev, d, handshake, stalled)
+        if early is not None:
+            return early
+        if d.text:
+            return self._differs(resource, ev, d)
+        st.differs_since = None
+        st.restarts_in_vain, st.failed_with, st.episode = 0, None, False
+        note = diff_note(register, ev.kubelet, ev.kubelet_why, resource)
+        found = self._handshake(resource, k, node, now)
+        if found is not None:
+            code, why, does = found
+            return HamiVerdict(Status.FAILED, f"{why}{note}", code, gpus=d.gpus, scheduler=does)
+        return HamiVerdict(
+            Status.OK, f"{agrees(register, ev.kubelet)}{note}", "ok", gpus=d.gpus, scheduler=d.scheduler
+        )
+
+    def _vendor(
+        self, resource: str, ev: HamiEvidence, d: Diff, handshake: str | None, stalled: str | None
+    ) -> HamiVerdict | None:
+        """The verdicts of the vendor's own ways, before the comparison's: the plugin's stamp stopped (and
+        a restart's new plugin not stamping yet), no scheduler's handshake, the format skew."""
+        k, st = self.keys[resource], self._state[resource]
+        if stalled is not None:
+            return self._live(resource, ev, "stamp_stalled", stalled, d)
+        if handshake is not None and handshake == st.stalled_at:
+            # A restart's new plugin, whose stamp has not moved yet: the same episode, not a mended one.
+            st.episode = False
+            return HamiVerdict(
+                Status.OK,
+                f"the plugin restarted after its stamp {k.handshake} stopped; waiting {2 * self.repair:g}s "
+                "for its new register loop to stamp it",
+                "repairing",
+                gpus=d.gpus,
+                scheduler=d.scheduler,
+            )
+        if d.text and handshake is None and k.handshake:
             # No scheduler of HAMi's looks at this node (it stamps every node it selects within 15 s):
             # HAMi's annotations decide nothing here, and a plugin that is not HAMi's writes none.
             st.differs_since = None
@@ -189,18 +247,18 @@ class HamiJudge:
                 gpus=d.gpus,
                 scheduler="does not look at this node (no handshake)",
             )
-        if d.text:
-            return self._differs(resource, ev, d)
-        st.differs_since = None
-        st.restarts_in_vain, st.failed_with, st.episode = 0, None, False
-        note = diff_note(register, ev.kubelet, ev.kubelet_why)
-        found = self._handshake(resource, k, node, now)
-        if found is not None:
-            code, why, does = found
-            return HamiVerdict(Status.FAILED, f"{why}{note}", code, gpus=d.gpus, scheduler=does)
-        return HamiVerdict(
-            Status.OK, f"{agrees(register, ev.kubelet)}{note}", "ok", gpus=d.gpus, scheduler=d.scheduler
-        )
+        if d.code in SKEWED:
+            st.differs_since, st.episode = None, False
+            return HamiVerdict(
+                Status.FAILED,
+                f"{d.text}. A plugin restart rewrites the same format: not ready, no restart; run the "
+                "plugin release that writes the format HAMi's release reads (or the HAMi release that reads "
+                "it)",
+                d.code,
+                gpus=0,
+                scheduler=d.scheduler,
+            )
+        return None
 
     def _plugin_down(self, resource: str, ev: HamiEvidence, d: Diff, handshake: bool) -> HamiVerdict:
         st = self._state[resource]
@@ -231,27 +289,63 @@ class HamiJudge:
                 gpus=d.gpus,
                 scheduler=d.scheduler,
             )
+        why = (
+            f"{d.text} for {lasted:.0f}s while the plugin serves and the kubelet holds it: {HARM[d.code]}"
+            f"{d.more}. "
+            f"HAMi's loop would have rewritten a changed list within {HAMI_LOOP:.0f}s; {cache_note(d.count)}"
+        )
+        if self.keys[resource].cache_fixed:
+            # HAMi's release caches the annotation only after its patch: the loop retries by itself.
+            st.episode = False
+            why += (
+                "; this HAMi release retries a failed patch itself (its plugin caches the annotation only "
+                "after the patch): not ready, no restart"
+            )
+            return HamiVerdict(Status.FAILED, why, d.code, gpus=d.gpus, scheduler=d.scheduler)
+        return self._live(resource, ev, d.code, why, d)
+
+    def _live(self, resource: str, ev: HamiEvidence, code: Code, why: str, d: Diff) -> HamiVerdict:
+        """A failure a plugin restart mends: liveness, within the restart budget."""
+        st = self._state[resource]
         if not st.episode:
             st.episode = True
             if st.failed_with is not None and st.failed_with != ev.plugin_id:
                 st.restarts_in_vain += 1  # the plugin restarted for it, and its new one did not mend it
             st.failed_with = ev.plugin_id
         spent = st.restarts_in_vain >= RESTART_BUDGET
-        why = (
-            f"{d.text} for {lasted:.0f}s while the plugin serves and the kubelet holds it: {HARM[d.code]}"
-            f"{d.more}. "
-            f"HAMi's loop would have rewritten a changed list within {HAMI_LOOP:.0f}s; {cache_note(d.count)}"
-        )
         if spent:
             why += f"; restart budget spent: {st.restarts_in_vain} plugin restarts did not mend it"
         return HamiVerdict(
             Status.FAILED,
             why,
-            d.code,
+            code,
             restarts=not spent,
             gpus=d.gpus,
             budget_spent=spent,
             scheduler=d.scheduler,
+        )
+
+    def _stalled(self, resource: str, ev: HamiEvidence, handshake: str | None, now: float) -> str | None:
+        """Why the plugin's register loop stopped: the handshake it stamps every 30 s unchanged for twice
+        `repair` while it serves and registers (the same plugin all along); None: it did not."""
+        st, k = self._state[resource], self.keys[resource]
+        # A snapshot (no `repair`: hami-doctor) cannot see a stamp stop.
+        if not k.stamps or self.repair <= 0 or handshake is None or not (ev.plugin_ok and ev.registered_ok):
+            st.stamp = None
+            return None
+        if handshake != st.stalled_at:
+            st.stalled_at = None
+        if st.stamp is None or st.stamp[0] != handshake or st.stamp[2] != ev.plugin_id:
+            st.stamp = (handshake, now, ev.plugin_id)
+        lasted = now - st.stamp[1]
+        if lasted < 2 * self.repair:
+            return None
+        st.stalled_at = handshake
+        return (
+            f"the plugin's handshake stamp {k.handshake}={handshake[:80]!r} has not changed for "
+            f"{lasted:.0f}s while the plugin serves: its register loop patches the stamp (and the register "
+            f"annotation) every {HAMI_LOOP:.0f}s, so the loop has stopped and no change of the devices "
+            "reaches HAMi; a plugin restart starts it again"
         )
 
     def _handshake(

@@ -18,6 +18,7 @@ from urllib.parse import quote
 from sidecar.config import Settings
 from sidecar.deviceplugin.probes import Reading, pod_resources_devices, socket_identity
 from sidecar.hami.annotation import MAX_NODE, NodeView, parse_node
+from sidecar.hami.facts import STAMPS_ON_TIMER, cache_fixed
 from sidecar.hami.verdicts import (
     CODES,
     HAMI_LOOP,
@@ -231,10 +232,25 @@ def plugin_checks(state: HealthState, resources: list[str]) -> dict[str, tuple[b
     return {r: (ok(Kind.PLUGIN, r), ok(Kind.REGISTERED, r)) for r in resources}
 
 
+def hami_keys_of(s: Settings, resource: str, register: str) -> HamiKeys:
+    """Where HAMi keeps `resource`'s registration, by its vendor's profile: the handshake key, the format
+    HAMi decodes the register in, whether the plugin stamps the handshake on a timer, and whether the
+    HAMi release (--hami-version) retries a failed patch itself."""
+    v = s.profile_for(resource)
+    return HamiKeys(
+        resource,
+        register,
+        s.hami_handshake(resource),
+        v.hami.register_format,
+        stamps=v.vendor in STAMPS_ON_TIMER and v.hami.handshake_writer in ("device-plugin", "both"),
+        cache_fixed=v.hami.stuck_cache and cache_fixed(s.hami_version, s.hami_cache_fixed_in),
+    )
+
+
 def from_settings(s: Settings, clock: Callable[[], float] = time.monotonic) -> HamiWatch | None:
     """The sidecar's watch of HAMi's registration; None when off, with no API server known, or no
     configured plugin has a known HAMi annotation."""
-    keys = tuple(HamiKeys(r, k, s.hami_handshake_annotation) for r, k in s.hami_keys())
+    keys = tuple(hami_keys_of(s, r, k) for r, k in s.hami_keys())
     if not s.hami_registration or s.hami_api is None or not keys:
         return None
     return HamiWatch(

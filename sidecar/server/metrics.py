@@ -37,6 +37,8 @@ HAMI_CODES = (
     "wrong_node",
     "handshake_deleted",
     "handshake_expired",
+    "format_skew",
+    "stamp_stalled",
 )
 
 logger = logging.getLogger(__name__)
@@ -146,7 +148,7 @@ class Metrics:
             "device_plugin_hami_registration",
             "1 for the hami check's current reason code (ok, repairing, no_evidence, plugin_down, "
             "no_handshake, missing, unparsable, mismatched, stale_health, last_copy, wrong_node, "
-            "handshake_deleted, handshake_expired), 0 for the others",
+            "handshake_deleted, handshake_expired, format_skew, stamp_stalled), 0 for the others",
             ["plugin", "resource", "reason"],
             registry=r,
         )

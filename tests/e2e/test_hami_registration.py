@@ -15,13 +15,16 @@ of a second, the sidecar's --hami-repair to 3 s; the handshake's 60 s run on clo
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
+import aiohttp
 import pytest
 
 from doctor import settings as doctor_settings
@@ -29,23 +32,27 @@ from doctor.hami import gather_hami, hami_causes
 from doctor.logscan import scan
 from doctor.patterns import PLUGIN_PATTERNS
 from doctor.types import Cause
+from sidecar.config import PluginSpec
 from sidecar.deviceplugin.probes import Reading
 from sidecar.hami.verdicts import HANDSHAKE_EXPIRY, SCHEDULER_TICK, HamiVerdict
 from sidecar.hami.watch import HamiKeys, HamiWatch, boot_id
 from sidecar.health import HealthState, Status
 from sidecar.kube.access import ApiAccess
 from sidecar.server.status import status_document
-from testing import free_port, hami_device_ids
+from testing import FakeDevicePlugin, FakeKubelet, free_port, hami_device_ids
 from testing.hamiwriter import InCluster, Registrar
 from tests import apiserver
 from tests.conftest import wait_for
-from tests.e2e.conftest import GPU, Node, NodeFactory
+from tests.e2e.conftest import FAST, GPU, Node, NodeFactory
+from tests.e2e.running import sidecar_running
 from tests.hamifixture import (
     HANDSHAKE,
+    MERGE,
     REGISTER,
     Gpu,
     HamiRegistrar,
     HamiScheduler,
+    Vendor,
     go_map_order,
     held_order,
     marshal,
@@ -634,3 +641,135 @@ async def test_the_doctor_names_the_stuck_cache_and_removes_a_deleted_handshake(
     settings = doctor_settings.parse_settings(["--kubeconfig", api.kubeconfig("nobody")], {"NODE_NAME": NODE})
     r = await rows()
     assert r["hami-registration"].verdict == "unknown" and "403" in r["hami-registration"].evidence[0]
+
+
+# -- other vendors: the register's format and the plugin's own stamp ------------------------------------
+DCU = "hygon.com/dcunum"
+ASCEND = "huawei.com/Ascend910B3"
+D1 = "DCU-0123456789"
+
+
+@contextlib.asynccontextmanager
+async def vendor_node(
+    api: apiserver.ApiServer, dp_dir: str, short_tmp: str, *, resource: str, socket: str, devices: list[str]
+) -> AsyncIterator[Node]:
+    """A node whose one plugin serves `resource` on `socket` (the vendor profile's), with the sidecar
+    reading this test's API server: the vendor's keys and format come from its profile."""
+    body = {
+        "status": {
+            "nodeInfo": {"bootID": boot_id(), "kubeletVersion": KUBELET_VERSION},
+            "capacity": {resource: str(len(devices))},
+            "allocatable": {resource: str(len(devices))},
+        }
+    }
+    await api.request("PATCH", f"/api/v1/nodes/{NODE}/status", body, content_type=MERGE)
+    pod_resources = os.path.join(short_tmp, "pod-resources", "kubelet.sock")
+    settings = replace(
+        FAST,
+        device_plugin_dir=dp_dir,
+        pod_resources_socket=pod_resources,
+        port=free_port(),
+        plugins=(PluginSpec(resource, socket),),
+        node_name=NODE,
+        hami_api=ApiAccess(api.url, api.token_file("hami-sidecar"), api.ca_file),
+        hami_interval=0.2,
+        hami_repair=REPAIR,
+    )
+    async with (
+        FakeKubelet(dp_dir, pod_resources, dial_timeout=0.5) as kubelet,
+        FakeDevicePlugin(
+            dp_dir, register_timeout=5, resource=resource, socket_name=socket, devices=devices
+        ) as plugin,
+    ):
+        await wait_for(lambda: kubelet.healthy_devices(resource), what="registration")
+        async with sidecar_running(settings) as (sidecar, _), aiohttp.ClientSession() as http:
+            yield Node(dp_dir, kubelet, plugin, sidecar, settings, http)
+
+
+def vendor_check(node: Node, resource: str) -> tuple[Status, bool, str]:
+    c = node.sidecar.state.checks[f"hami:{resource}"]
+    return c.status, c.live_failed, c.reason
+
+
+async def test_a_dcu_annotation_in_json_is_not_ready_and_never_a_restart(
+    api: apiserver.ApiServer, dp_dir: str, short_tmp: str
+) -> None:
+    """HAMi v2.10.0 decodes Hygon DCU's register annotation as the legacy CSV text: a DCU plugin writing
+    JSON (built for another HAMi release) is a format skew, which a restart writes again: readiness
+    fails, liveness never, over many times the sidecar's --hami-repair; the plugin's own CSV is ok."""
+    dcu = Vendor.of("dcu", DCU)
+    writer = HamiRegistrar(api, NODE, [Gpu(D1)], interval=0.1, error_interval=0.05, vendor=dcu.skewed())
+    devices = [f"{D1}-fake-{i}" for i in range(4)]
+    async with vendor_node(
+        api, dp_dir, short_tmp, resource=DCU, socket="hygon.com_dcunum", devices=devices
+    ) as node:
+        writer.start()
+        try:
+            await wait_for(
+                lambda: (
+                    "format_skew" in node.sidecar.state.checks[f"hami:{DCU}"].reason
+                    or "legacy CSV" in vendor_check(node, DCU)[2]
+                ),
+                what="the format skew",
+            )
+            started, lives = time.monotonic(), []
+            while time.monotonic() - started < 4 * REPAIR:  # twice the stamp's bound, four times repair's
+                status, live, reason = vendor_check(node, DCU)
+                assert status is Status.FAILED and not live, reason
+                assert "legacy CSV (DecodeNodeDevices)" in reason and "no restart" in reason
+                lives.append((await node.get("/healthz"))[0])
+                await node.wait_rounds(rounds=1)
+            assert set(lives) == {200} and (await node.get("/readyz"))[0] == 503
+            value: float = node.sidecar.metrics.restart_requests.labels("hami", DCU)._value.get()
+            reason_on: float = node.sidecar.metrics.hami_reason.labels(
+                "hami", DCU, "format_skew"
+            )._value.get()
+            assert (value, reason_on) == (0, 1)
+            assert writer.patches > 10 and (await annotation(api, dcu.register) or "").startswith("[")
+            # The plugin release that writes HAMi's CSV: the same node is ok.
+            await writer.stop()
+            writer.vendor = dcu
+            writer.start()
+            await wait_for(lambda: vendor_check(node, DCU)[0] is Status.OK, what="hami ok on CSV")
+            assert "lists the 1 healthy GPU(s) the kubelet lists" in vendor_check(node, DCU)[2]
+            print(f"format skew: {len(lives)} rounds over {4 * REPAIR:g}s, /healthz 200 in each, 0 restarts")
+        finally:
+            await writer.stop()
+
+
+async def test_an_ascend_stamp_that_stops_while_the_plugin_serves_is_one_restart(
+    api: apiserver.ApiServer, dp_dir: str, short_tmp: str
+) -> None:
+    """Ascend's plugin patches its register annotation and `Reported_<time>` every round: a stamp that
+    stops while the plugin serves is its register loop stopped. Liveness fails once; the restarted plugin
+    stamps again and the check passes; one restart asked."""
+    ascend = Vendor.of("ascend", ASCEND)
+    uuid = "7c1f3a52-0000-4b1e-9d3f-6a2b8c9d0e1f"
+    writer = HamiRegistrar(api, NODE, [Gpu(uuid)], interval=0.1, error_interval=0.05, vendor=ascend)
+    devices = [f"{uuid}-{i}" for i in range(4)]
+    async with vendor_node(
+        api, dp_dir, short_tmp, resource=ASCEND, socket="Ascend910B3.sock", devices=devices
+    ) as node:
+        writer.start()
+        try:
+            await wait_for(lambda: "GPU(s) the kubelet lists" in vendor_check(node, ASCEND)[2], what="ok")
+            assert (await annotation(api, ascend.handshake) or "").startswith("Reported_")
+            await writer.stop()  # the register loop stops; the plugin still serves
+            stopped = time.monotonic()
+            body = await node.until(
+                "/healthz?verbose", 503, timeout=2 * REPAIR + 5, contains=f"[-]hami:{ASCEND}"
+            )
+            took = time.monotonic() - stopped
+            assert "register loop" in body and took >= 2 * REPAIR - 1.5, took
+            asked: float = node.sidecar.metrics.restart_requests.labels("hami", ASCEND)._value.get()
+            assert asked == 1
+            # The kubelet restarts the plugin's container: a new plugin, a new loop.
+            await node.plugin.restart()
+            await writer.restart()
+            await node.until("/healthz", 200, timeout=5)
+            await wait_for(lambda: vendor_check(node, ASCEND)[0] is Status.OK, timeout=10, what="hami ok")
+            asked = node.sidecar.metrics.restart_requests.labels("hami", ASCEND)._value.get()
+            assert asked == 1
+            print(f"stamp stalled: liveness failed {took:.1f}s after the loop stopped, 1 restart asked")
+        finally:
+            await writer.stop()
