@@ -22,6 +22,8 @@ from testing.realkubelet import RealKubelet, Release
 GPU = "nvidia.com/gpu"
 # A second plugin whose socket name sorts before kubelet.sock (nvidia-gpu.sock sorts after).
 ASCEND, ASCEND_SOCKET = "huawei.com/Ascend910B3", "Ascend910B3.sock"
+# Two NPUs, one vNPU each, as Ascend's plugin lists them to the kubelet: `<NPU UUID>-<i>`.
+ASCEND_IDS = ["5f0e2a1c-7b3d-4e8f-9a6b-1c2d3e4f5a60-0", "5f0e2a1c-7b3d-4e8f-9a6b-1c2d3e4f5a61-0"]
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -148,7 +150,7 @@ async def node(
             others: tuple[FakeDevicePlugin, ...] = ()
             if ascend:
                 npu = FakeDevicePlugin(
-                    folder, ASCEND, ASCEND_SOCKET, ["npu-0", "npu-1"], register_timeout=5, retry_interval=3600
+                    folder, ASCEND, ASCEND_SOCKET, ASCEND_IDS, register_timeout=5, retry_interval=3600
                 )
                 others = (await stack.enter_async_context(npu),)
             async with sidecar_process(

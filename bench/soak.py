@@ -69,11 +69,16 @@ class Poller:
 
 
 async def registered(n: Node) -> None:
-    """The kubelet has every plugin's devices and the sidecar has seen every check pass."""
+    """The kubelet has every plugin's devices and the sidecar has seen every check pass (never past the
+    soak's deadline: a verdict that never comes ends the soak, failed)."""
     while not all(n.kubelet.healthy_devices(r) and n.kubelet.connected(r) for r in (GPU, ASCEND)):
         await asyncio.sleep(0.005)
+        if time.monotonic() > DEADLINE:
+            raise TimeoutError("the kubelet never listed every plugin's devices again")
     while await n.status("/readyz") != 200:
         await asyncio.sleep(0.005)
+        if time.monotonic() > DEADLINE:
+            raise TimeoutError("/readyz never answered 200 again")
 
 
 async def kubelet_restart(n: Node, plugins_first: bool) -> None:
