@@ -203,46 +203,15 @@ class SocketLife:
         restart = self._restart_removed(p, seen)
         if not restart and seen.listening and not restart_window_over:
             return True  # looked at again after the window: a stopping server unlinks before it closes
-        name = CheckKey(Kind.PLUGIN, r).name
-        if not restart and seen.listening:
-            # S4: the plugin did not stop: its listener is there, unlinked. Something else removed the
-            # file: a kubelet restart's cleanup (kubelet.sock may still be the old one on a loaded node),
-            # or a person. A plugin restart mends the latter only: pending for the grace, waiting for the
-            # kubelet's word, never a crash.
-            p.judging = False
-            verdict = (
-                f"{plugin.socket} was removed while the plugin still listens on it (a kubelet restart "
-                "removes every plugin socket before the new kubelet listens): waiting for kubelet.sock "
-                "to tell; a plugin restart serves it again if no kubelet restart follows"
-            )
-            self.state.reset([name])
-            self._fail(r, verdict, gone=False, definitive=False, restarts=not self.kubelet.down)
-            return False
-        if not restart and not restart_window_over:
+        if not restart and not seen.listening and not restart_window_over:
             return True
         p.judging = False
-        if not restart and seen.listening is None:
-            # S4: whether the plugin still listens cannot be told (no sock_diag, or its listener was never
-            # found): a crash is never judged on that alone. Pending for the grace, which a plugin that
-            # stopped fails at its end, late; a restart within it opens a new cycle.
-            verdict = (
-                f"{plugin.socket} was removed while the kubelet kept running, and whether the plugin "
-                "still listens on it cannot be told: waiting for the plugin to serve it again"
-            )
-            self.state.reset([name])
-            self._fail(r, verdict, gone=False, definitive=False, restarts=not self.kubelet.down)
-            return False
-        if not restart and self.rules.missed_restart_after and p.since_restart and not p.held_this_cycle:
-            # S5: the socket it served for the new kubelet went before the kubelet held it: HAMi's failed
-            # start (its Register refused or failed), which it retries 30 s later by itself. Pending for
-            # the grace, which covers that retry. Held, by its connections or by the records where they
-            # cannot be read, it is a crash like any other.
-            verdict = (
-                f"{plugin.socket} came and went after the kubelet's restart before the kubelet held it: "
-                "a failed start, which HAMi retries 30 s later by itself"
-            )
-            self.state.reset([name])
-            self._fail(r, verdict, gone=False, definitive=False, restarts=True)
+        pending = "" if restart else self._no_crash(plugin, p, seen)
+        if pending:
+            self.state.reset([CheckKey(Kind.PLUGIN, r).name])
+            # The failed start's retry is HAMi's own; the others wait for the kubelet's word.
+            restarts = True if seen.listening is False else not self.kubelet.down
+            self._fail(r, pending, gone=False, definitive=False, restarts=restarts)
             return False
         if restart:
             # A new kubelet.sock a probe has already seen answering is a restart already counted
@@ -260,6 +229,37 @@ class SocketLife:
         # S3: a plugin gone is not a registration under way: it fails at once, grace or not.
         self._fail(r, verdict, gone=not restart, definitive=not restart, restarts=not self.kubelet.down)
         return False
+
+    def _no_crash(self, plugin: PluginSpec, p: _Socket, seen: AfterDeletion) -> str:
+        """Why a socket removed while the kubelet kept running is no crash (pending for the grace), or ""."""
+        if seen.listening:
+            # S4: the plugin did not stop: its listener is there, unlinked. Something else removed the
+            # file: a kubelet restart's cleanup (kubelet.sock may still be the old one on a loaded node),
+            # or a person. A plugin restart mends the latter only: pending for the grace, waiting for the
+            # kubelet's word, never a crash.
+            return (
+                f"{plugin.socket} was removed while the plugin still listens on it (a kubelet restart "
+                "removes every plugin socket before the new kubelet listens): waiting for kubelet.sock "
+                "to tell; a plugin restart serves it again if no kubelet restart follows"
+            )
+        if seen.listening is None:
+            # S4: whether the plugin still listens cannot be told (no sock_diag, or its listener was never
+            # found): a crash is never judged on that alone. Pending for the grace, which a plugin that
+            # stopped fails at its end, late; a restart within it opens a new cycle.
+            return (
+                f"{plugin.socket} was removed while the kubelet kept running, and whether the plugin "
+                "still listens on it cannot be told: waiting for the plugin to serve it again"
+            )
+        if self.rules.missed_restart_after and p.since_restart and not p.held_this_cycle:
+            # S5: the socket it served for the new kubelet went before the kubelet held it: HAMi's failed
+            # start (its Register refused or failed), which it retries 30 s later by itself. Pending for
+            # the grace, which covers that retry. Held, by its connections or by the records where they
+            # cannot be read, it is a crash like any other.
+            return (
+                f"{plugin.socket} came and went after the kubelet's restart before the kubelet held it: "
+                "a failed start, which HAMi retries 30 s later by itself"
+            )
+        return ""
 
     def _restart_removed(self, p: _Socket, seen: AfterDeletion) -> str:
         """S1, S2: why a kubelet restart explains the plugin socket's removal, or "" (it does not).
