@@ -406,15 +406,20 @@ def probe_once(port: int) -> tuple[float, int]:
     return time.perf_counter() - t0, status
 
 
-def sample(port: int, seconds: float, rate: float) -> list[tuple[float, int, float]]:
-    """(seconds, status, when: seconds since the first) of a probe every 1/rate s."""
+def sample(port: int, seconds: float, rate: float, from_due: bool = False) -> list[tuple[float, int, float]]:
+    """(seconds, status, when: seconds since the first) of a probe every 1/rate s. `from_due`: each
+    counted from the moment it was due, so that a probe held behind a slow one counts its wait too (a
+    stall of 100 ms delays the ten probes due in it, as it would ten kubelets' probes, not one)."""
     results = []
     start = time.perf_counter()
     for i in range(int(seconds * rate)):
-        delay = start + i / rate - time.perf_counter()
+        due = start + i / rate
+        delay = due - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        results.append((*probe_once(port), round(time.perf_counter() - start, 3)))
+        late = max(0.0, time.perf_counter() - due) if from_due else 0.0
+        took, status = probe_once(port)
+        results.append((late + took, status, round(due - start, 3)))
     return results
 
 
@@ -609,7 +614,7 @@ async def run_phase(phase: Phase, cpu: CpuLimit | None) -> Result:
             hog = asyncio.ensure_future(run_in(_me(*hog_args), FLOOD_PRIORITY))
         await asyncio.sleep(0.3)  # the flood under way
         probe_args = ["--sample", "--port", str(port), "--seconds", str(FLOOD_SECONDS - 0.8)]
-        probe_args += ["--rate", str(phase.rate)]
+        probe_args += ["--rate", str(phase.rate)] + (["--from-due"] if phase.group == "probes" else [])
         sampler = asyncio.ensure_future(run_in(_me(*probe_args), PROBER_PRIORITY, PROBER_CORE))
         watcher = asyncio.ensure_future(watch_while(w, flood_task))
         samples = json.loads(await sampler)
@@ -779,12 +784,13 @@ def cli() -> int:
     p.add_argument("--connections", type=int, default=0)
     p.add_argument("--seconds", type=float, default=FLOOD_SECONDS)
     p.add_argument("--rate", type=float, default=SAMPLE_RATE)
+    p.add_argument("--from-due", action="store_true", help="count each probe from when it was due")
     args = p.parse_args()
     if args.flood:
         print(json.dumps(vars(flood(args.flood, args.port, args.connections, args.seconds))))
         return 0
     if args.sample:
-        print(json.dumps(sample(args.port, args.seconds, args.rate)))
+        print(json.dumps(sample(args.port, args.seconds, args.rate, args.from_due)))
         return 0
     return asyncio.run(main())
 
