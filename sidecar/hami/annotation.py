@@ -97,7 +97,7 @@ class NodeView:
 def parse_register(value: str) -> Register:
     """HAMi's register annotation, decoded as HAMi's scheduler decodes it."""
     if len(value) > MAX_VALUE:
-        return Register(None, f"the value exceeds {MAX_VALUE} bytes")
+        return Register(None, f"over hami-guard's own {MAX_VALUE >> 20} MiB bound: not decoded")
     try:
         doc = json.loads(value, parse_constant=_not_json)
     except (ValueError, RecursionError) as e:
