@@ -250,7 +250,7 @@ async def run(kind: str, group: CpuLimit | None) -> dict[str, object]:
             await asyncio.sleep(REST_SECONDS)
             rest = proc.memory_info().rss / 2**20
             await control(api_port, cert, "POST", f"/answer/{kind}")
-            args = ["--sample", "--port", str(port), "--seconds", str(SECONDS), "--rate", "100", "--from-due"]
+            args = ["--sample", "--port", str(port), "--seconds", str(SECONDS), "--rate", "100", "--on-time"]
             sampler = asyncio.ensure_future(
                 run_in([sys.executable, "-m", "bench.stress", *args], PROBER_PRIORITY)
             )

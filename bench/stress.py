@@ -406,10 +406,9 @@ def probe_once(port: int) -> tuple[float, int]:
     return time.perf_counter() - t0, status
 
 
-def sample(port: int, seconds: float, rate: float, from_due: bool = False) -> list[tuple[float, int, float]]:
-    """(seconds, status, when: seconds since the first) of a probe every 1/rate s. `from_due`: each
-    counted from the moment it was due, so that a probe held behind a slow one counts its wait too (a
-    stall of 100 ms delays the ten probes due in it, as it would ten kubelets' probes, not one)."""
+def sample(port: int, seconds: float, rate: float) -> list[tuple[float, int, float]]:
+    """(seconds, status, when: seconds since the first) of a probe every 1/rate s, one after the other:
+    a probe that is due while another is still waiting goes when that one ends."""
     results = []
     start = time.perf_counter()
     for i in range(int(seconds * rate)):
@@ -417,10 +416,42 @@ def sample(port: int, seconds: float, rate: float, from_due: bool = False) -> li
         delay = due - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        late = max(0.0, time.perf_counter() - due) if from_due else 0.0
-        took, status = probe_once(port)
-        results.append((late + took, status, round(due - start, 3)))
+        results.append((*probe_once(port), round(due - start, 3)))
     return results
+
+
+async def sample_on_time(port: int, seconds: float, rate: float) -> list[tuple[float, int, float]]:
+    """(seconds, status, when) of a probe every 1/rate s, each on a connection of its own opened when
+    it is due, whatever the others wait for: a stall of 100 ms shows in the ten probes due in it, as
+    in ten kubelets' (a client that waits for each answer before it asks again counts one slow probe,
+    and falls behind for good once each takes longer than 1/rate)."""
+    loop = asyncio.get_running_loop()
+    request = HEAD.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+
+    async def one(due: float) -> tuple[float, int]:
+        started = loop.time()  # the prober's own lateness (its timer's ms granularity) is not counted
+        try:
+            async with asyncio.timeout_at(due + PROBE_TIMEOUT):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                try:
+                    writer.write(request)
+                    data = await reader.read(4096)
+                    while b"\r\n\r\n" not in data and (more := await reader.read(4096)):
+                        data += more
+                finally:
+                    writer.close()
+            status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else 0
+        except (OSError, TimeoutError, ValueError, IndexError):
+            status = 0
+        return loop.time() - started, status
+
+    start = loop.time()
+    tasks = []
+    for i in range(int(seconds * rate)):
+        due = start + i / rate
+        await asyncio.sleep(max(0.0, due - loop.time()))
+        tasks.append((asyncio.ensure_future(one(due)), round(due - start, 3)))
+    return [(*(await task), when) for task, when in tasks]
 
 
 # -- the sidecar and its watcher (this process) --------------------------------------------------
@@ -614,7 +645,7 @@ async def run_phase(phase: Phase, cpu: CpuLimit | None) -> Result:
             hog = asyncio.ensure_future(run_in(_me(*hog_args), FLOOD_PRIORITY))
         await asyncio.sleep(0.3)  # the flood under way
         probe_args = ["--sample", "--port", str(port), "--seconds", str(FLOOD_SECONDS - 0.8)]
-        probe_args += ["--rate", str(phase.rate)] + (["--from-due"] if phase.group == "probes" else [])
+        probe_args += ["--rate", str(phase.rate)] + (["--on-time"] if phase.group == "probes" else [])
         sampler = asyncio.ensure_future(run_in(_me(*probe_args), PROBER_PRIORITY, PROBER_CORE))
         watcher = asyncio.ensure_future(watch_while(w, flood_task))
         samples = json.loads(await sampler)
@@ -732,6 +763,8 @@ def verdicts(results: list[Result]) -> list[str]:
 
 
 async def main() -> int:
+    # SIGTERM (a timeout's): the cgroups and the sidecar are cleaned up as on an error.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     wanted = os.environ.get("STRESS_PHASES")
     names = set(wanted.split(",")) if wanted else {"limits"}
     phases = [p for p in PHASES if p.name in names or p.group in names]
@@ -784,13 +817,16 @@ def cli() -> int:
     p.add_argument("--connections", type=int, default=0)
     p.add_argument("--seconds", type=float, default=FLOOD_SECONDS)
     p.add_argument("--rate", type=float, default=SAMPLE_RATE)
-    p.add_argument("--from-due", action="store_true", help="count each probe from when it was due")
+    p.add_argument("--on-time", action="store_true", help="each probe when due, counted from then")
     args = p.parse_args()
     if args.flood:
         print(json.dumps(vars(flood(args.flood, args.port, args.connections, args.seconds))))
         return 0
     if args.sample:
-        print(json.dumps(sample(args.port, args.seconds, args.rate, args.from_due)))
+        if args.on_time:
+            print(json.dumps(asyncio.run(sample_on_time(args.port, args.seconds, args.rate))))
+        else:
+            print(json.dumps(sample(args.port, args.seconds, args.rate)))
         return 0
     return asyncio.run(main())
 

@@ -10,9 +10,10 @@ answer it. aiohttp parses HTTP and runs the views (sidecar/server/views.py); thi
   flood, however it reconnects, costs nothing here and never queues ahead of a probe;
 - the front: a new connection is read at once, and what needs no waiting never gets a reader (a
   probe's complete head is answered or handed to aiohttp; part of a head and a FIN is closed); until
-  its first request head is complete, a connection is a bare socket with a reader callback (no
-  transport, no task, no aiohttp handler), so slow-header connections cost next to nothing and close
-  at once; a complete head hands the socket to aiohttp;
+  its first request head is complete, a connection is a bare socket in an epoll set of the front's
+  own, which the loop watches as one reader (no transport, no task, no aiohttp handler, no handle of
+  the loop's), so slow-header connections cost next to nothing and close at once; a complete head
+  hands the socket to aiohttp;
 - a probe answered at the front: a GET of a probe path whose client closes after the answer (the
   kubelet's httpGet and the exec probe's shell both do) is answered on the bare socket, from the
   same views, and closed. A transport, a task and aiohttp's handler for one request cost about
@@ -41,6 +42,7 @@ import math
 import os
 import re
 import resource
+import select
 import socket
 import sys
 import time
@@ -100,6 +102,8 @@ WRITE_BUFFER_HIGH = 16 * 1024
 WORK_RATE = 100.0
 # Connections accepted in one turn of the loop: short turns, so that a probe's few turns stay short.
 ACCEPT_BATCH = 16
+# Fronts read in one turn of the loop (their own epoll set, one reader of the loop's for all of them).
+FRONT_BATCH = 64
 # The kernel's queue of connections not yet accepted (clamped to net.core.somaxconn, 4096 by default
 # since Linux 5.4). Past it the kernel drops the handshake and the client retries a second later: a
 # burst of connections larger than the queue delays every probe in it by a second (measured with
@@ -386,6 +390,10 @@ class BoundedServer:
         )
         self._listeners: list[socket.socket] = []
         self._deferred = False  # the kernel holds connections until their first bytes (_defer_accept)
+        # Fronts waiting for more of their head, in an epoll set of their own that the loop watches as
+        # one reader: registering one costs a syscall, not the loop's handle and selector key.
+        self._epoll: select.epoll | None = None
+        self._watched: dict[int, _Front] = {}
         # Fronts in the order they were accepted (so their deadlines are in order too): the held ones,
         # and those accepted under pressure, with the short deadline.
         self._fronts: OrderedDict[_Front, None] = OrderedDict()
@@ -418,6 +426,8 @@ class BoundedServer:
         self.stats.fd_reserve = fd_reserve(limit)
         self._listeners = _listen(self.host, self.port)
         self._deferred = all([_defer_accept(s) for s in self._listeners])
+        self._epoll = select.epoll()
+        self.loop.add_reader(self._epoll.fileno(), self._fronts_readable)
         self._sample_fds(force=True)
         self._start_reading()
 
@@ -444,6 +454,9 @@ class BoundedServer:
         self._listeners = []
         for front in [*self._fronts, *self._probation]:
             self._drop(front)
+        if self._epoll is not None:
+            self.loop.remove_reader(self._epoll.fileno())
+            self._epoll.close()
         for conn in list(self._conns):
             if conn.answered >= conn.heads:
                 self._drop(conn)  # nothing in flight
@@ -641,15 +654,27 @@ class BoundedServer:
             self.stats.probation += 1
         front.watched = True
         self._note_peak()
-        self.loop.add_reader(front.fd, self._front_readable, front)
+        assert self._epoll is not None
+        self._epoll.register(front.fd, select.EPOLLIN)
+        self._watched[front.fd] = front
 
     def _unwatch(self, front: _Front) -> None:
         if front in self._fronts:
             del self._fronts[front]
         else:
             self._probation.pop(front, None)
-        self.loop.remove_reader(front.fd)
+        if self._watched.pop(front.fd, None) is not None and self._epoll is not None:
+            self._epoll.unregister(front.fd)
         front.watched = False
+
+    def _fronts_readable(self) -> None:
+        """The fronts with something to read (or gone), at most FRONT_BATCH a turn of the loop."""
+        if self._epoll is None or self._epoll.closed:
+            return
+        for fd, _ in self._epoll.poll(0, FRONT_BATCH):
+            front = self._watched.get(fd)
+            if front is not None:
+                self._front_readable(front)
 
     def _note_peak(self) -> None:
         """A connection is held: the peak, and the sweep of deadlines running."""
