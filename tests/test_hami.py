@@ -144,6 +144,13 @@ def test_a_value_go_cannot_decode_is_unparsable(value: str) -> None:
     assert r.gpus is None and r.why
 
 
+def test_a_value_past_the_sidecars_bound_names_the_bound_as_its_own() -> None:
+    """Past 1 MiB the value is not decoded: the bound is the sidecar's, not something HAMi refuses."""
+    r = anno.parse_register('[{"id": "GPU-x"}' + ", null" * (anno.MAX_VALUE // 6) + "]")
+    assert r.gpus is None
+    assert r.why == "over hami-guard's own 1 MiB bound: not decoded"
+
+
 def test_handshakes_of_every_release() -> None:
     assert anno.parse_handshake(None).state == "absent"
     h = anno.parse_handshake("Requesting_2026-12-05 07:00:00")

@@ -5,10 +5,13 @@ Real processes; every wait and loop is bounded.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +22,11 @@ import pytest
 
 from sidecar.deviceplugin import checkpoint, hamiconfig, hostdevices
 from sidecar.deviceplugin.checkpoint import CheckpointError, read_checkpoint
-from testing import free_port
+from sidecar.health import HealthState
+from sidecar.server import metrics
+from sidecar.server.metrics import Metrics, MetricsPublisher
+from testing import FakeDevicePlugin, free_port
+from tests.conftest import wait_for
 from tests.test_initcheck import catches
 from tests.test_serving import _sidecar_argv as sidecar_argv
 from tests.test_sidecar_cli import CLEAN_ENV, get, stop, wait_serving
@@ -328,3 +335,79 @@ def test_the_largest_realistic_checkpoint_is_read(short_tmp: str) -> None:
     with open(path, "w") as f:
         json.dump(doc, f, separators=(",", ":"))
     assert read_checkpoint(path).devices("nvidia.com/gpu") == tuple(ids)
+
+
+def test_transition_lines_keep_to_a_budget_per_plugin(caplog: pytest.LogCaptureFixture) -> None:
+    """A check that flaps thousands of times: LOG_BURST lines, then one line in each 1 / LOG_RATE s
+    that counts what was not logged and says where the plugin's checks stand; another plugin's budget
+    and lines are its own."""
+    caplog.set_level(logging.INFO, logger="sidecar.server.metrics")
+    now = [0.0]
+    publish = MetricsPublisher(Metrics(), "p", clock=lambda: now[0])
+    state = HealthState(grace=0.0, clock=lambda: now[0], on_transition=publish.transition)
+    for name in ("plugin:a", "registered:a", "plugin:b"):
+        state.add(name)
+    for i in range(2000):  # a socket swapped every 2 ms, 4 s
+        now[0] = i * 0.002
+        state.report("plugin:a", i % 2 == 0, f"swap {i}", definitive=True)
+    state.report("plugin:b", True, "b's own")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == metrics.LOG_BURST + 1
+    assert lines[-1] == "check plugin:b: pending -> ok: b's own"
+    assert all(line.startswith("check plugin:a: ") for line in lines[:-1])
+    caplog.clear()
+    publish.flush_transitions("a")  # not yet: the budget refills one line in 1 / LOG_RATE s
+    assert caplog.records == []
+    now[0] += 1 / metrics.LOG_RATE
+    publish.flush_transitions("a")
+    (summary,) = [r.getMessage() for r in caplog.records]
+    assert summary.startswith(f"check transitions of a: {2000 - metrics.LOG_BURST} not logged in the last")
+    assert "now plugin:a failed (fails liveness): swap 1999" in summary
+
+
+async def test_a_plugin_socket_swapped_every_2_ms_logs_within_its_budget(
+    plugin: FakeDevicePlugin, dp_dir: str, short_tmp: str
+) -> None:
+    """The real sidecar while the plugin's socket is replaced every 2 ms for 2 s (each swap moves a few
+    checks): its transition lines stay within the plugin's budget, and one counts the rest."""
+    port = free_port()
+    log = os.path.join(short_tmp, "sidecar.log")
+    with open(log, "wb") as err:
+        proc = await asyncio.create_subprocess_exec(*sidecar_argv(short_tmp, port), stderr=err)
+    try:
+        for _ in range(600):
+            if (await asyncio.to_thread(get, port, "/healthz"))[0] == 200:
+                break
+            assert proc.returncode is None
+            await asyncio.sleep(0.05)
+        path = os.path.join(dp_dir, "nvidia-gpu.sock")
+        held: list[socket.socket] = []
+        loop = asyncio.get_running_loop()
+        end, swaps = loop.time() + 2.0, 0
+        while loop.time() < end:
+            tmp = os.path.join(dp_dir, f".swap{swaps % 2}")
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(tmp)
+            s.listen(1)
+            os.rename(tmp, path)
+            held.append(s)
+            if len(held) > 2:
+                held.pop(0).close()
+            swaps += 1
+            await asyncio.sleep(0.002)
+
+        def text() -> str:
+            with open(log, errors="replace") as f:
+                return f.read()
+
+        await wait_for(lambda: " not logged in the last " in text(), timeout=20, what="the unlogged count")
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+        for s in held:
+            s.close()
+    lines = [line for line in text().splitlines() if "sidecar.server.metrics" in line and "check " in line]
+    counted = [line for line in lines if " not logged in the last " in line]
+    assert len(lines) - len(counted) <= 2 + metrics.LOG_BURST  # the node's kubelet and checkpoint too
+    assert int(counted[0].split(" not logged")[0].rsplit(" ", 1)[1]) >= 100, (swaps, counted[0])

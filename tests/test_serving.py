@@ -312,15 +312,76 @@ async def test_past_the_handler_cap_the_least_recently_active_is_closed() -> Non
         close_all(streams)
 
 
-async def test_a_new_connection_gets_in_past_the_front_cap() -> None:
-    """More slow-header connections than fronts: the oldest are closed, a probe is answered."""
+async def test_past_the_front_cap_part_of_a_head_is_turned_away_and_a_probe_gets_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More slow-header connections than fronts: those past the cap are closed on arrival (a probe
+    sends its whole head in one write), the ones held are kept, and a probe is answered."""
+    monkeypatch.setattr(serving, "HEADER_TIMEOUT", 60.0)
+    monkeypatch.setattr(serving, "PROBATION", 60.0)
     async with bounded(max_fronts=16) as server:
         slow = [await connect(server, PARTIAL) for _ in range(40)]
+        await wait_for(lambda: server.stats.turned_away == 24, what="24 turned away")
+        for reader, _ in slow[24:]:
+            assert await closed_by_server(reader)
+        assert await probe(server) == 200
+        assert (server.stats.evicted, server.stats.probation, server.connections) == (0, 8, 16)
+        close_all(slow)
+
+
+async def test_without_the_kernels_wait_a_silent_connection_past_the_cap_closes_the_oldest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the kernel hands over connections before their first bytes (no TCP_DEFER_ACCEPT, or a
+    SYN cookie's while its queue is full), a silent new one may be a probe whose head is on its way:
+    the oldest front makes room for it."""
+    monkeypatch.setattr(serving, "_defer_accept", lambda s: False)
+    async with bounded(max_fronts=16) as server:
+        idle = [await connect(server) for _ in range(40)]
+        await wait_for(lambda: server.stats.accepted >= 40, what="40 accepted")
         assert await probe(server) == 200
         assert server.stats.evicted >= 24
         assert server.stats.probation > 0
         assert server.connections <= 16
-        close_all(slow)
+        close_all(idle)
+
+
+async def test_a_silent_connection_stays_in_the_kernel_until_its_first_bytes() -> None:
+    """Idle connections are never accepted (TCP_DEFER_ACCEPT): they cost the sidecar nothing and are
+    never ahead of a probe in the accept queue; the first bytes bring one in."""
+    async with bounded() as server:
+        idle = [await connect(server) for _ in range(50)]
+        assert await probe(server) == 200
+        assert (server.stats.accepted, server.connections) == (1, 0)
+        idle[0][1].write(CLOSE)
+        assert (await answer(idle[0][0]))[0] == 200
+        assert server.stats.accepted == 2
+        close_all(idle)
+
+
+async def test_a_connection_silent_through_the_kernels_wait_is_closed_on_arrival(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel hands an idle connection over once its wait (the header deadline, 1 s here) runs
+    out: past its deadline already, it is closed at once, never held."""
+    monkeypatch.setattr(serving, "HEADER_TIMEOUT", 1.0)
+    async with bounded() as server:
+        reader, writer = await connect(server)
+        assert await closed_by_server(reader, timeout=10.0)
+        assert (server.stats.header_timeout, server.stats.peak_connections) == (1, 0)
+        writer.close()
+
+
+async def test_what_needs_no_waiting_is_never_watched() -> None:
+    """A probe whose head is there on arrival is answered, and a client that sent part of a head and
+    shut its side is closed, without either ever being held."""
+    async with bounded(answer=lambda path, query: (200, "ok\n")) as server:
+        assert [await probe(server) for _ in range(5)] == [200] * 5
+        reader, writer = await connect(server, PARTIAL)
+        writer.write_eof()
+        assert await closed_by_server(reader)
+        assert (server.stats.accepted, server.stats.answered, server.stats.peak_connections) == (6, 5, 0)
+        writer.close()
 
 
 async def test_pipelining_is_bounded() -> None:
@@ -454,8 +515,8 @@ async def test_a_failing_view_is_a_500_and_one_traceback_per_period(caplog: pyte
 async def test_close_is_prompt_whatever_the_clients_do() -> None:
     server = BoundedServer(tiny_app(), "127.0.0.1", free_port())
     await server.start()
-    streams = [await connect(server) for _ in range(20)]  # idle
-    streams += [await connect(server, PARTIAL) for _ in range(20)]  # slow header
+    idle = [await connect(server) for _ in range(20)]  # the kernel's (TCP_DEFER_ACCEPT), never ours
+    streams = [await connect(server, PARTIAL) for _ in range(20)]  # slow header
     streams += [await connect(server, GET) for _ in range(20)]  # keep-alive
     streams += [await connect(server, METRICS * serving.MAX_PIPELINED) for _ in range(20)]  # unread
     await wait_for(lambda: server.stats.upgraded >= 40, what="the complete heads handed to aiohttp")
@@ -465,7 +526,10 @@ async def test_close_is_prompt_whatever_the_clients_do() -> None:
     assert server.connections == 0
     for reader, _ in streams:
         assert await closed_by_server(reader, timeout=2.0)
-    close_all(streams)
+    for reader, writer in idle:  # dropped with the listener: reset at their first bytes
+        writer.write(GET)
+        assert await closed_by_server(reader, timeout=2.0)
+    close_all(streams + idle)
 
 
 # -- the real process ---------------------------------------------------------------------------

@@ -177,7 +177,7 @@ def _csv_gpu(fields: list[str]) -> Gpu | str:
 def parse_json(value: str) -> Register:
     """HAMi's register annotation as `UnMarshalNodeDevices` decodes it: a JSON array of DeviceInfo."""
     if len(value) > MAX_VALUE:
-        return Register(None, f"the value exceeds {MAX_VALUE} bytes")
+        return Register(None, f"over hami-guard's own {MAX_VALUE >> 20} MiB bound: not decoded")
     try:
         doc = json.loads(value, parse_constant=_not_json)
     except (ValueError, RecursionError) as e:

@@ -1,14 +1,16 @@
 """Prometheus metrics: names that make the runbook's SLIs work verbatim (docs/design.md#metrics).
 
 `Metrics` holds one sidecar's series; `MetricsPublisher` sets them from the judges' verdicts (the
-device plugins' and the DRA drivers'), and logs each check's transitions.
+device plugins' and the DRA drivers'), and logs each check's transitions, within a budget per plugin.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -52,6 +54,39 @@ PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 DEVICE_SOURCES = ("pod_resources", "checkpoint", "host")
+
+# Transition lines per plugin (its resource; "" the node's own checks): a burst of LOG_BURST, then
+# LOG_RATE a second. A kubelet restart moves a plugin's few checks twice (about ten lines); a plugin
+# socket swapped every 2 ms moved them 2,000 times a minute, 818 KB of log. Past the budget, lines are
+# counted, and the next one the budget allows (within 1 / LOG_RATE seconds) says how many were not
+# logged and where every check of that plugin stands.
+LOG_BURST = 20
+LOG_RATE = 10 / 60
+REASON_SHOWN = 160  # characters of a reason in that line
+
+
+class _LogBudget:
+    """One plugin's budget of transition lines (a token bucket), and what went unlogged."""
+
+    def __init__(self, now: float) -> None:
+        self.tokens = float(LOG_BURST)
+        self.at = now
+        self.dropped = 0
+        self.since = 0.0  # wall clock of the first line not logged
+        self.checks: dict[str, Check] = {}  # the plugin's checks seen moving (live objects)
+        self.timer: asyncio.TimerHandle | None = None
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(float(LOG_BURST), self.tokens + (now - self.at) * LOG_RATE)
+        self.at = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+    def wait(self) -> float:
+        """Seconds until the budget allows a line."""
+        return max(0.0, (1.0 - self.tokens) / LOG_RATE)
 
 
 class Metrics:
@@ -174,9 +209,11 @@ class Metrics:
 class MetricsPublisher:
     """The judges' listener: metrics, and one log line per transition."""
 
-    def __init__(self, metrics: Metrics, label: str) -> None:
+    def __init__(self, metrics: Metrics, label: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.m = metrics
         self.label = label
+        self.clock = clock
+        self._budgets: dict[str, _LogBudget] = {}
 
     def series(self, resource: str, *, registrations: bool = True, recovery: bool = False) -> None:
         """Every series of `resource` from the start: a series first seen at 1 hides that increase from
@@ -265,8 +302,22 @@ class MetricsPublisher:
         self.m.check_restarts.labels(*labels).set(1 if check.live_failed else 0)
 
     def transition(self, check: Check, old: Status) -> None:
-        """A check changed state: its gauges, and one log line."""
+        """A check changed state: its gauges, and one log line within its plugin's budget."""
         self.check(check)
+        resource = check.key.resource
+        budget = self._budgets.get(resource)
+        if budget is None:
+            budget = self._budgets[resource] = _LogBudget(self.clock())
+        budget.checks[check.name] = check
+        if not budget.take(self.clock()):
+            if not budget.dropped:
+                budget.since = self.clock()
+            budget.dropped += 1
+            self._flush_later(resource, budget)
+            return
+        if budget.dropped:  # the line this budget allows says what was not logged, and where all stand
+            self._log_unlogged(resource, budget)
+            return
         log = logger.warning if check.status is Status.FAILED else logger.info
         effect = ""
         if check.status is Status.FAILED:
@@ -279,4 +330,49 @@ class MetricsPublisher:
             effect,
             check.reason,
             extra={"check": check.name, "status": check.status.value, "previous": old.value},
+        )
+
+    def flush_transitions(self, resource: str) -> None:
+        """The line for `resource`'s transitions not logged, once its budget allows one (else later)."""
+        budget = self._budgets.get(resource)
+        if budget is None:
+            return
+        budget.timer = None
+        if not budget.dropped:
+            return
+        if budget.take(self.clock()):
+            self._log_unlogged(resource, budget)
+        else:
+            self._flush_later(resource, budget)
+
+    def _flush_later(self, resource: str, budget: _LogBudget) -> None:
+        """Say what was not logged when the budget allows, even if nothing moves again (on the running
+        loop; without one, with the next transition)."""
+        if budget.timer is not None:
+            return
+        with contextlib.suppress(RuntimeError):
+            loop = asyncio.get_running_loop()
+            budget.timer = loop.call_later(budget.wait() + 0.001, self.flush_transitions, resource)
+
+    def _log_unlogged(self, resource: str, budget: _LogBudget) -> None:
+        dropped, budget.dropped = budget.dropped, 0
+        if budget.timer is not None:
+            budget.timer.cancel()
+            budget.timer = None
+        states = []
+        for c in budget.checks.values():
+            state = f"{c.name} {c.status.value}" + (" (fails liveness)" if c.live_failed else "")
+            if c.status is not Status.OK:
+                state += f": {c.reason[:REASON_SHOWN]}"
+            states.append(state)
+        failed = any(c.status is Status.FAILED for c in budget.checks.values())
+        (logger.warning if failed else logger.info)(
+            "check transitions of %s: %d not logged in the last %.0f s (past %d, %g a minute); now %s",
+            resource or "the node",
+            dropped,
+            self.clock() - budget.since,
+            LOG_BURST,
+            LOG_RATE * 60,
+            "; ".join(states),
+            extra={"resource": resource, "not_logged": dropped},
         )

@@ -6,15 +6,22 @@ answer it. aiohttp parses HTTP and runs the views (sidecar/server/views.py); thi
 
 - the accept loop (not asyncio's: that one accepts a whole backlog at once and, out of descriptors,
   retries a second later with the fd table full, which is when gRPC's core aborts the process);
-- the front: until its first request head is complete, a connection is a bare socket with a reader
-  callback (no transport, no task, no aiohttp handler), so idle and slow-header connections cost
-  next to nothing and close at once; a complete head hands the socket to aiohttp;
+- the kernel's wait (TCP_DEFER_ACCEPT): a connection that sends nothing is never accepted, so an idle
+  flood, however it reconnects, costs nothing here and never queues ahead of a probe;
+- the front: a new connection is read at once, and what needs no waiting never gets a reader (a
+  probe's complete head is answered or handed to aiohttp; part of a head and a FIN is closed); until
+  its first request head is complete, a connection is a bare socket in an epoll set of the front's
+  own, which the loop watches as one reader (no transport, no task, no aiohttp handler, no handle of
+  the loop's), so slow-header connections cost next to nothing and close at once; a complete head
+  hands the socket to aiohttp;
 - a probe answered at the front: a GET of a probe path whose client closes after the answer (the
   kubelet's httpGet and the exec probe's shell both do) is answered on the bare socket, from the
   same views, and closed. A transport, a task and aiohttp's handler for one request cost about
   three times the answer itself; the kubelet sends about 50 such requests a minute to each sidecar;
 - a cap on open connections: past it, the least recently active are closed, so that a new
-  connection (the kubelet's prober opens one per probe) always gets in;
+  connection (the kubelet's prober opens one per probe) always gets in; past the cap on fronts, a
+  new one that sent part of a head is closed on arrival (a probe sends its whole head in one
+  write), so that a slow-header flood that reconnects costs an accept and a close each time;
 - a file-descriptor reserve: HTTP never takes the last FD_RESERVE descriptors of RLIMIT_NOFILE,
   which the gRPC probes, epoll, inotify and the checkpoint reads need;
 - deadlines: a first request head within HEADER_TIMEOUT of the connection, and each next one
@@ -31,10 +38,13 @@ import contextlib
 import email.utils
 import errno
 import logging
+import math
 import os
 import re
 import resource
+import select
 import socket
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -92,6 +102,8 @@ WRITE_BUFFER_HIGH = 16 * 1024
 WORK_RATE = 100.0
 # Connections accepted in one turn of the loop: short turns, so that a probe's few turns stay short.
 ACCEPT_BATCH = 16
+# Fronts read in one turn of the loop (their own epoll set, one reader of the loop's for all of them).
+FRONT_BATCH = 64
 # The kernel's queue of connections not yet accepted (clamped to net.core.somaxconn, 4096 by default
 # since Linux 5.4). Past it the kernel drops the handshake and the client retries a second later: a
 # burst of connections larger than the queue delays every probe in it by a second (measured with
@@ -120,6 +132,7 @@ _HEAD_END = re.compile(rb"\r\n")
 _NOT_AT_FRONT = frozenset({b"content-length", b"transfer-encoding", b"upgrade", b"expect"})
 # An answer the front sends must fit a fresh connection's send buffer (16 KiB by default) at once.
 FRONT_ANSWER_MAX = 8 * 1024
+_TCP_INFO_LEN = 104  # struct tcp_info up to tcpi_total_retrans (Linux 2.6.x on)
 _ACCEPT_RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
@@ -197,6 +210,7 @@ class Stats:
     upgraded: int = 0  # connections whose first head completed: handed to aiohttp
     probation: int = 0  # accepted with the short deadline for a first head
     evicted: int = 0  # closed to make room past the cap
+    turned_away: int = 0  # closed on arrival past the cap, with part of a head (never a probe's)
     header_timeout: int = 0
     idle_timeout: int = 0
     pipelined: int = 0  # closed for pipelining past MAX_PIPELINED
@@ -230,15 +244,17 @@ class _Bucket:
 
 
 class _Front:
-    """A connection before its first complete request head: a bare socket and a reader callback."""
+    """A connection before its first complete request head: a bare socket, and a reader callback once
+    it has to wait for more of its head (`watched`)."""
 
-    __slots__ = ("buf", "deadline", "fd", "sock")
+    __slots__ = ("buf", "deadline", "fd", "sock", "watched")
 
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, buf: bytes) -> None:
         self.sock = sock
-        self.fd = sock.fileno()
-        self.buf = b""
-        self.deadline = deadline
+        self.fd = sock.fileno()  # -1 once closed or handed to aiohttp
+        self.buf = buf
+        self.deadline = 0.0
+        self.watched = False
 
 
 class _Connection(asyncio.Protocol):
@@ -373,6 +389,11 @@ class BoundedServer:
             app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE, **self._limits
         )
         self._listeners: list[socket.socket] = []
+        self._deferred = False  # the kernel holds connections until their first bytes (_defer_accept)
+        # Fronts waiting for more of their head, in an epoll set of their own that the loop watches as
+        # one reader: registering one costs a syscall, not the loop's handle and selector key.
+        self._epoll: select.epoll | None = None
+        self._watched: dict[int, _Front] = {}
         # Fronts in the order they were accepted (so their deadlines are in order too): the held ones,
         # and those accepted under pressure, with the short deadline.
         self._fronts: OrderedDict[_Front, None] = OrderedDict()
@@ -404,6 +425,9 @@ class BoundedServer:
         self.stats.fd_limit = limit
         self.stats.fd_reserve = fd_reserve(limit)
         self._listeners = _listen(self.host, self.port)
+        self._deferred = all([_defer_accept(s) for s in self._listeners])
+        self._epoll = select.epoll()
+        self.loop.add_reader(self._epoll.fileno(), self._fronts_readable)
         self._sample_fds(force=True)
         self._start_reading()
 
@@ -430,6 +454,9 @@ class BoundedServer:
         self._listeners = []
         for front in [*self._fronts, *self._probation]:
             self._drop(front)
+        if self._epoll is not None:
+            self.loop.remove_reader(self._epoll.fileno())
+            self._epoll.close()
         for conn in list(self._conns):
             if conn.answered >= conn.heads:
                 self._drop(conn)  # nothing in flight
@@ -464,13 +491,11 @@ class BoundedServer:
     def _drop(self, conn: _Front | _Connection) -> bool:
         """Close now: a front's descriptor at once, a handler's when its transport lets go of it."""
         if isinstance(conn, _Front):
-            if conn in self._fronts:
-                del self._fronts[conn]
-            elif conn in self._probation:
-                del self._probation[conn]
-            else:
-                return False  # closed already
-            self.loop.remove_reader(conn.fd)
+            if conn.fd < 0:
+                return False  # closed already, or aiohttp's now
+            if conn.watched:
+                self._unwatch(conn)
+            conn.fd = -1
             conn.sock.close()
             return True
         if conn not in self._conns:
@@ -541,27 +566,24 @@ class BoundedServer:
         self._sample_fds(force=True)
         self._start_reading()
 
-    def _room(self) -> bool:
-        """Whether one more front fits; closes the oldest on probation (or the oldest) to fit it."""
+    def _fd_room(self) -> bool:
+        """Whether one more descriptor may be taken; closes the oldest connection (on probation, else a
+        front, else a handler) while none may."""
         if self.connections + self._others + ACCEPT_BATCH >= self.stats.fd_limit - self.stats.fd_reserve:
             self._sample_fds()
-        while True:
-            fds_left = self.fd_budget() - self.connections
-            if fds_left > 0 and len(self._fronts) + len(self._probation) < self.max_fronts:
-                return True
-            if fds_left <= 0 and self._dying:
+        while self.fd_budget() - self.connections <= 0:
+            if self._dying:
                 return False  # they free their descriptors a turn later: accept then
             victim: _Front | _Connection | None = next(iter(self._probation), None)
-            victim = victim or next(iter(self._fronts), None)
-            if victim is None and fds_left <= 0:
-                victim = next(iter(self._conns), None)
+            victim = victim or next(iter(self._fronts), None) or next(iter(self._conns), None)
             if victim is None:
                 return False
             self._close(victim, "evicted")
+        return True
 
     def _on_readable(self, listener: socket.socket) -> None:
         for _ in range(ACCEPT_BATCH):
-            if not self._room():
+            if not self._fd_room():
                 if not self._dying:
                     self._pause()  # the reserve is reached by others: nothing of ours to wait for
                 return
@@ -575,25 +597,90 @@ class BoundedServer:
                     self._pause()
                     return
                 continue  # ECONNABORTED and the like: that client is gone
-            self._adopt(sock)
+            self.stats.accepted += 1
+            self._triage(sock)
 
-    def _adopt(self, sock: socket.socket) -> None:
-        sock.setblocking(False)
+    def _triage(self, sock: socket.socket) -> None:
+        """A new connection, read at once. A probe's request is usually there already: answered (or
+        handed to aiohttp) without the connection ever being watched. Past the cap, one that sent part
+        of a head is closed at once (a probe sends its whole head in one write); one that sent nothing
+        may be a probe whose head is on its way, and the oldest front makes room for it."""
+        buf = _recv_now(sock)
+        if buf == b"":  # gone before a byte (or reset)
+            sock.close()
+            return
+        if buf is None and self._deferred and _waited_in_kernel(sock):
+            sock.close()  # silent through the kernel's whole wait: past its header deadline
+            self.stats.header_timeout += 1
+            self._count("header_timeout")
+            return
+        front = _Front(sock, buf or b"")
+        if buf and self._consume(front):
+            return
+        full = len(self._fronts) + len(self._probation) >= self.max_fronts
+        if buf and full:
+            front.fd = -1
+            sock.close()
+            self.stats.turned_away += 1
+            self._count("turned_away")
+            return
+        if buf:  # part of a head: a FIN right behind it (a client that shut its side) closes it now
+            more = _recv_now(sock)
+            if more == b"":
+                front.fd = -1
+                sock.close()
+                return
+            if more:
+                front.buf += more
+                if self._consume(front):
+                    return
+        if full:
+            victim = next(iter(self._probation), None) or next(iter(self._fronts), None)
+            if victim is not None:
+                self._close(victim, "evicted")
+        self._hold(front)
+
+    def _hold(self, front: _Front) -> None:
+        """A front waiting for (the rest of) its head, watched, with its deadline."""
+        front.sock.setblocking(False)
         now = self.loop.time()
         room = min(self.max_fronts, self.fd_budget() - len(self._conns) - len(self._dying))
         if len(self._fronts) < room // 2:
-            front = _Front(sock, now + HEADER_TIMEOUT)
+            front.deadline = now + HEADER_TIMEOUT
             self._fronts[front] = None
         else:
-            front = _Front(sock, now + PROBATION)
+            front.deadline = now + PROBATION
             self._probation[front] = None
             self.stats.probation += 1
-        self.stats.accepted += 1
+        front.watched = True
+        self._note_peak()
+        assert self._epoll is not None
+        self._epoll.register(front.fd, select.EPOLLIN)
+        self._watched[front.fd] = front
+
+    def _unwatch(self, front: _Front) -> None:
+        if front in self._fronts:
+            del self._fronts[front]
+        else:
+            self._probation.pop(front, None)
+        if self._watched.pop(front.fd, None) is not None and self._epoll is not None:
+            self._epoll.unregister(front.fd)
+        front.watched = False
+
+    def _fronts_readable(self) -> None:
+        """The fronts with something to read (or gone), at most FRONT_BATCH a turn of the loop."""
+        if self._epoll is None or self._epoll.closed:
+            return
+        for fd, _ in self._epoll.poll(0, FRONT_BATCH):
+            front = self._watched.get(fd)
+            if front is not None:
+                self._front_readable(front)
+
+    def _note_peak(self) -> None:
+        """A connection is held: the peak, and the sweep of deadlines running."""
         self.stats.peak_connections = max(self.stats.peak_connections, self.connections)
         if self._sweeper is None:
             self._sweeper = self.loop.call_later(SWEEP_INTERVAL, self._sweep)
-        self.loop.add_reader(front.fd, self._front_readable, front)
-        self._front_readable(front)  # a probe's request is usually there already
 
     def _front_readable(self, front: _Front) -> None:
         try:
@@ -611,11 +698,20 @@ class BoundedServer:
             if len(front.buf) > MAX_HEAD_BYTES:
                 self._close(front, "oversized")
             return
-        if len(_TERMINATOR.findall(front.buf)) > MAX_PIPELINED:
+        self._consume(front)
+
+    def _consume(self, front: _Front) -> bool:
+        """What a front read: a complete head is answered here or handed to aiohttp (True); a head too
+        large or pipelined too deep closes it (True); False while the head is not complete."""
+        if _TERMINATOR.search(front.buf) is None:
+            if len(front.buf) <= MAX_HEAD_BYTES:
+                return False
+            self._close(front, "oversized")
+        elif len(_TERMINATOR.findall(front.buf)) > MAX_PIPELINED:
             self._close(front, "pipelined")
-            return
-        if self.answer is None or not self._answer_at_front(front):
+        elif self.answer is None or not self._answer_at_front(front):
             self._upgrade(front)
+        return True
 
     def _answer_at_front(self, front: _Front) -> bool:
         """A probe whose client closes after the answer: answered on the bare socket, and closed."""
@@ -641,7 +737,7 @@ class BoundedServer:
         with contextlib.suppress(OSError):  # a client gone before its answer
             # Whole: a fresh connection's send buffer holds FRONT_ANSWER_MAX. Were it short, the
             # client reads a cut answer (the status line first) and the close.
-            front.sock.send(head + body)
+            front.sock.send(head + body, socket.MSG_DONTWAIT)
         self.stats.answered += 1
         self._drop(front)
         return True
@@ -654,9 +750,9 @@ class BoundedServer:
 
     def _upgrade(self, front: _Front) -> None:
         """A complete head: the socket goes to aiohttp, with what the front read."""
-        self.loop.remove_reader(front.fd)
-        self._fronts.pop(front, None)
-        self._probation.pop(front, None)
+        if front.watched:
+            self._unwatch(front)
+        front.fd = -1
         if len(self._conns) >= self.max_connections:
             self._close(next(iter(self._conns)), "evicted")
         server = self.runner.server
@@ -664,6 +760,7 @@ class BoundedServer:
         conn = _Connection(self, front.buf, server())
         self._conns[conn] = None
         self.stats.upgraded += 1
+        self._note_peak()
         task = self.loop.create_task(self._attach(conn, front.sock))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
@@ -763,6 +860,27 @@ class BoundedServer:
         self._log_closed()
 
 
+def _waited_in_kernel(sock: socket.socket) -> bool:
+    """Whether the kernel handed this connection over silent because its wait ran out (the SYN-ACK
+    it retransmitted meanwhile shows in tcp_info's total_retrans, at offset 100); a connection handed
+    over at once (a SYN cookie's, when the kernel's queue of waiting ones is full) shows none."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+        return len(info) >= _TCP_INFO_LEN and int.from_bytes(info[100:104], sys.byteorder) > 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _recv_now(sock: socket.socket) -> bytes | None:
+    """What has arrived on a socket, without waiting: None nothing yet, b"" the client is gone."""
+    try:
+        return sock.recv(_RECV, socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return b""
+
+
 def _printable(text: str) -> str:
     """One line: control characters escaped."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
@@ -817,3 +935,18 @@ def _listen(host: str, port: int) -> list[socket.socket]:
             s.close()
         raise
     return sockets
+
+
+def _defer_accept(s: socket.socket) -> bool:
+    """Connections that have sent nothing stay in the kernel, not in the accept queue (Linux's
+    TCP_DEFER_ACCEPT): the kernel hands one over with its first bytes, or once it has waited
+    HEADER_TIMEOUT (rounded up to its SYN-ACK retransmissions: 7 s for 5). An idle flood then costs the
+    sidecar nothing, and a probe's connection is never queued behind idle ones. Elsewhere: not set."""
+    option = getattr(socket, "TCP_DEFER_ACCEPT", None)
+    if option is None:
+        return False
+    try:
+        s.setsockopt(socket.IPPROTO_TCP, option, math.ceil(HEADER_TIMEOUT))
+    except OSError:
+        return False
+    return True
