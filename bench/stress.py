@@ -200,18 +200,6 @@ def flood(kind: str, port: int, connections: int, seconds: float) -> FloodCounts
     conns: dict[int, _Conn] = {}
     in_flight = 0
     max_in_flight = 512
-    if kind == "none":
-        time.sleep(seconds)
-        return counts
-    if kind == "hog":  # a busy core: the sidecar's (core 0), at ordinary priority
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, {0})
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            pass
-        return counts
-    if kind in ("reconnect", "halfopen"):
-        return churn(kind, port, connections, seconds)
     reopen = kind == "slowloris"
     start = time.monotonic()
     deadline = start + seconds
@@ -279,9 +267,6 @@ def flood(kind: str, port: int, connections: int, seconds: float) -> FloodCounts
                     elif kind == "slowloris":
                         c.sock.send(slow_head[:1])
                         c.sent, c.next_at = 1, now + 0.1
-                    elif kind == "halfopen":
-                        c.sock.send(HALF_HEAD)
-                        c.sock.shutdown(socket.SHUT_WR)
                 # Watch for the server's close (and, for keep-alive, its answer); pipelined never reads
                 # but still learns of a reset from a failing send below.
                 sel.modify(c.sock, selectors.EVENT_READ)
@@ -322,6 +307,27 @@ def flood(kind: str, port: int, connections: int, seconds: float) -> FloodCounts
         c.sock.close()
     counts.seconds = round(time.monotonic() - start, 3)
     return counts
+
+
+def run_flood(kind: str, port: int, connections: int, seconds: float) -> FloodCounts:
+    if kind in ("none", "hog"):
+        return idle_or_busy(kind, seconds)
+    if kind in ("reconnect", "halfopen"):
+        return churn(kind, port, connections, seconds)
+    return flood(kind, port, connections, seconds)
+
+
+def idle_or_busy(kind: str, seconds: float) -> FloodCounts:
+    """No flood ("none"), or a busy core: the sidecar's (core 0), spun on at the flood's priority."""
+    if kind == "hog":
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, {0})
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+    else:
+        time.sleep(seconds)
+    return FloodCounts()
 
 
 def churn(kind: str, port: int, connections: int, seconds: float) -> FloodCounts:
@@ -382,8 +388,7 @@ def churn(kind: str, port: int, connections: int, seconds: float) -> FloodCounts
         s.close()
     ep.close()
     counts.seconds = round(time.monotonic() - start, 3)
-    if kind == "reconnect":
-        counts.connected = counts.attempted - counts.refused
+    counts.connected = counts.connected if kind == "halfopen" else counts.attempted - counts.refused
     return counts
 
 
@@ -661,23 +666,8 @@ async def run_phase(phase: Phase, cpu: CpuLimit | None) -> Result:
         await asyncio.sleep(SETTLE_SECONDS)
         w.tick()
         rss_after = w.rss[-1] if proc.returncode is None else 0.0
-        # SIGTERM under the same flood.
-        again = asyncio.ensure_future(
-            run_in(_me(*flood_args, "--seconds", str(SIGTERM_AFTER + GOAL_EXIT_S + 1)), FLOOD_PRIORITY)
-        )
-        await asyncio.sleep(SIGTERM_AFTER)
-        exit_code: int | None = proc.returncode
-        exit_seconds = float("nan")
-        aborted = exit_code is not None
-        if exit_code is None:
-            sent = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            try:
-                exit_code = await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                exit_code = None
-            exit_seconds = time.monotonic() - sent
-        await again
+        aborted = proc.returncode is not None
+        exit_code, exit_seconds = await sigterm_under(proc, flood_args)
         with open(log, errors="replace") as f:
             tail = "".join(f.readlines()[-5:])
     latencies = [t for t, _, _ in samples]
@@ -700,6 +690,26 @@ async def run_phase(phase: Phase, cpu: CpuLimit | None) -> Result:
         tail,
         [(round(t * 1000, 1), when) for t, _, when in slowest],
     )
+
+
+async def sigterm_under(proc: asyncio.subprocess.Process, flood_args: list[str]) -> tuple[int | None, float]:
+    """SIGTERM to the sidecar under the same flood: its exit code and how long it took to exit."""
+    again = asyncio.ensure_future(
+        run_in(_me(*flood_args, "--seconds", str(SIGTERM_AFTER + GOAL_EXIT_S + 1)), FLOOD_PRIORITY)
+    )
+    await asyncio.sleep(SIGTERM_AFTER)
+    exit_code: int | None = proc.returncode
+    exit_seconds = float("nan")
+    if exit_code is None:
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            exit_code = await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            exit_code = None
+        exit_seconds = time.monotonic() - sent
+    await again
+    return exit_code, exit_seconds
 
 
 def report(r: Result) -> list[str]:
@@ -820,7 +830,7 @@ def cli() -> int:
     p.add_argument("--on-time", action="store_true", help="each probe when due, counted from then")
     args = p.parse_args()
     if args.flood:
-        print(json.dumps(vars(flood(args.flood, args.port, args.connections, args.seconds))))
+        print(json.dumps(vars(run_flood(args.flood, args.port, args.connections, args.seconds))))
         return 0
     if args.sample:
         if args.on_time:

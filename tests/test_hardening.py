@@ -368,7 +368,7 @@ def test_transition_lines_keep_to_a_budget_per_plugin(caplog: pytest.LogCaptureF
 async def test_a_plugin_socket_swapped_every_2_ms_logs_within_its_budget(
     plugin: FakeDevicePlugin, dp_dir: str, short_tmp: str
 ) -> None:
-    """The real sidecar while the plugin's socket is replaced every 2 ms for 2 s (each swap moves a few
+    """The real sidecar while the plugin's socket is replaced every 2 ms for 1 s (each swap moves a few
     checks): its transition lines stay within the plugin's budget, and one counts the rest."""
     port = free_port()
     log = os.path.join(short_tmp, "sidecar.log")
@@ -383,7 +383,7 @@ async def test_a_plugin_socket_swapped_every_2_ms_logs_within_its_budget(
         path = os.path.join(dp_dir, "nvidia-gpu.sock")
         held: list[socket.socket] = []
         loop = asyncio.get_running_loop()
-        end, swaps = loop.time() + 2.0, 0
+        end, swaps = loop.time() + 1.0, 0
         while loop.time() < end:
             tmp = os.path.join(dp_dir, f".swap{swaps % 2}")
             s = socket.socket(socket.AF_UNIX)
@@ -410,4 +410,4 @@ async def test_a_plugin_socket_swapped_every_2_ms_logs_within_its_budget(
     lines = [line for line in text().splitlines() if "sidecar.server.metrics" in line and "check " in line]
     counted = [line for line in lines if " not logged in the last " in line]
     assert len(lines) - len(counted) <= 2 + metrics.LOG_BURST  # the node's kubelet and checkpoint too
-    assert int(counted[0].split(" not logged")[0].rsplit(" ", 1)[1]) >= 100, (swaps, counted[0])
+    assert int(counted[0].split(" not logged")[0].rsplit(" ", 1)[1]) >= 50, (swaps, counted[0])

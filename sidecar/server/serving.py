@@ -257,6 +257,58 @@ class _Front:
         self.watched = False
 
 
+class _FrontSet:
+    """The fronts waiting for (the rest of) their first head, in the order they came (so their
+    deadlines are in order too): the held ones, and those on probation, with the short deadline. Their
+    sockets are in an epoll set of this one's own, which the loop watches as one reader: registering
+    one costs a system call, where the loop's `add_reader` and `remove_reader` cost 5.5 us together."""
+
+    def __init__(self) -> None:
+        self.held: OrderedDict[_Front, None] = OrderedDict()
+        self.probation: OrderedDict[_Front, None] = OrderedDict()
+        self._epoll: select.epoll | None = None
+        self._by_fd: dict[int, _Front] = {}
+
+    def __len__(self) -> int:
+        return len(self.held) + len(self.probation)
+
+    def open(self, loop: asyncio.AbstractEventLoop, readable: Callable[[_Front], None]) -> None:
+        self._epoll = epoll = select.epoll()
+
+        def ready() -> None:  # at most FRONT_BATCH a turn of the loop
+            if not epoll.closed:
+                for fd, _ in epoll.poll(0, FRONT_BATCH):
+                    if (front := self._by_fd.get(fd)) is not None:
+                        readable(front)
+
+        loop.add_reader(epoll.fileno(), ready)
+
+    def close(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._epoll is not None:
+            loop.remove_reader(self._epoll.fileno())
+            self._epoll.close()
+
+    def oldest(self) -> _Front | None:
+        """The one to close first for room: on probation, else held."""
+        return next(iter(self.probation), None) or next(iter(self.held), None)
+
+    def watch(self, front: _Front, probation: bool) -> None:
+        (self.probation if probation else self.held)[front] = None
+        assert self._epoll is not None
+        self._epoll.register(front.fd, select.EPOLLIN)
+        self._by_fd[front.fd] = front
+        front.watched = True
+
+    def unwatch(self, front: _Front) -> None:
+        if front in self.held:
+            del self.held[front]
+        else:
+            self.probation.pop(front, None)
+        if self._by_fd.pop(front.fd, None) is not None and self._epoll is not None:
+            self._epoll.unregister(front.fd)
+        front.watched = False
+
+
 class _Connection(asyncio.Protocol):
     """A connection handed to aiohttp: the transport's protocol, in front of aiohttp's own.
 
@@ -340,8 +392,18 @@ class _RequestLog(logging.Handler):
         self.owner = owner
 
     def emit(self, record: logging.LogRecord) -> None:
+        """With an exception, a request aiohttp could not parse (answered 400 and closed by aiohttp):
+        never a traceback, at most a DEBUG line, and a count."""
         exc = record.exc_info[1] if record.exc_info else None
-        self.owner._request_error(record, exc)
+        try:
+            if exc is not None:
+                self.owner.stats.malformed += 1
+                self.owner._count("malformed")
+            if logger.isEnabledFor(logging.DEBUG):
+                what = f"{type(exc).__name__}: {exc}" if exc is not None else record.getMessage()
+                logger.debug("HTTP: %s", _printable(what)[:200])
+        except Exception:  # a log line must never break serving
+            pass
 
 
 class BoundedServer:
@@ -372,7 +434,7 @@ class BoundedServer:
         self.loop = asyncio.get_running_loop()
         self.stats = Stats()
         self.bucket = _Bucket(work_rate)
-        app.middlewares.append(self._middleware())
+        app.middlewares.append(_middleware(self))
         # aiohttp's log lines (a malformed request is an exception with a traceback there) go to a
         # logger of this server's own, outside logging's tree: one DEBUG line each, and a count.
         self.request_log = logging.Logger(f"{__name__}.aiohttp", logging.DEBUG)
@@ -390,14 +452,7 @@ class BoundedServer:
         )
         self._listeners: list[socket.socket] = []
         self._deferred = False  # the kernel holds connections until their first bytes (_defer_accept)
-        # Fronts waiting for more of their head, in an epoll set of their own that the loop watches as
-        # one reader: registering one costs a syscall, not the loop's handle and selector key.
-        self._epoll: select.epoll | None = None
-        self._watched: dict[int, _Front] = {}
-        # Fronts in the order they were accepted (so their deadlines are in order too): the held ones,
-        # and those accepted under pressure, with the short deadline.
-        self._fronts: OrderedDict[_Front, None] = OrderedDict()
-        self._probation: OrderedDict[_Front, None] = OrderedDict()
+        self._fronts = _FrontSet()
         # Handlers, least recently active first (their deadlines in order too): what the cap closes.
         self._conns: OrderedDict[_Connection, None] = OrderedDict()
         self._by_transport: dict[asyncio.BaseTransport, _Connection] = {}
@@ -426,8 +481,7 @@ class BoundedServer:
         self.stats.fd_reserve = fd_reserve(limit)
         self._listeners = _listen(self.host, self.port)
         self._deferred = all([_defer_accept(s) for s in self._listeners])
-        self._epoll = select.epoll()
-        self.loop.add_reader(self._epoll.fileno(), self._fronts_readable)
+        self._fronts.open(self.loop, self._front_readable)
         self._sample_fds(force=True)
         self._start_reading()
 
@@ -438,7 +492,7 @@ class BoundedServer:
     @property
     def connections(self) -> int:
         """Descriptors held by HTTP connections."""
-        return len(self._fronts) + len(self._probation) + len(self._conns) + len(self._dying)
+        return len(self._fronts) + len(self._conns) + len(self._dying)
 
     async def close(self) -> None:
         """Stop accepting; give answers in flight SHUTDOWN_GRACE, then abort every connection."""
@@ -452,11 +506,9 @@ class BoundedServer:
         for s in self._listeners:
             s.close()
         self._listeners = []
-        for front in [*self._fronts, *self._probation]:
+        for front in [*self._fronts.held, *self._fronts.probation]:
             self._drop(front)
-        if self._epoll is not None:
-            self.loop.remove_reader(self._epoll.fileno())
-            self._epoll.close()
+        self._fronts.close(self.loop)
         for conn in list(self._conns):
             if conn.answered >= conn.heads:
                 self._drop(conn)  # nothing in flight
@@ -494,7 +546,7 @@ class BoundedServer:
             if conn.fd < 0:
                 return False  # closed already, or aiohttp's now
             if conn.watched:
-                self._unwatch(conn)
+                self._fronts.unwatch(conn)
             conn.fd = -1
             conn.sock.close()
             return True
@@ -574,8 +626,7 @@ class BoundedServer:
         while self.fd_budget() - self.connections <= 0:
             if self._dying:
                 return False  # they free their descriptors a turn later: accept then
-            victim: _Front | _Connection | None = next(iter(self._probation), None)
-            victim = victim or next(iter(self._fronts), None) or next(iter(self._conns), None)
+            victim: _Front | _Connection | None = self._fronts.oldest() or next(iter(self._conns), None)
             if victim is None:
                 return False
             self._close(victim, "evicted")
@@ -617,7 +668,7 @@ class BoundedServer:
         front = _Front(sock, buf or b"")
         if buf and self._consume(front):
             return
-        full = len(self._fronts) + len(self._probation) >= self.max_fronts
+        full = len(self._fronts) >= self.max_fronts
         if buf and full:
             front.fd = -1
             sock.close()
@@ -634,10 +685,8 @@ class BoundedServer:
                 front.buf += more
                 if self._consume(front):
                     return
-        if full:
-            victim = next(iter(self._probation), None) or next(iter(self._fronts), None)
-            if victim is not None:
-                self._close(victim, "evicted")
+        if full and (victim := self._fronts.oldest()) is not None:
+            self._close(victim, "evicted")
         self._hold(front)
 
     def _hold(self, front: _Front) -> None:
@@ -645,36 +694,11 @@ class BoundedServer:
         front.sock.setblocking(False)
         now = self.loop.time()
         room = min(self.max_fronts, self.fd_budget() - len(self._conns) - len(self._dying))
-        if len(self._fronts) < room // 2:
-            front.deadline = now + HEADER_TIMEOUT
-            self._fronts[front] = None
-        else:
-            front.deadline = now + PROBATION
-            self._probation[front] = None
-            self.stats.probation += 1
-        front.watched = True
+        probation = len(self._fronts.held) >= room // 2
+        front.deadline = now + (PROBATION if probation else HEADER_TIMEOUT)
+        self.stats.probation += probation
+        self._fronts.watch(front, probation)
         self._note_peak()
-        assert self._epoll is not None
-        self._epoll.register(front.fd, select.EPOLLIN)
-        self._watched[front.fd] = front
-
-    def _unwatch(self, front: _Front) -> None:
-        if front in self._fronts:
-            del self._fronts[front]
-        else:
-            self._probation.pop(front, None)
-        if self._watched.pop(front.fd, None) is not None and self._epoll is not None:
-            self._epoll.unregister(front.fd)
-        front.watched = False
-
-    def _fronts_readable(self) -> None:
-        """The fronts with something to read (or gone), at most FRONT_BATCH a turn of the loop."""
-        if self._epoll is None or self._epoll.closed:
-            return
-        for fd, _ in self._epoll.poll(0, FRONT_BATCH):
-            front = self._watched.get(fd)
-            if front is not None:
-                self._front_readable(front)
 
     def _note_peak(self) -> None:
         """A connection is held: the peak, and the sweep of deadlines running."""
@@ -716,28 +740,13 @@ class BoundedServer:
     def _answer_at_front(self, front: _Front) -> bool:
         """A probe whose client closes after the answer: answered on the bare socket, and closed."""
         assert self.answer is not None
-        request = closing_probe(front.buf)
-        if request is None:
-            return False
-        path, query, minor = request
-        try:
-            answer = self.answer(path, URL.build(path=path, query_string=query, encoded=True).query)
-            if answer is None:
-                return False
-            status, body = answer[0], text_body(answer[1])
-            head = (
-                f"HTTP/1.{minor} {status} {HTTPStatus(status).phrase}\r\n"
-                "Content-Type: text/plain; charset=utf-8\r\n"
-                f"Content-Length: {len(body)}\r\nDate: {self._http_date()}\r\nConnection: close\r\n\r\n"
-            ).encode()
-        except Exception:  # a view's bug: aiohttp's way answers it 500 and logs it, rate-limited
-            return False
-        if len(head) + len(body) > FRONT_ANSWER_MAX:
+        raw = front_answer(self.answer, front.buf, self._http_date)
+        if raw is None:
             return False
         with contextlib.suppress(OSError):  # a client gone before its answer
             # Whole: a fresh connection's send buffer holds FRONT_ANSWER_MAX. Were it short, the
             # client reads a cut answer (the status line first) and the close.
-            front.sock.send(head + body, socket.MSG_DONTWAIT)
+            front.sock.send(raw, socket.MSG_DONTWAIT)
         self.stats.answered += 1
         self._drop(front)
         return True
@@ -751,7 +760,7 @@ class BoundedServer:
     def _upgrade(self, front: _Front) -> None:
         """A complete head: the socket goes to aiohttp, with what the front read."""
         if front.watched:
-            self._unwatch(front)
+            self._fronts.unwatch(front)
         front.fd = -1
         if len(self._conns) >= self.max_connections:
             self._close(next(iter(self._conns)), "evicted")
@@ -776,7 +785,7 @@ class BoundedServer:
         """Close what missed its deadline; each queue is in deadline order, so this costs what expired."""
         self._sweeper = None
         now = self.loop.time()
-        queues: tuple[OrderedDict[Any, None], ...] = (self._probation, self._fronts, self._conns)
+        queues: tuple[OrderedDict[Any, None], ...] = (self._fronts.probation, self._fronts.held, self._conns)
         for queue in queues:
             while queue:
                 oldest: _Front | _Connection = next(iter(queue))
@@ -789,75 +798,89 @@ class BoundedServer:
         if self.connections and not self._closed:
             self._sweeper = self.loop.call_later(SWEEP_INTERVAL, self._sweep)
 
-    # -- the probe paths first, and every answer counted ---------------------------------------
-    def _middleware(self) -> Middleware:
-        bucket, stats = self.bucket, self.stats
-
-        @web.middleware
-        async def bounded(request: web.Request, handler: Handler) -> web.StreamResponse:
-            try:
-                if is_probe_path(request.path):
-                    resp = await handler(request)
-                elif not bucket.take():
-                    stats.busy += 1
-                    resp = web.Response(
-                        status=503,
-                        text=f"busy: more than {bucket.rate:g} requests per second besides the probes\n",
-                        headers={"Retry-After": "1"},
-                    )
-                    resp.force_close()
-                else:
-                    # One turn of the loop: probes parsed in the same turn are answered before this work.
-                    await asyncio.sleep(0)
-                    resp = await handler(request)
-            except web.HTTPException as e:  # 404, 405: aiohttp's own answer, made here
-                resp = web.Response(status=e.status, reason=e.reason, text=e.text, headers=e.headers)
-            except Exception as e:
-                resp = self._view_error(request, e)
-            # The answer handed to the transport here (StreamResponse's documented streaming calls;
-            # aiohttp's own prepare and write_eof after this are no-ops), so that it is counted.
-            try:
-                await resp.prepare(request)
-                await resp.write_eof()
-            except ConnectionError:
-                return resp
-            conn = self._by_transport.get(request.transport) if request.transport else None
-            if conn is not None:
-                conn.answer_sent()
-            return resp
-
-        return bounded
-
-    def _view_error(self, request: web.Request, exc: Exception) -> web.Response:
-        """A view raised: a bug of this program, not the client's. Logged with its traceback at most
-        once per LOG_EVERY (counted in between), answered 500, the connection closed."""
-        self.stats.errors += 1
-        now = self.loop.time()
-        if now - self._errors_logged >= LOG_EVERY:
-            self._errors_logged = now
-            logger.error("HTTP %s %s failed", request.method, _printable(request.path), exc_info=exc)
-        else:
-            self._count("errors")
-        resp = web.Response(status=500, text="internal error\n")
-        resp.force_close()
-        return resp
-
-    def _request_error(self, record: logging.LogRecord, exc: BaseException | None) -> None:
-        """A line aiohttp logged: with an exception, a request it could not parse (answered 400 and
-        closed by aiohttp); never a traceback, at most a DEBUG line, and a count."""
-        try:
-            if exc is not None:
-                self.stats.malformed += 1
-                self._count("malformed")
-            if logger.isEnabledFor(logging.DEBUG):
-                what = f"{type(exc).__name__}: {exc}" if exc is not None else record.getMessage()
-                logger.debug("HTTP: %s", _printable(what)[:200])
-        except Exception:  # a log line must never break serving
-            pass
-
     def _count(self, reason: str) -> None:
         self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
         self._log_closed()
+
+
+# -- the probe paths first, and every answer counted -----------------------------------------------
+def _middleware(owner: BoundedServer) -> Middleware:
+    """aiohttp's middleware of a BoundedServer: the probe paths first, the other paths within the
+    bucket, every answer handed to the transport here and counted (the keep-alive deadline)."""
+    bucket, stats = owner.bucket, owner.stats
+
+    @web.middleware
+    async def bounded(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            if is_probe_path(request.path):
+                resp = await handler(request)
+            elif not bucket.take():
+                stats.busy += 1
+                resp = web.Response(
+                    status=503,
+                    text=f"busy: more than {bucket.rate:g} requests per second besides the probes\n",
+                    headers={"Retry-After": "1"},
+                )
+                resp.force_close()
+            else:
+                # One turn of the loop: probes parsed in the same turn are answered before this work.
+                await asyncio.sleep(0)
+                resp = await handler(request)
+        except web.HTTPException as e:  # 404, 405: aiohttp's own answer, made here
+            resp = web.Response(status=e.status, reason=e.reason, text=e.text, headers=e.headers)
+        except Exception as e:
+            resp = _view_error(owner, request, e)
+        # The answer handed to the transport here (StreamResponse's documented streaming calls;
+        # aiohttp's own prepare and write_eof after this are no-ops), so that it is counted.
+        try:
+            await resp.prepare(request)
+            await resp.write_eof()
+        except ConnectionError:
+            return resp
+        conn = owner._by_transport.get(request.transport) if request.transport else None
+        if conn is not None:
+            conn.answer_sent()
+        return resp
+
+    return bounded
+
+
+def _view_error(owner: BoundedServer, request: web.Request, exc: Exception) -> web.Response:
+    """A view raised: a bug of this program, not the client's. Logged with its traceback at most
+    once per LOG_EVERY (counted in between), answered 500, the connection closed."""
+    owner.stats.errors += 1
+    now = owner.loop.time()
+    if now - owner._errors_logged >= LOG_EVERY:
+        owner._errors_logged = now
+        logger.error("HTTP %s %s failed", request.method, _printable(request.path), exc_info=exc)
+    else:
+        owner._count("errors")
+    resp = web.Response(status=500, text="internal error\n")
+    resp.force_close()
+    return resp
+
+
+def front_answer(answer: ProbeAnswer, head: bytes, date: Callable[[], str]) -> bytes | None:
+    """The whole answer the front sends to `head`, when it is a probe's GET whose client closes after
+    the answer; None where aiohttp answers (any other head, the app's own answer, a view's bug, which
+    aiohttp answers 500 and logs, rate-limited; an answer too long to send at once)."""
+    request = closing_probe(head)
+    if request is None:
+        return None
+    path, query, minor = request
+    try:
+        answered = answer(path, URL.build(path=path, query_string=query, encoded=True).query)
+        if answered is None:
+            return None
+        status, body = answered[0], text_body(answered[1])
+        raw = (
+            f"HTTP/1.{minor} {status} {HTTPStatus(status).phrase}\r\n"
+            "Content-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nDate: {date()}\r\nConnection: close\r\n\r\n"
+        ).encode() + body
+    except Exception:
+        return None
+    return raw if len(raw) <= FRONT_ANSWER_MAX else None
 
 
 def _waited_in_kernel(sock: socket.socket) -> bool:
