@@ -190,6 +190,9 @@ bench: $(STAMP) ## the benchmark scripts behind BENCHMARKS.md
 	$(PY) bench/doctor_log.py
 	$(PY) -m bench.checkpoint_parse
 	$(PY) -m bench.sidecar_listen
+	$(PY) -m bench.listener_race
+	$(PY) -m bench.api_answers
+	$(PY) -m bench.transition_log
 
 soak: $(STAMP) ## random faults against the simulator, wrong verdicts counted
 	$(PY) -m bench.soak
