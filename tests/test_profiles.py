@@ -145,6 +145,16 @@ def test_the_shipped_profiles_load_and_nvidia_is_the_default() -> None:
         ("stuck_cache = true", 'stuck_cache = "yes"', "[hami] stuck_cache: must be true or false"),
         ("stuck_cache = true\n", "", "nvidia.toml: [hami] stuck_cache: missing"),
         (
+            "stamps_on_timer = false",
+            'stamps_on_timer = "no"',
+            "[hami] stamps_on_timer: must be true or false",
+        ),
+        (
+            "stamps_on_timer = false",
+            "stamps_on_timer = true",
+            "[hami] stamps_on_timer: only a plugin that writes the handshake stamps it",
+        ),
+        (
             'container = "device-plugin"',
             'container = "Device_Plugin"',
             "[chart] container: 'Device_Plugin' is",
@@ -343,6 +353,7 @@ def test_each_vendors_names_read_both_ways() -> None:
     assert profiles.for_socket("kubelet.sock") is None
     # Only NVIDIA's plugin caches its annotation before the patch (the stuck-cache defect).
     assert [p.name for p in PROFILES if p.hami.stuck_cache] == ["nvidia"]
+    assert sorted(p.name for p in PROFILES if p.hami.stamps_on_timer) == ["ascend", "dcu"]
 
 
 def test_split_ids_fold_by_the_resources_vendor() -> None:
@@ -423,6 +434,7 @@ register_writer = "device-plugin"
 handshake = "hami.io/node-handshake-acme"
 handshake_writer = "scheduler"
 stuck_cache = false
+stamps_on_timer = false
 [chart]
 selector = "app.kubernetes.io/component=acme-device-plugin"
 daemonset = ""

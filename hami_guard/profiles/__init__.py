@@ -111,6 +111,9 @@ class Hami:
     handshake: str  # the handshake annotation's key ("" when HAMi has none for these devices)
     handshake_writer: str  # one of WRITERS ("" without a handshake)
     stuck_cache: bool  # the plugin caches the annotation before its patch: one failed patch sticks
+    # The plugin stamps the handshake with its register patch on a timer of its own (every 30 s): a stamp
+    # that stops moving while it serves is its register loop stopped.
+    stamps_on_timer: bool
 
 
 @dataclass(frozen=True)
@@ -441,10 +444,13 @@ def _hami(t: _Table) -> Hami:
         t.take("handshake", _maybe(_annotation)),
         t.take("handshake_writer", _maybe(_one_of(WRITERS))),
         t.take("stuck_cache", _flag),
+        t.take("stamps_on_timer", _flag),
     )
     t.done()
     if bool(out.handshake) != bool(out.handshake_writer):
         raise ProfileError(f"{t.where} handshake_writer: a writer for a handshake, and none without one")
+    if out.stamps_on_timer and out.handshake_writer not in ("device-plugin", "both"):
+        raise ProfileError(f"{t.where} stamps_on_timer: only a plugin that writes the handshake stamps it")
     return out
 
 

@@ -106,15 +106,6 @@ def plugin_down_note(resource: str) -> str:
     )
 
 
-# The vendors whose device plugin stamps HAMi's handshake `Reported` on a timer of its own, with its
-# register patch every 30 s (5 s after an error): Ascend (`Reported_<time>`, watchAndRegister in
-# Project-HAMi/ascend-device-plugin internal/server/register.go) and Hygon DCU (`Reported <time>`,
-# WatchAndRegister in Project-HAMi/dcu-vgpu-device-plugin internal/pkg/dcu/register.go). Biren's stamps
-# only when the kubelet opens ListAndWatch and at its heartbeat (a flag of the plugin's), NVIDIA's
-# in-tree plugin none since HAMi v2.8.0, AMD's none: a still stamp says nothing of theirs.
-STAMPS_ON_TIMER = frozenset({"Ascend", "Hygon DCU"})
-
-
 def _release(version: str) -> tuple[int, ...] | None:
     """A HAMi release `v2.10.0` (or `2.10.0`, a suffix after `-` or `+` ignored) as numbers; None: not one."""
     core = version.strip().removeprefix("v").split("-", 1)[0].split("+", 1)[0]

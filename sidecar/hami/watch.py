@@ -18,7 +18,7 @@ from urllib.parse import quote
 from sidecar.config import Settings
 from sidecar.deviceplugin.probes import Reading, pod_resources_devices, socket_identity
 from sidecar.hami.annotation import MAX_NODE, NodeView, parse_node
-from sidecar.hami.facts import STAMPS_ON_TIMER, cache_fixed
+from sidecar.hami.facts import cache_fixed
 from sidecar.hami.verdicts import (
     CODES,
     HAMI_LOOP,
@@ -242,7 +242,7 @@ def hami_keys_of(s: Settings, resource: str, register: str) -> HamiKeys:
         register,
         s.hami_handshake(resource),
         v.hami.register_format,
-        stamps=v.vendor in STAMPS_ON_TIMER and v.hami.handshake_writer in ("device-plugin", "both"),
+        stamps=v.hami.stamps_on_timer,
         cache_fixed=v.hami.stuck_cache and cache_fixed(s.hami_version, s.hami_cache_fixed_in),
     )
 
