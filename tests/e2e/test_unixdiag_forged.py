@@ -127,6 +127,39 @@ async def sidecar_in(ns: Entered, settings: Any, log: str) -> AsyncIterator[Call
         asker.wait(10)
 
 
+@asynccontextmanager
+async def held_without_pod_resources(
+    release: Release, dp_dir: str, short_tmp: str
+) -> AsyncIterator[tuple[Netns, RealKubelet, Any, RealPlugin]]:
+    """A pod's network namespace, the kubelet in one of its own with no pod-resources for the sidecar,
+    and a plugin it holds: the sidecar's settings for that node."""
+    netns.require()
+    pod = Netns().start()
+    try:
+        missing = os.path.join(short_tmp, "no-pod-resources", "kubelet.sock")  # never served
+        async with RealKubelet(
+            dp_dir, os.path.join(short_tmp, "pod-resources", "kubelet.sock"), release=release, netns=True
+        ) as kubelet:
+            settings = replace(
+                SETTINGS,
+                device_plugin_dir=dp_dir,
+                pod_resources_socket=missing,
+                port=free_port(),
+                plugins=(PluginSpec(GPU, "nvidia-gpu.sock"),),
+                kubelet_process_name=kubelet.process_name,
+            )
+            plugin = RealPlugin(dp_dir, GPU, "nvidia-gpu.sock", release=release, watch_kubelet=False)
+            try:
+                mark = plugin.mark()
+                await plugin.start()
+                await plugin.wait_event("stream-open", after=mark)
+                yield pod, kubelet, settings, plugin
+            finally:
+                await plugin.close()
+    finally:
+        pod.close()
+
+
 def check(doc: dict[str, Any], resource: str) -> tuple[str, str]:
     """The registered check's state and reason; ("", "") while the sidecar does not answer yet."""
     c = doc.get("checks", {}).get(f"registered:{resource}", {"state": "", "reason": ""})
@@ -246,67 +279,40 @@ async def test_forged_names_after_a_drop_without_pod_resources_do_not_register_i
     drop is one (confirmed, "no longer connected"). Without it (HAMi's default: no capability) a
     connection by path is no count, so the plugin was never seen held: the drop reads as "holds no
     connection", unconfirmed but failing all the same."""
-    netns.require()
-    pod = Netns().start()
-    try:
-        missing = os.path.join(short_tmp, "no-pod-resources", "kubelet.sock")  # never served
-        async with RealKubelet(
-            dp_dir, os.path.join(short_tmp, "pod-resources", "kubelet.sock"), release=release, netns=True
-        ) as kubelet:
-            kpid = kubelet.process.pid or 0
-            settings = replace(
-                SETTINGS,
-                device_plugin_dir=dp_dir,
-                pod_resources_socket=missing,
-                port=free_port(),
-                plugins=(PluginSpec(GPU, "nvidia-gpu.sock"),),
-                kubelet_process_name=kubelet.process_name,
+    async with held_without_pod_resources(release, dp_dir, short_tmp) as (pod, kubelet, settings, plugin):
+        kpid = kubelet.process.pid or 0
+        entered = Entered(pod.path, PTRACE_ONLY if privileges == "ptrace" else ROOT_NO_CAPS)
+        async with sidecar_in(entered, settings, os.path.join(short_tmp, "s.log")) as status:
+            if privileges == "ptrace":
+                await wait_for(lambda: check(status(), GPU)[0] == "ok", timeout=20, what="registered, held")
+                held = check(status(), GPU)[1]
+                assert held.startswith("the kubelet holds a connection to nvidia-gpu.sock"), held
+            else:
+                # Nothing live says it is held: the checkpoint's record is no registration.
+                await wait_for(
+                    lambda: "no live evidence in this layout" in check(status(), GPU)[1],
+                    timeout=20,
+                    what="the record named past evidence",
+                )
+                assert "unsafe" in status()["live_evidence"]
+            assert status()["kubelet_connections_from"].startswith("the kubelet's network namespace")
+            await plugin.end_stream("oldest")
+            dropped = "no longer connected" if privileges == "ptrace" else "holds no connection"
+            await wait_for(
+                lambda: dropped in check(status(), GPU)[1],
+                timeout=20,
+                what="the drop",
             )
-            plugin = RealPlugin(dp_dir, GPU, "nvidia-gpu.sock", release=release, watch_kubelet=False)
-            try:
-                mark = plugin.mark()
-                await plugin.start()
-                await plugin.wait_event("stream-open", after=mark)
-                entered = Entered(pod.path, PTRACE_ONLY if privileges == "ptrace" else ROOT_NO_CAPS)
-                async with sidecar_in(entered, settings, os.path.join(short_tmp, "s.log")) as status:
-                    if privileges == "ptrace":
-                        await wait_for(
-                            lambda: check(status(), GPU)[0] == "ok", timeout=20, what="registered, held"
-                        )
-                        held = check(status(), GPU)[1]
-                        assert held.startswith("the kubelet holds a connection to nvidia-gpu.sock"), held
-                    else:
-                        # Nothing live says it is held: the checkpoint's record is no registration.
-                        await wait_for(
-                            lambda: "no live evidence in this layout" in check(status(), GPU)[1],
-                            timeout=20,
-                            what="the record named past evidence",
-                        )
-                        assert "unsafe" in status()["live_evidence"]
-                    assert status()["kubelet_connections_from"].startswith("the kubelet's network namespace")
-                    await plugin.end_stream("oldest")
-                    dropped = "no longer connected" if privileges == "ptrace" else "holds no connection"
-                    await wait_for(
-                        lambda: dropped in check(status(), GPU)[1],
-                        timeout=20,
-                        what="the drop",
-                    )
-                    # Never held before (no live evidence): failed once the grace since the start is over.
-                    await wait_for(lambda: check(status(), GPU)[0] == "failed", timeout=20, what="failed")
-                    lies = forged_names(kubelet.socket_path, plugin.socket_path, BOUND_DIR)
-                    with Holder(names(*lies), nsenter(kpid)):
-                        start = status()["probe_rounds"]
-                        await wait_for(
-                            lambda: status()["probe_rounds"] >= start + 4, timeout=30, what="4 rounds"
-                        )
-                        doc = status()
-                        state, reason = check(doc, GPU)
-                        assert state == "failed", (reason, doc["checks"])
-                        assert "the live connection cannot be read" in reason, reason
-            finally:
-                await plugin.close()
-    finally:
-        pod.close()
+            # Never held before (no live evidence): failed once the grace since the start is over.
+            await wait_for(lambda: check(status(), GPU)[0] == "failed", timeout=20, what="failed")
+            lies = forged_names(kubelet.socket_path, plugin.socket_path, BOUND_DIR)
+            with Holder(names(*lies), nsenter(kpid)):
+                start = status()["probe_rounds"]
+                await wait_for(lambda: status()["probe_rounds"] >= start + 4, timeout=30, what="4 rounds")
+                doc = status()
+                state, reason = check(doc, GPU)
+                assert state == "failed", (reason, doc["checks"])
+                assert "the live connection cannot be read" in reason, reason
 
 
 @pytest.mark.parametrize("release", ["new"], indirect=True)
@@ -362,70 +368,44 @@ async def test_a_look_alike_made_before_a_drop_never_keeps_it_registered(
     checkpoint still records the acceptance: never "registered", before the drop, after it, or in a
     sidecar started after it (no memory to lose); /status names the layout unsafe. Once the neighbour
     goes, the count reads 0 and the drop is read."""
-    netns.require()
-    pod = Netns().start()
-    try:
-        missing = os.path.join(short_tmp, "no-pod-resources", "kubelet.sock")  # never served
-        async with RealKubelet(
-            dp_dir, os.path.join(short_tmp, "pod-resources", "kubelet.sock"), release=release, netns=True
-        ) as kubelet:
-            kpid = kubelet.process.pid or 0
-            settings = replace(
-                SETTINGS,
-                device_plugin_dir=dp_dir,
-                pod_resources_socket=missing,
-                port=free_port(),
-                plugins=(PluginSpec(GPU, "nvidia-gpu.sock"),),
-                kubelet_process_name=kubelet.process_name,
+    async with held_without_pod_resources(release, dp_dir, short_tmp) as (pod, kubelet, settings, plugin):
+        kpid = kubelet.process.pid or 0
+        os.chmod(short_tmp, 0o755)  # the neighbour, unprivileged, reaches the folder
+        *user, python = unprivileged()
+        enter = [*nsenter(kpid), *user, *in_a_mount_namespace(dp_dir, user=True, python=python)]
+        entered = Entered(pod.path, ROOT_NO_CAPS)
+        log = os.path.join(short_tmp, "s.log")
+        with Holder([pair(plugin.socket_path)], enter):
+            async with sidecar_in(entered, settings, log) as status:
+                await wait_for(
+                    lambda: "no live evidence in this layout" in check(status(), GPU)[1],
+                    timeout=20,
+                    what="the record named past evidence",
+                )
+                assert "unsafe" in status()["live_evidence"]
+                await plugin.end_stream("oldest")  # the kubelet drops the plugin
+                start = status().get("probe_rounds", 0)
+                await wait_for(
+                    lambda: status().get("probe_rounds", 0) >= start + 4, timeout=30, what="rounds"
+                )
+                assert check(status(), GPU)[0] != "ok", check(status(), GPU)
+            # A sidecar started now, the look-alike still there: nothing to forget, nothing gained.
+            async with sidecar_in(entered, replace(settings, port=free_port()), log) as status:
+                await wait_for(lambda: status().get("probe_rounds", 0) >= 4, timeout=30, what="rounds")
+                doc = status()
+                assert check(doc, GPU)[0] != "ok", check(doc, GPU)
+                assert not doc["checks"][f"registered:{GPU}"]["fails_liveness"]
+        # The neighbour gone, the count reads 0: the drop is read. (The plugin here serves from
+        # the kubelet's namespace, not the sidecar's, so `plugin:` names another plugin's
+        # listener and no restart is asked for: a layout of this test, not of a node.)
+        async with sidecar_in(entered, replace(settings, port=free_port()), log) as status:
+            await wait_for(
+                lambda: (
+                    check(status(), GPU)[0] == "failed" and "holds no connection" in check(status(), GPU)[1]
+                ),
+                timeout=30,
+                what="the drop",
             )
-            plugin = RealPlugin(dp_dir, GPU, "nvidia-gpu.sock", release=release, watch_kubelet=False)
-            try:
-                mark = plugin.mark()
-                await plugin.start()
-                await plugin.wait_event("stream-open", after=mark)
-                os.chmod(short_tmp, 0o755)  # the neighbour, unprivileged, reaches the folder
-                *user, python = unprivileged()
-                enter = [*nsenter(kpid), *user, *in_a_mount_namespace(dp_dir, user=True, python=python)]
-                entered = Entered(pod.path, ROOT_NO_CAPS)
-                log = os.path.join(short_tmp, "s.log")
-                with Holder([pair(plugin.socket_path)], enter):
-                    async with sidecar_in(entered, settings, log) as status:
-                        await wait_for(
-                            lambda: "no live evidence in this layout" in check(status(), GPU)[1],
-                            timeout=20,
-                            what="the record named past evidence",
-                        )
-                        assert "unsafe" in status()["live_evidence"]
-                        await plugin.end_stream("oldest")  # the kubelet drops the plugin
-                        start = status().get("probe_rounds", 0)
-                        await wait_for(
-                            lambda: status().get("probe_rounds", 0) >= start + 4, timeout=30, what="rounds"
-                        )
-                        assert check(status(), GPU)[0] != "ok", check(status(), GPU)
-                    # A sidecar started now, the look-alike still there: nothing to forget, nothing gained.
-                    async with sidecar_in(entered, replace(settings, port=free_port()), log) as status:
-                        await wait_for(
-                            lambda: status().get("probe_rounds", 0) >= 4, timeout=30, what="rounds"
-                        )
-                        doc = status()
-                        assert check(doc, GPU)[0] != "ok", check(doc, GPU)
-                        assert not doc["checks"][f"registered:{GPU}"]["fails_liveness"]
-                # The neighbour gone, the count reads 0: the drop is read. (The plugin here serves from
-                # the kubelet's namespace, not the sidecar's, so `plugin:` names another plugin's
-                # listener and no restart is asked for: a layout of this test, not of a node.)
-                async with sidecar_in(entered, replace(settings, port=free_port()), log) as status:
-                    await wait_for(
-                        lambda: (
-                            check(status(), GPU)[0] == "failed"
-                            and "holds no connection" in check(status(), GPU)[1]
-                        ),
-                        timeout=30,
-                        what="the drop",
-                    )
-            finally:
-                await plugin.close()
-    finally:
-        pod.close()
 
 
 async def test_a_process_named_as_the_kubelet_that_is_not_it_is_named_in_status(
