@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,9 +37,9 @@ from tests.node.kit import (
     SELECTOR,
     allocatable,
     container_status,
-    events,
     fault_applied,
     figure,
+    fresh_plugin_pod,
     get,
     gpu_pod,
     healthy_plugin,
@@ -53,7 +52,9 @@ from tests.node.kit import (
     plugin_pod,
     probe_metrics,
     ready,
+    replaced,
     restarts,
+    restored_after,
     set_fault,
     sidecar_status,
     status_reason,
@@ -156,102 +157,6 @@ def _cmdline(p: Path) -> str:
         return p.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
-
-
-def restored_after(
-    fault: str, inflict: Callable[[], None], *, restart: bool = True, timeout: float = 180
-) -> None:
-    """Inflicts a fault on a healthy node and times, from it: the sidecar's 503, the devices lost, the
-    kubelet's restart of the plugin container for its failed liveness probe, the kubelet listing every
-    device again (pod-resources: registered) and the Node's allocatable back (the kubelet posts its
-    status every 10 s). `restart` False: a fault the plugin mends by itself, which must see no 503 and
-    no restart.
-
-    Measured repeatedly (NODE_E2E_RUNS above 1), each fault meets a plugin pod of its own, as a first
-    failure does: the kubelet delays each restart of a container that restarted minutes before
-    (CrashLoopBackOff, from 10 s doubling), which would measure the runs before. And it comes at a
-    random moment of the kubelet's 10 s status cadence: right after a status post (the moment
-    allocatable is seen back) it would always wait the longest."""
-    if RUNS > 1:
-        fresh_plugin_pod()
-    else:
-        healthy_plugin()
-    time.sleep(random.uniform(0, 10))
-    pod = plugin_pod()
-    name = pod["metadata"]["name"]
-    before = restarts("device-plugin")
-    t0 = time.monotonic()
-    inflict()
-    # Each event's first time, polled together.
-    seen: dict[str, float] = {}
-    reason = ""
-    want = {"lost", "registered", "back"} | ({"503", "restart"} if restart else set())
-
-    def progress() -> bool:
-        nonlocal reason
-        now = time.monotonic() - t0
-        if "503" not in seen and healthz() == 503:
-            seen["503"] = now
-            reason = status_reason()
-            assert restart, f"{fault}: /healthz 503 ({reason}) for a fault the plugin mends by itself"
-        devices = kubelet_devices()
-        if "lost" not in seen and devices != int(DEVICES):
-            seen["lost"] = now
-        if "restart" not in seen and restarts("device-plugin") > before:
-            seen["restart"] = now
-            assert restart, f"{fault}: the plugin restarted, which it mends by itself"
-        after = "lost" in seen and (not restart or "restart" in seen)
-        if after and "registered" not in seen and devices == int(DEVICES):
-            seen["registered"] = now
-        if "registered" in seen and "back" not in seen and allocatable() == DEVICES:
-            seen["back"] = now
-        return set(seen) >= want
-
-    wait(f"{fault}: {', '.join(sorted(want))}", progress, timeout, 0.2)
-    if not restart:
-        assert restarts("device-plugin") == before
-        figure(
-            f"{fault}: no 503, no restart; the kubelet's devices lost at {seen['lost']:.1f} s, listed "
-            f"again (registered) at {seen['registered']:.1f} s, allocatable restored {seen['back']:.1f} s "
-            "after the fault"
-        )
-        healthy_plugin()
-        return
-    assert seen["503"] <= seen["restart"] <= seen["registered"] <= seen["back"], seen
-    killing = [
-        e["message"]
-        for e in events(name)
-        if e["reason"] == "Killing" and "device-plugin" in e["message"] and "liveness" in e["message"]
-    ]
-    assert killing, [(e["reason"], e["message"]) for e in events(name)]
-    assert restarts("device-plugin") == before + 1
-    assert restarts("hami-sidecar") == 0
-    figure(
-        f"{fault}: /healthz 503 after {seen['503']:.1f} s ({reason}), the kubelet's devices lost at "
-        f"{seen['lost']:.1f} s, device-plugin restarted by the kubelet at {seen['restart']:.1f} s "
-        f"({killing[0]}), registered again at {seen['registered']:.1f} s, allocatable restored "
-        f"{seen['back']:.1f} s after the fault"
-    )
-    healthy_plugin()
-
-
-def replaced(old: str, timeout: float = 180) -> dict[str, Any]:
-    """Waits for the DaemonSet's pod that replaces the pod `old`, its plugin running; returns it."""
-
-    def new_and_running() -> dict[str, Any] | None:
-        pod = plugin_pod()
-        running = container_status(pod, "device-plugin").get("state", {}).get("running")
-        return pod if pod["metadata"]["name"] != old and running else None
-
-    return wait("the DaemonSet's new pod running", new_and_running, timeout, 0.5)
-
-
-def fresh_plugin_pod() -> None:
-    """Replaces the plugin pod (the DaemonSet makes a new one) and waits for it healthy."""
-    old = healthy_plugin()["metadata"]["name"]
-    kubectl("delete", "pod", "-n", NS, old, "--wait=true")
-    replaced(old, 120)
-    healthy_plugin(240)
 
 
 RUN_IDS = [f"run{n + 1}" for n in range(RUNS)]

@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,6 +38,22 @@ SELECTOR = "app.kubernetes.io/component=hami-device-plugin"
 SIDECAR_IMAGE = "registry.invalid/hami-sidecar:0.1.0"  # as manifests/hami-patch names it
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """One device plugin's DaemonSet on the node, as the tests reach it: the resource it registers and
+    how many devices, its pods' label, its stand-in's fault folder and its sidecar's port."""
+
+    resource: str
+    devices: str
+    selector: str
+    control: Path
+    port: int
+
+
+# HAMi's NVIDIA plugin (manifests/example-hami through tests/node/overlay): every test's default.
+NVIDIA = Plugin(RESOURCE, DEVICES, SELECTOR, CONTROL, 9395)
 
 
 def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:
@@ -73,28 +91,28 @@ def wait(what: str, check: Callable[[], T | None], timeout: float, interval: flo
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
-def node_resources(node: str = NODE) -> tuple[str, str]:
+def node_resources(node: str = NODE, plugin: Plugin = NVIDIA) -> tuple[str, str]:
     status = get("node", node, "")["status"]
-    return status["capacity"].get(RESOURCE, ""), status["allocatable"].get(RESOURCE, "")
+    return status["capacity"].get(plugin.resource, ""), status["allocatable"].get(plugin.resource, "")
 
 
-def allocatable(node: str = NODE) -> str:
-    return node_resources(node)[1]
+def allocatable(node: str = NODE, plugin: Plugin = NVIDIA) -> str:
+    return node_resources(node, plugin)[1]
 
 
-def kubelet_devices() -> int:
+def kubelet_devices(plugin: Plugin = NVIDIA) -> int:
     """How many healthy devices of the resource the kubelet itself lists now (pod-resources
     `GetAllocatableResources`): registration, seen before the Node's status carries it (the kubelet
     posts its status every nodeStatusUpdateFrequency, 10 s)."""
     reading = asyncio.run(pod_resources_devices(POD_RESOURCES, 2))
-    return len((reading.value or {}).get(RESOURCE, ()))
+    return len((reading.value or {}).get(plugin.resource, ()))
 
 
-def plugin_pod(node: str = NODE) -> dict[str, Any]:
+def plugin_pod(node: str = NODE, plugin: Plugin = NVIDIA) -> dict[str, Any]:
     """The plugin's pod on `node` (one, not being deleted)."""
     pods = [
         p
-        for p in get("pods", selector=SELECTOR, field=f"spec.nodeName={node}")["items"]
+        for p in get("pods", selector=plugin.selector, field=f"spec.nodeName={node}")["items"]
         if not p["metadata"].get("deletionTimestamp")
     ]
     assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
@@ -109,19 +127,19 @@ def container_status(pod: dict[str, Any], name: str) -> dict[str, Any]:
     return {}
 
 
-def restarts(name: str) -> int:
-    return int(container_status(plugin_pod(), name).get("restartCount", 0))
+def restarts(name: str, plugin: Plugin = NVIDIA) -> int:
+    return int(container_status(plugin_pod(plugin=plugin), name).get("restartCount", 0))
 
 
 def ready(pod: dict[str, Any]) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
 
-def healthz(path: str = "/healthz") -> int:
+def healthz(path: str = "/healthz", plugin: Plugin = NVIDIA) -> int:
     """The sidecar's answer, asked directly (as the kubelet's prober does, on the pod's IP)."""
-    ip = plugin_pod()["status"].get("podIP", "")
+    ip = plugin_pod(plugin=plugin)["status"].get("podIP", "")
     try:
-        with urllib.request.urlopen(f"http://{ip}:9395{path}", timeout=2) as r:
+        with urllib.request.urlopen(f"http://{ip}:{plugin.port}{path}", timeout=2) as r:
             return int(r.status)
     except urllib.error.HTTPError as e:
         return int(e.code)
@@ -129,18 +147,18 @@ def healthz(path: str = "/healthz") -> int:
         return 0
 
 
-def sidecar_status(timeout: float = 2) -> dict[str, Any]:
+def sidecar_status(timeout: float = 2, plugin: Plugin = NVIDIA) -> dict[str, Any]:
     """The sidecar's /status document (OSError or ValueError when it cannot be read)."""
-    ip = plugin_pod()["status"].get("podIP", "")
-    with urllib.request.urlopen(f"http://{ip}:9395/status", timeout=timeout) as r:
+    ip = plugin_pod(plugin=plugin)["status"].get("podIP", "")
+    with urllib.request.urlopen(f"http://{ip}:{plugin.port}/status", timeout=timeout) as r:
         doc: dict[str, Any] = json.load(r)
     return doc
 
 
-def status_reason() -> str:
+def status_reason(plugin: Plugin = NVIDIA) -> str:
     """Why the sidecar fails liveness, from its /status (the failed checks' reasons)."""
     try:
-        checks = sidecar_status().get("checks", {})
+        checks = sidecar_status(plugin=plugin).get("checks", {})
     except (OSError, ValueError):
         return "no /status"
     return "; ".join(f"{k}: {c.get('reason')}" for k, c in checks.items() if c.get("fails_liveness"))
@@ -199,24 +217,25 @@ def probe_metrics(node: str = NODE) -> str:
     return kubectl("get", "--raw", f"/api/v1/nodes/{node}/proxy/metrics/probes")
 
 
-def set_fault(name: str, on: bool) -> None:
-    CONTROL.mkdir(exist_ok=True)
-    path = CONTROL / name
+def set_fault(name: str, on: bool, plugin: Plugin = NVIDIA) -> None:
+    plugin.control.mkdir(exist_ok=True)
+    path = plugin.control / name
     if on:
         path.touch()
     else:
         path.unlink(missing_ok=True)
 
 
-def fault_applied(timeout: float = 15) -> None:
+def fault_applied(timeout: float = 15, plugin: Plugin = NVIDIA) -> None:
     """Waits until the running stand-in has applied the lasting fault files now in the folder (it reads
     them twice a second and says so in APPLIED): before a kubelet restart whose new kubelet.sock it must
     meet with them, or the restart can beat its next read."""
-    want = ",".join(sorted(p.name for p in CONTROL.iterdir() if p.name in LASTING))
+    control = plugin.control
+    want = ",".join(sorted(p.name for p in control.iterdir() if p.name in LASTING))
 
     def applied() -> bool:
         try:
-            said = (CONTROL / APPLIED).read_text()
+            said = (control / APPLIED).read_text()
         except OSError as e:
             raise AssertionError(f"no {APPLIED}: {e}") from e  # wait's last reading, on a timeout
         assert said == want, f"{APPLIED} says [{said}]"
@@ -225,13 +244,118 @@ def fault_applied(timeout: float = 15) -> None:
     wait(f"the stand-in applying the faults [{want}]", applied, timeout, 0.1)
 
 
-def healthy_plugin(timeout: float = 180) -> dict[str, Any]:
+def healthy_plugin(timeout: float = 180, plugin: Plugin = NVIDIA) -> dict[str, Any]:
     """Waits for the plugin pod Ready and the node's allocatable back at the stand-in's devices."""
 
     def ready_pod() -> dict[str, Any] | None:
-        pod = plugin_pod()
+        pod = plugin_pod(plugin=plugin)
         return pod if ready(pod) else None
 
-    pod = wait("the plugin pod Ready", ready_pod, timeout)
-    wait(f"allocatable {RESOURCE}={DEVICES}", lambda: allocatable() == DEVICES, timeout)
+    pod = wait(f"the {plugin.resource} plugin pod Ready", ready_pod, timeout)
+    wait(
+        f"allocatable {plugin.resource}={plugin.devices}",
+        lambda: allocatable(plugin=plugin) == plugin.devices,
+        timeout,
+    )
     return pod
+
+
+def restored_after(
+    fault: str,
+    inflict: Callable[[], None],
+    *,
+    restart: bool = True,
+    timeout: float = 180,
+    plugin: Plugin = NVIDIA,
+) -> None:
+    """Inflicts a fault on a healthy node and times, from it: the sidecar's 503, the devices lost, the
+    kubelet's restart of the plugin container for its failed liveness probe, the kubelet listing every
+    device again (pod-resources: registered) and the Node's allocatable back (the kubelet posts its
+    status every 10 s). `restart` False: a fault the plugin mends by itself, which must see no 503 and
+    no restart.
+
+    Measured repeatedly (NODE_E2E_RUNS above 1), each fault meets a plugin pod of its own, as a first
+    failure does: the kubelet delays each restart of a container that restarted minutes before
+    (CrashLoopBackOff, from 10 s doubling), which would measure the runs before. And it comes at a
+    random moment of the kubelet's 10 s status cadence: right after a status post (the moment
+    allocatable is seen back) it would always wait the longest."""
+    if RUNS > 1:
+        fresh_plugin_pod(plugin)
+    else:
+        healthy_plugin(plugin=plugin)
+    time.sleep(random.uniform(0, 10))
+    pod = plugin_pod(plugin=plugin)
+    name = pod["metadata"]["name"]
+    before = restarts("device-plugin", plugin)
+    t0 = time.monotonic()
+    inflict()
+    # Each event's first time, polled together.
+    seen: dict[str, float] = {}
+    reason = ""
+    want = {"lost", "registered", "back"} | ({"503", "restart"} if restart else set())
+
+    def progress() -> bool:
+        nonlocal reason
+        now = time.monotonic() - t0
+        if "503" not in seen and healthz(plugin=plugin) == 503:
+            seen["503"] = now
+            reason = status_reason(plugin)
+            assert restart, f"{fault}: /healthz 503 ({reason}) for a fault the plugin mends by itself"
+        devices = kubelet_devices(plugin)
+        if "lost" not in seen and devices != int(plugin.devices):
+            seen["lost"] = now
+        if "restart" not in seen and restarts("device-plugin", plugin) > before:
+            seen["restart"] = now
+            assert restart, f"{fault}: the plugin restarted, which it mends by itself"
+        after = "lost" in seen and (not restart or "restart" in seen)
+        if after and "registered" not in seen and devices == int(plugin.devices):
+            seen["registered"] = now
+        if "registered" in seen and "back" not in seen and allocatable(plugin=plugin) == plugin.devices:
+            seen["back"] = now
+        return set(seen) >= want
+
+    wait(f"{fault}: {', '.join(sorted(want))}", progress, timeout, 0.2)
+    if not restart:
+        assert restarts("device-plugin", plugin) == before
+        figure(
+            f"{fault}: no 503, no restart; the kubelet's devices lost at {seen['lost']:.1f} s, listed "
+            f"again (registered) at {seen['registered']:.1f} s, allocatable restored {seen['back']:.1f} s "
+            "after the fault"
+        )
+        healthy_plugin(plugin=plugin)
+        return
+    assert seen["503"] <= seen["restart"] <= seen["registered"] <= seen["back"], seen
+    killing = [
+        e["message"]
+        for e in events(name)
+        if e["reason"] == "Killing" and "device-plugin" in e["message"] and "liveness" in e["message"]
+    ]
+    assert killing, [(e["reason"], e["message"]) for e in events(name)]
+    assert restarts("device-plugin", plugin) == before + 1
+    assert restarts("hami-sidecar", plugin) == 0
+    figure(
+        f"{fault}: /healthz 503 after {seen['503']:.1f} s ({reason}), the kubelet's devices lost at "
+        f"{seen['lost']:.1f} s, device-plugin restarted by the kubelet at {seen['restart']:.1f} s "
+        f"({killing[0]}), registered again at {seen['registered']:.1f} s, allocatable restored "
+        f"{seen['back']:.1f} s after the fault"
+    )
+    healthy_plugin(plugin=plugin)
+
+
+def replaced(old: str, timeout: float = 180, plugin: Plugin = NVIDIA) -> dict[str, Any]:
+    """Waits for the DaemonSet's pod that replaces the pod `old`, its plugin running; returns it."""
+
+    def new_and_running() -> dict[str, Any] | None:
+        pod = plugin_pod(plugin=plugin)
+        running = container_status(pod, "device-plugin").get("state", {}).get("running")
+        return pod if pod["metadata"]["name"] != old and running else None
+
+    return wait("the DaemonSet's new pod running", new_and_running, timeout, 0.5)
+
+
+def fresh_plugin_pod(plugin: Plugin = NVIDIA) -> None:
+    """Replaces the plugin pod (the DaemonSet makes a new one) and waits for it healthy."""
+    old = healthy_plugin(plugin=plugin)["metadata"]["name"]
+    kubectl("delete", "pod", "-n", NS, old, "--wait=true")
+    replaced(old, 120, plugin)
+    healthy_plugin(240, plugin)
