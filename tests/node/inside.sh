@@ -226,7 +226,7 @@ set +e
 cd "$repo"
 # e2e_node.py first: its healthy node is the DaemonSet as deployed, its plugin never restarted yet.
 NODE_E2E_DIR=$run "$repo/.venv/bin/python" -m pytest -q -p no:cacheprovider -o addopts= -o timeout=1200 \
-  -o python_files="e2e_*.py" ${NODE_E2E_TESTS:-tests/node/e2e_node.py tests/node/e2e_hami.py tests/node/e2e_fleet.py tests/node/e2e_rollout.py}
+  -o python_files="e2e_*.py" ${NODE_E2E_TESTS:-tests/node/e2e_node.py tests/node/e2e_hami.py tests/node/e2e_vendors.py tests/node/e2e_fleet.py tests/node/e2e_rollout.py}
 rc=$?
 set -e
 if [ "${NODE_E2E_KEEP:-}" = 1 ]; then

@@ -11,7 +11,8 @@
 # tests look for one).
 #
 # NODE_E2E_KEEP=1: keep the cluster up after the tests (the script says how to reach it).
-# NODE_E2E_TESTS: pytest arguments (default: tests/node's e2e_node.py, e2e_hami.py, e2e_fleet.py, e2e_rollout.py).
+# NODE_E2E_TESTS: pytest arguments (default: tests/node's e2e_node.py, e2e_hami.py, e2e_vendors.py,
+# e2e_fleet.py, e2e_rollout.py).
 # NODE_E2E_RUNS: runs of tests/node/e2e_hami.py's measured scenario (default 1).
 # Under CI=true a missing component is an error; otherwise the run is skipped with the reason.
 set -euo pipefail
