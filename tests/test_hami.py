@@ -6,10 +6,12 @@ tests/e2e/test_hami_registration.py; here each rule is pinned, the slow ones (HA
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
 import os
 import random
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,7 +38,8 @@ from sidecar.hami.verdicts import (
 from sidecar.hami.watch import from_settings
 from sidecar.health import Status
 from sidecar.kube.access import KubeconfigError, from_kubeconfig
-from sidecar.server.metrics import HAMI_CODES
+from sidecar.reasons import HAMI_CODES
+from sidecar.server.metrics import Metrics, MetricsPublisher
 from testing import hamiwriter
 from testing.hamiwriter import go_map_order
 from testing.standin import APPLIED, MAP_ORDER_HELD, StandInPlugin, apply_control, parse_faults
@@ -571,8 +574,65 @@ def test_the_doctor_tells_an_unread_node_from_a_plugin_down_and_names_the_harm(c
     assert missing.verdict == "problem" and "'node unregistered' where it never read" in missing.evidence[0]
 
 
-def test_the_codes_are_the_metrics() -> None:
-    assert CODES == HAMI_CODES
+PRODUCT = ("hami_guard", "initcheck", "sidecar", "doctor")
+
+
+def _code_lists(path: Path) -> list[int]:
+    """The lines of `path` that spell out the reason codes: a tuple, list, set, Literal[...] or dict of
+    more than half of them, or a string listing more than half (`a, b, c`; prose that names some is not
+    a list)."""
+    codes, found = set(HAMI_CODES), []
+    for n in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(n, ast.Tuple | ast.List | ast.Set | ast.Dict):
+            items = n.keys if isinstance(n, ast.Dict) else n.elts
+            lists = [{e.value for e in items if isinstance(e, ast.Constant) and isinstance(e.value, str)}]
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            lists = [set(run.split(", ")) for run in re.findall(r"\w+(?:, \w+)+", n.value)]
+        else:
+            continue
+        if any(2 * len(words & codes) > len(codes) for words in lists):
+            found.append(n.lineno)
+    return found
+
+
+def test_the_reason_codes_are_written_once() -> None:
+    """sidecar/reasons.py alone spells out the hami check's reason codes: the verdicts judge with them, the
+    metric publishes each as a `reason` label value, in that order, and its help text names them, so a
+    code added there is judged, published and described everywhere."""
+    root = Path(__file__).resolve().parent.parent
+    spelled = {
+        str(path.relative_to(root)): lines
+        for package in PRODUCT
+        for path in sorted((root / package).rglob("*.py"))
+        if (lines := _code_lists(path))
+    }
+    assert list(spelled) == ["sidecar/reasons.py"] and len(spelled["sidecar/reasons.py"]) == 1
+    assert CODES is HAMI_CODES
+    metrics = Metrics()
+    MetricsPublisher(metrics, "nvidia").hami(R, "unparsable", 2)
+    (family,) = (f for f in metrics.registry.collect() if f.name == "device_plugin_hami_registration")
+    assert tuple(s.labels["reason"] for s in family.samples) == HAMI_CODES
+    assert [s.labels["reason"] for s in family.samples if s.value] == ["unparsable"]
+    assert f"({', '.join(HAMI_CODES)})" in family.documentation
+
+
+def test_the_code_lists_are_found(tmp_path: Path) -> None:
+    """The scan above finds a copy of the codes in each form it is written in."""
+    half = HAMI_CODES[: len(HAMI_CODES) // 2 + 1]
+    forms = [
+        repr(half),
+        repr(list(half)),
+        f"Literal[{', '.join(map(repr, half))}]",
+        repr(dict.fromkeys(half)),
+    ]
+    forms += [repr(f"the reason ({', '.join(half)})")]
+    for form in forms:
+        (tmp_path / "m.py").write_text(f"X = {form}\n")
+        assert _code_lists(tmp_path / "m.py") == [1], form
+    (tmp_path / "m.py").write_text(f"X = {HAMI_CODES[: len(HAMI_CODES) // 2]!r}\n")
+    assert _code_lists(tmp_path / "m.py") == []
+    (tmp_path / "m.py").write_text(f"X = {' and '.join(f'`{c}`' for c in HAMI_CODES)!r}\n")  # prose
+    assert _code_lists(tmp_path / "m.py") == []
 
 
 # -- the settings --------------------------------------------------------------------------------------

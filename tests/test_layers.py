@@ -21,7 +21,15 @@ ROOT = Path(__file__).resolve().parent.parent
 # names it. The product is hami_guard, initcheck, sidecar and doctor; testing/ is the rig, which the
 # product never imports.
 _PLUMBING = frozenset(
-    {"hami_guard", "sidecar.proto", "sidecar.rpc", "sidecar.health", "sidecar.tasks", "sidecar.kube.*"}
+    {
+        "hami_guard",
+        "sidecar.proto",
+        "sidecar.rpc",
+        "sidecar.health",
+        "sidecar.reasons",
+        "sidecar.tasks",
+        "sidecar.kube.*",
+    }
 )
 LAYERS: Mapping[str, frozenset[str]] = {
     "hami_guard": frozenset(),
@@ -30,6 +38,8 @@ LAYERS: Mapping[str, frozenset[str]] = {
     "sidecar": frozenset(),  # the package's __init__ (its version)
     "sidecar.proto": frozenset(),
     "sidecar.health": frozenset(),
+    # The reason codes the checks publish as a metric's label: the judges' and the metrics' words.
+    "sidecar.reasons": frozenset(),
     "sidecar.tasks": frozenset(),
     "sidecar.rpc": frozenset({"sidecar.proto"}),
     "sidecar.watcher": frozenset(),
@@ -65,7 +75,7 @@ LAYERS: Mapping[str, frozenset[str]] = {
     "sidecar.hami": _PLUMBING | {"sidecar.deviceplugin.probes"},
     "sidecar.hami.watch": _PLUMBING | {"sidecar.config", "sidecar.hami.*", "sidecar.deviceplugin.probes"},
     "sidecar.server.serving": frozenset(),
-    "sidecar.server.metrics": frozenset({"sidecar.health"}),
+    "sidecar.server.metrics": frozenset({"sidecar.health", "sidecar.reasons"}),
     "sidecar.app": frozenset(
         {
             "hami_guard",

@@ -48,9 +48,11 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from sidecar.hami.annotation import JSON, NodeView, Register, parse_handshake, parse_register
-from sidecar.hami.compare import CODES, Code, Diff, Read, agrees, compare, diff_note, meanwhile
+from sidecar.hami.compare import Diff, Read, agrees, compare, diff_note, meanwhile
 from sidecar.hami.facts import HAMI_LOOP, HANDSHAKE_EXPIRY, HARM, SCHEDULER_TICK, cache_note
 from sidecar.health import Status
+from sidecar.reasons import HAMI_CODES as CODES
+from sidecar.reasons import HamiCode as Code
 
 __all__ = [
     "CODES",
