@@ -209,6 +209,44 @@ def test_no_reading_is_no_evidence_never_a_failure(judge: HamiJudge) -> None:
         assert v.scheduler == "" and v.code in NOT_JUDGED
 
 
+@pytest.mark.parametrize("fmt", [anno.JSON, anno.CSV])
+def test_a_value_past_the_sidecars_bound_cannot_tell_and_never_restarts(clock: Clock, fmt: str) -> None:
+    """A register annotation longer than hami-guard's own bound on a value (1 MiB; the API server caps all
+    of a Node's annotations at 256 KiB) is not read: what HAMi's scheduler makes of it cannot be told,
+    so it passes as no evidence, however long it stays and however often the plugin restarts: a restart
+    cannot mend a value this sidecar refuses to read. Here each value is one HAMi decodes (JSON padded
+    with whitespace, the CSV text with empty device segments, which DecodeNodeDevices skips)."""
+    keys = replace(KEYS, format=fmt)
+    csv = ":".join(f"{g},10,81920,100,NVIDIA-A100,0,true" for g in (G1, G2))
+    decodable = register((G1, True), (G2, True)) if fmt == anno.JSON else csv
+    pad = " " if fmt == anno.JSON else ":"
+    assert anno.parse_register(decodable + pad * 1000, fmt).healthy == {G1, G2}  # within the bound: read
+    value = decodable + pad * anno.MAX_VALUE
+    judge = HamiJudge((keys,), "node-1", REPAIR, clock)
+    ev = replace(HEALTHY, node=node({HAMI_REGISTER: value, HAMI_HANDSHAKE: HS}))
+    for restart in range(RESTART_BUDGET + 2):
+        for _ in range(3):
+            v = judge.judge(R, replace(ev, plugin_id=("sock", restart)))
+            assert v.status is Status.OK and v.code == "no_evidence" and v.code in NOT_JUDGED, v.reason
+            assert not v.restarts and not v.live_failed and not v.budget_spent
+            assert v.gpus is None and v.scheduler == ""
+            assert v.reason == (
+                f"no evidence: HAMi's annotation {HAMI_REGISTER} is {len(value)} characters, over "
+                f"hami-guard's own bound of {anno.MAX_VALUE} (1 MiB) on a value it reads: not read, so what "
+                "HAMi's scheduler makes of it is not judged (a plugin restart cannot change this bound)"
+            )
+            clock.now += REPAIR
+    assert judge.restarts_in_vain(R) == 0
+    # A value HAMi itself cannot decode keeps its verdict: unparsable, liveness once HAMi's loop had time.
+    # Within the bound, with a count Go cannot parse ("1x").
+    undecodable = value[: anno.MAX_VALUE].replace("10", "1x")
+    bad = replace(ev, node=node({HAMI_REGISTER: undecodable, HAMI_HANDSHAKE: HS}))
+    assert judge.judge(R, bad).code == "repairing"
+    clock.now += REPAIR
+    v = judge.judge(R, bad)
+    assert v.code == "unparsable" and v.live_failed, v.reason
+
+
 def test_a_wrong_node_name_is_readiness_only(judge: HamiJudge) -> None:
     v = judge.judge(R, replace(HEALTHY, node=None, not_found=True, why="404"))
     assert v.status is Status.FAILED and v.code == "wrong_node" and not v.restarts
