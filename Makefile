@@ -340,13 +340,12 @@ $(HELM_BIN)/helm-%:
 dashboard: $(STAMP) ## regenerate the Grafana dashboard
 	$(PY) -m manifests.monitoring.dashboard
 
-# Re-pin the images' dependencies (requirements/*.txt) from a clean install of the project.
+# Re-pin the sidecar image's dependencies (requirements/sidecar.txt) from a clean install of the project.
+# requirements/init.txt pins nothing: initcheck imports the standard library alone (tests/test_images.py).
 lock: ## re-pin the images' dependencies
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install --quiet .
 	{ head -2 requirements/sidecar.txt; .venv-lock/bin/pip freeze --exclude hami-guard; } > requirements/sidecar.txt.new
 	mv requirements/sidecar.txt.new requirements/sidecar.txt
-	{ head -1 requirements/init.txt; grep '^psutil==' requirements/sidecar.txt; } > requirements/init.txt.new
-	mv requirements/init.txt.new requirements/init.txt
 	rm -rf .venv-lock
 
 clean: ## remove the venvs, caches and built fixtures

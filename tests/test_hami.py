@@ -6,10 +6,12 @@ tests/e2e/test_hami_registration.py; here each rule is pinned, the slow ones (HA
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
 import os
 import random
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,7 +38,8 @@ from sidecar.hami.verdicts import (
 from sidecar.hami.watch import from_settings
 from sidecar.health import Status
 from sidecar.kube.access import KubeconfigError, from_kubeconfig
-from sidecar.server.metrics import HAMI_CODES
+from sidecar.reasons import HAMI_CODES
+from sidecar.server.metrics import Metrics, MetricsPublisher
 from testing import hamiwriter
 from testing.hamiwriter import go_map_order
 from testing.standin import APPLIED, MAP_ORDER_HELD, StandInPlugin, apply_control, parse_faults
@@ -204,6 +207,44 @@ def test_no_reading_is_no_evidence_never_a_failure(judge: HamiJudge) -> None:
         assert v.status is Status.OK and v.code == "no_evidence" and not v.restarts
         assert v.reason == f"no evidence: the Node cannot be read: {why}" and v.gpus is None
         assert v.scheduler == "" and v.code in NOT_JUDGED
+
+
+@pytest.mark.parametrize("fmt", [anno.JSON, anno.CSV])
+def test_a_value_past_the_sidecars_bound_cannot_tell_and_never_restarts(clock: Clock, fmt: str) -> None:
+    """A register annotation longer than hami-guard's own bound on a value (1 MiB; the API server caps all
+    of a Node's annotations at 256 KiB) is not read: what HAMi's scheduler makes of it cannot be told,
+    so it passes as no evidence, however long it stays and however often the plugin restarts: a restart
+    cannot mend a value this sidecar refuses to read. Here each value is one HAMi decodes (JSON padded
+    with whitespace, the CSV text with empty device segments, which DecodeNodeDevices skips)."""
+    keys = replace(KEYS, format=fmt)
+    csv = ":".join(f"{g},10,81920,100,NVIDIA-A100,0,true" for g in (G1, G2))
+    decodable = register((G1, True), (G2, True)) if fmt == anno.JSON else csv
+    pad = " " if fmt == anno.JSON else ":"
+    assert anno.parse_register(decodable + pad * 1000, fmt).healthy == {G1, G2}  # within the bound: read
+    value = decodable + pad * anno.MAX_VALUE
+    judge = HamiJudge((keys,), "node-1", REPAIR, clock)
+    ev = replace(HEALTHY, node=node({HAMI_REGISTER: value, HAMI_HANDSHAKE: HS}))
+    for restart in range(RESTART_BUDGET + 2):
+        for _ in range(3):
+            v = judge.judge(R, replace(ev, plugin_id=("sock", restart)))
+            assert v.status is Status.OK and v.code == "no_evidence" and v.code in NOT_JUDGED, v.reason
+            assert not v.restarts and not v.live_failed and not v.budget_spent
+            assert v.gpus is None and v.scheduler == ""
+            assert v.reason == (
+                f"no evidence: HAMi's annotation {HAMI_REGISTER} is {len(value)} characters, over "
+                f"hami-guard's own bound of {anno.MAX_VALUE} (1 MiB) on a value it reads: not read, so what "
+                "HAMi's scheduler makes of it is not judged (a plugin restart cannot change this bound)"
+            )
+            clock.now += REPAIR
+    assert judge.restarts_in_vain(R) == 0
+    # A value HAMi itself cannot decode keeps its verdict: unparsable, liveness once HAMi's loop had time.
+    # Within the bound, with a count Go cannot parse ("1x").
+    undecodable = value[: anno.MAX_VALUE].replace("10", "1x")
+    bad = replace(ev, node=node({HAMI_REGISTER: undecodable, HAMI_HANDSHAKE: HS}))
+    assert judge.judge(R, bad).code == "repairing"
+    clock.now += REPAIR
+    v = judge.judge(R, bad)
+    assert v.code == "unparsable" and v.live_failed, v.reason
 
 
 def test_a_wrong_node_name_is_readiness_only(judge: HamiJudge) -> None:
@@ -571,8 +612,65 @@ def test_the_doctor_tells_an_unread_node_from_a_plugin_down_and_names_the_harm(c
     assert missing.verdict == "problem" and "'node unregistered' where it never read" in missing.evidence[0]
 
 
-def test_the_codes_are_the_metrics() -> None:
-    assert CODES == HAMI_CODES
+PRODUCT = ("hami_guard", "initcheck", "sidecar", "doctor")
+
+
+def _code_lists(path: Path) -> list[int]:
+    """The lines of `path` that spell out the reason codes: a tuple, list, set, Literal[...] or dict of
+    more than half of them, or a string listing more than half (`a, b, c`; prose that names some is not
+    a list)."""
+    codes, found = set(HAMI_CODES), []
+    for n in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(n, ast.Tuple | ast.List | ast.Set | ast.Dict):
+            items = n.keys if isinstance(n, ast.Dict) else n.elts
+            lists = [{e.value for e in items if isinstance(e, ast.Constant) and isinstance(e.value, str)}]
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            lists = [set(run.split(", ")) for run in re.findall(r"\w+(?:, \w+)+", n.value)]
+        else:
+            continue
+        if any(2 * len(words & codes) > len(codes) for words in lists):
+            found.append(n.lineno)
+    return found
+
+
+def test_the_reason_codes_are_written_once() -> None:
+    """sidecar/reasons.py alone spells out the hami check's reason codes: the verdicts judge with them, the
+    metric publishes each as a `reason` label value, in that order, and its help text names them, so a
+    code added there is judged, published and described everywhere."""
+    root = Path(__file__).resolve().parent.parent
+    spelled = {
+        str(path.relative_to(root)): lines
+        for package in PRODUCT
+        for path in sorted((root / package).rglob("*.py"))
+        if (lines := _code_lists(path))
+    }
+    assert list(spelled) == ["sidecar/reasons.py"] and len(spelled["sidecar/reasons.py"]) == 1
+    assert CODES is HAMI_CODES
+    metrics = Metrics()
+    MetricsPublisher(metrics, "nvidia").hami(R, "unparsable", 2)
+    (family,) = (f for f in metrics.registry.collect() if f.name == "device_plugin_hami_registration")
+    assert tuple(s.labels["reason"] for s in family.samples) == HAMI_CODES
+    assert [s.labels["reason"] for s in family.samples if s.value] == ["unparsable"]
+    assert f"({', '.join(HAMI_CODES)})" in family.documentation
+
+
+def test_the_code_lists_are_found(tmp_path: Path) -> None:
+    """The scan above finds a copy of the codes in each form it is written in."""
+    half = HAMI_CODES[: len(HAMI_CODES) // 2 + 1]
+    forms = [
+        repr(half),
+        repr(list(half)),
+        f"Literal[{', '.join(map(repr, half))}]",
+        repr(dict.fromkeys(half)),
+    ]
+    forms += [repr(f"the reason ({', '.join(half)})")]
+    for form in forms:
+        (tmp_path / "m.py").write_text(f"X = {form}\n")
+        assert _code_lists(tmp_path / "m.py") == [1], form
+    (tmp_path / "m.py").write_text(f"X = {HAMI_CODES[: len(HAMI_CODES) // 2]!r}\n")
+    assert _code_lists(tmp_path / "m.py") == []
+    (tmp_path / "m.py").write_text(f"X = {' and '.join(f'`{c}`' for c in HAMI_CODES)!r}\n")  # prose
+    assert _code_lists(tmp_path / "m.py") == []
 
 
 # -- the settings --------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ Dockerfile's ENTRYPOINT and every command the image ships from there."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import pytest
 from testing import free_port
 from tests.conftest import wait_ready
 from tests.proctable import isolated
+from tests.test_layers import imports, modules
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "/opt/hami-guard"
@@ -160,11 +162,25 @@ def test_every_command_the_image_ships_starts(
         assert done.returncode == 0, f"{script.name} --help: {done.stderr[-2000:]}"
 
 
-def test_init_image_runs_initcheck_with_psutil_only(
+def test_init_image_runs_initcheck_with_what_it_imports_only(
     image: Callable[[str], Image], listening: str, short_tmp: str
 ) -> None:
     img = image("Dockerfile.init")
-    assert img.requirements.read_text().count("==") == 1  # psutil, and nothing else
+    installed = subprocess.run(
+        [
+            str(img.venv / "bin" / "python"),
+            "-c",
+            "import importlib.metadata as m\nprint(' '.join(d.metadata['Name'] for d in m.distributions()))",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=img.venv,
+    ).stdout.split()
+    # The venv's own installers, the wheel, and exactly the pinned requirements (none at all today).
+    assert {_dist(n) for n in installed} - {"pip", "setuptools"} == {"hami-guard-initcheck"} | _requirements(
+        img.requirements
+    )
     argv = img.here(img.entrypoint)
     # With a process table of the test's own (tests/proctable.py): no other kubelet on the machine.
     own = isolated([*argv, "--device-plugin-dir", listening], os.path.join(short_tmp, "table"))
@@ -173,7 +189,7 @@ def test_init_image_runs_initcheck_with_psutil_only(
     assert ok.stdout.splitlines()[-1].startswith("ok: ")
     failing = subprocess.run([*argv, "--device-plugin-dir", "/nonexistent"], capture_output=True)
     assert failing.returncode == 100
-    for module in ("grpc", "aiohttp", "watchdog", "sidecar", "doctor"):
+    for module in ("grpc", "aiohttp", "watchdog", "psutil", "sidecar", "doctor"):
         probe = subprocess.run(
             [str(img.venv / "bin" / "python"), "-c", f"import {module}"], cwd=img.venv, capture_output=True
         )
@@ -252,13 +268,89 @@ def test_sidecar_image_serves(image: Callable[[str], Image], listening: str) -> 
 
 
 def test_the_init_wheel_is_the_projects_initcheck() -> None:
-    """images/init/pyproject.toml builds part of the project: same version, dependency, command."""
+    """images/init/pyproject.toml builds part of the project: same version, dependencies, command."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     init = tomllib.loads((ROOT / "images" / "init" / "pyproject.toml").read_text())["project"]
     assert init["version"] == project["version"]
     assert init["requires-python"] == project["requires-python"]
-    assert init["dependencies"] == project["optional-dependencies"]["init"]
+    assert set(init["dependencies"]) <= set(project["dependencies"])  # the same ranges as the sidecar's
     assert init["scripts"] == {"hami-initcheck": project["scripts"]["hami-initcheck"]}
+
+
+def _dist(requirement: str) -> str:
+    """A requirement's (or a distribution's) name, normalised as PyPI does."""
+    return re.sub(r"[-_.]+", "-", re.split(r"[\s<>=!~;\[(@]", requirement.strip(), maxsplit=1)[0]).lower()
+
+
+def _requirements(path: Path) -> set[str]:
+    """The distributions a requirements file pins."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return {_dist(line) for line in lines if line}
+
+
+def imported_from(root: Path, entry: str, packages: tuple[str, ...]) -> tuple[set[str], set[str]]:
+    """What `entry` imports when it runs, read with `ast` (tests/test_layers.py): the packages neither the
+    standard library nor `packages` (third-party: they must be installed), and the first-party modules
+    it loads (every import that runs, inside functions too; not those for annotations only), with the
+    packages they are in."""
+    known = modules(root, packages)
+    seen: set[str] = set()
+    third: set[str] = set()
+    todo = [entry]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # its packages' __init__ run first
+        for e in imports(name, known[name], known):
+            top = e.imported.split(".")[0]
+            if e.type_only or top == "__future__" or top in sys.stdlib_module_names:
+                continue
+            if top in packages:
+                todo.append(e.imported)
+            else:
+                third.add(top)
+    return third, seen
+
+
+def test_the_init_image_requires_exactly_what_initcheck_imports() -> None:
+    """The init image's pinned requirements and its wheel's dependencies name the distributions of the
+    third-party packages hami-initcheck imports, no more and no fewer: a dependency added back that
+    nothing imports is a package on every node for nothing, one missing a failed plugin start. And the
+    init wheel holds every module of the project that initcheck loads."""
+    init = tomllib.loads((ROOT / "images" / "init" / "pyproject.toml").read_text())
+    entry = init["project"]["scripts"]["hami-initcheck"].split(":")[0]
+    third, loaded = imported_from(ROOT, entry, ("hami_guard", "initcheck"))
+    owners = importlib.metadata.packages_distributions()
+    needed = {_dist(d) for top in third for d in owners.get(top, [top])}
+    copies, _ = build_stage("Dockerfile.init")
+    (requirements,) = (ROOT / s for *sources, dest in copies for s in sources if dest == "./requirements.txt")
+    assert _requirements(requirements) == needed
+    assert {_dist(d) for d in init["project"]["dependencies"]} == needed
+    wheel = set(init["tool"]["setuptools"]["packages"])
+    assert {m.rpartition(".")[0] if m not in wheel else m for m in loaded} <= wheel
+
+
+def test_the_import_reading_finds_what_runs(tmp_path: Path) -> None:
+    """The reading above on a small tree: an import inside a function runs, one for annotations does
+    not, a parent package's __init__ runs, and the standard library needs no installing."""
+    files = {
+        "app/__init__.py": "import yaml\n",
+        "app/cli.py": "import json\nfrom app import core\n",
+        "app/core.py": (
+            "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    import numpy\n\n"
+            "def f():\n    import psutil\n"
+        ),
+        "app/unused.py": "import grpc\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    third, loaded = imported_from(tmp_path, "app.cli", ("app",))
+    assert third == {"yaml", "psutil"}
+    assert loaded == {"app", "app.cli", "app.core"}
 
 
 def test_npd_runs_hami_doctor_through_the_configs_command_line(

@@ -43,7 +43,7 @@ from sidecar.cli import serve
 from sidecar.config import AUTO_DEVICES, Settings
 from sidecar.hami.verdicts import DIFFERS, NOT_JUDGED, SCHEDULER_TICK, UNSEEN
 from sidecar.kube.access import ApiAccess
-from sidecar.server.metrics import HAMI_CODES
+from sidecar.reasons import HAMI_CODES
 from testing import FakeDevicePlugin, FakeKubelet, free_port
 from tests.conftest import require_tool
 from tests.hamifixture import HANDSHAKE, REGISTER, Gpu, marshal

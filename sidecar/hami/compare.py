@@ -10,31 +10,12 @@ leaves Pods with `node unregistered`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 from sidecar.hami.annotation import Register, gpu_of
 from sidecar.hami.facts import plugin_down_note
+from sidecar.reasons import HamiCode as Code
 
 MAX_LISTED = 4  # GPU IDs named in a reason
-
-Code = Literal[
-    "ok",
-    "repairing",
-    "no_evidence",
-    "plugin_down",
-    "no_handshake",
-    "missing",
-    "unparsable",
-    "mismatched",
-    "stale_health",
-    "last_copy",
-    "wrong_node",
-    "handshake_deleted",
-    "handshake_expired",
-    "format_skew",
-    "stamp_stalled",
-]
-CODES: tuple[Code, ...] = get_args(Code)
 
 
 @dataclass

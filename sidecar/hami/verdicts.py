@@ -7,7 +7,10 @@ on (HAMi v2.10.0, and the older releases where they differ) is in docs/kubelet.m
 docs/design.md#hami-registration:
 
 1. No reading of the Node (no token, a 401 or 403, the API server unreachable, an answer that does
-   not parse): `no_evidence`, never a failure; the reason says so.
+   not parse): `no_evidence`, never a failure; the reason says so. So is a register annotation longer
+   than hami-guard's own bound on a value it reads (`annotation.MAX_VALUE`, 1 MiB; the API server caps
+   all of a Node's annotations at 256 KiB): the bound is this sidecar's, not HAMi's, so it cannot tell
+   what HAMi's scheduler makes of a value it refuses to read, and a plugin restart would not change that.
 2. No Node of `NODE_NAME` (404), or a Node whose boot ID is not this machine's: `wrong_node`, the
    sidecar is told the wrong node name. Readiness only: a plugin restart reads the same name.
 3. A difference not judged (it passes): while the Node has no handshake annotation (`no_handshake`: no
@@ -47,10 +50,12 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from sidecar.hami.annotation import JSON, NodeView, Register, parse_handshake, parse_register
-from sidecar.hami.compare import CODES, Code, Diff, Read, agrees, compare, diff_note, meanwhile
+from sidecar.hami.annotation import JSON, MAX_VALUE, NodeView, Register, parse_handshake, parse_register
+from sidecar.hami.compare import Diff, Read, agrees, compare, diff_note, meanwhile
 from sidecar.hami.facts import HAMI_LOOP, HANDSHAKE_EXPIRY, HARM, SCHEDULER_TICK, cache_note
 from sidecar.health import Status
+from sidecar.reasons import HAMI_CODES as CODES
+from sidecar.reasons import HamiCode as Code
 
 __all__ = [
     "CODES",
@@ -192,6 +197,9 @@ class HamiJudge:
                 "wrong_node",
             )
         value = node.annotations.get(k.register)
+        if value is not None and len(value) > MAX_VALUE:
+            st.differs_since = None
+            return HamiVerdict(Status.OK, _unread(k.register, value), "no_evidence")
         register = parse_register(value, k.format) if value is not None else None
         handshake = node.annotations.get(k.handshake) if k.handshake else None
         _remember(st, value, register, handshake, now)
@@ -390,6 +398,15 @@ class HamiJudge:
     def handshake_of(keys: HamiKeys, node: NodeView | None) -> str:
         """The handshake annotation's value as read, for /status ("" when absent or unread)."""
         return node.annotations.get(keys.handshake, "") if node is not None else ""
+
+
+def _unread(key: str, value: str) -> str:
+    """Why a register annotation past hami-guard's own bound is not judged: the bound is ours, not HAMi's."""
+    return (
+        f"no evidence: HAMi's annotation {key} is {len(value)} characters, over hami-guard's own bound of "
+        f"{MAX_VALUE} ({MAX_VALUE >> 20} MiB) on a value it reads: not read, so what HAMi's scheduler makes "
+        "of it is not judged (a plugin restart cannot change this bound)"
+    )
 
 
 def _remember(

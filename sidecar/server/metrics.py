@@ -23,25 +23,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from sidecar.health import Check, Status
-
-# The hami check's reason codes (sidecar.hami.verdicts.CODES; tests/test_hami.py holds them equal).
-HAMI_CODES = (
-    "ok",
-    "repairing",
-    "no_evidence",
-    "plugin_down",
-    "no_handshake",
-    "missing",
-    "unparsable",
-    "mismatched",
-    "stale_health",
-    "last_copy",
-    "wrong_node",
-    "handshake_deleted",
-    "handshake_expired",
-    "format_skew",
-    "stamp_stalled",
-)
+from sidecar.reasons import HAMI_CODES
 
 logger = logging.getLogger(__name__)
 
@@ -181,9 +163,7 @@ class Metrics:
         # HAMi's own registration (sidecar.hami): the `hami` check's reason, and what HAMi's scheduler sees.
         self.hami_reason = Gauge(
             "device_plugin_hami_registration",
-            "1 for the hami check's current reason code (ok, repairing, no_evidence, plugin_down, "
-            "no_handshake, missing, unparsable, mismatched, stale_health, last_copy, wrong_node, "
-            "handshake_deleted, handshake_expired, format_skew, stamp_stalled), 0 for the others",
+            f"1 for the hami check's current reason code ({', '.join(HAMI_CODES)}), 0 for the others",
             ["plugin", "resource", "reason"],
             registry=r,
         )
