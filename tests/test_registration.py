@@ -1473,6 +1473,9 @@ def test_where_only_a_count_of_zero_is_trusted_a_lost_connection_is_still_confir
     reg.round(node.round())
     assert status(reg, f"registered:{GPU}")[1] is not kubelet_stops
     assert seen.restart_requests == (0 if kubelet_stops else 1)
+    if not kubelet_stops:  # held by its records only: no connection time to tell
+        why = reason(reg, f"registered:{GPU}")
+        assert "no longer connected to nvidia-gpu.sock: it dropped the plugin" in why, why
 
 
 def test_a_listener_that_closes_within_the_restart_window_is_a_plugin_that_stopped() -> None:

@@ -315,7 +315,8 @@ class ConnectionEvidence:
             s.lost_at = now
         if now - s.lost_at < self.rules.drop_confirm:
             return UNCONFIRMED
-        since = iso(s.connected_since) if s.connected_since else "?"
+        # When it first held them, where a round saw it connect (not a sidecar started under the connection).
+        held = f" (held it from {iso(s.connected_since)})" if s.connected_since else ""
         if self.streams.refused(r) and self.streams.pair(r) == pair and endpoint is not False:
             # The connections a refusal left open closed (grpc-go's idle timeout) while the kubelet keeps
             # the plugin's endpoint (pod-resources lists its healthy devices, or cannot be read): the
@@ -327,14 +328,14 @@ class ConnectionEvidence:
             s.trap = FORGOTTEN
             return Held(
                 False,
-                f"the kubelet is no longer connected to {sock} (held it from {since}) and refused "
+                f"the kubelet is no longer connected to {sock}{held} and refused "
                 f"its later Register: the path is refused until the kubelet restarts{phantom}",
                 definitive=True,
                 mends=False,
             )
         return Held(
             False,
-            f"the kubelet is no longer connected to {sock} (held it from {since}): it dropped the "
+            f"the kubelet is no longer connected to {sock}{held}: it dropped the "
             "plugin, which keeps serving; a plugin restart registers it again",
             definitive=True,
         )
