@@ -32,6 +32,7 @@ from tests.node.kit import (
     NODE,
     NS,
     RUN,
+    RUNS,
     Plugin,
     get,
     healthy_plugin,
@@ -147,16 +148,23 @@ def test_ascend_patched_and_registered(ascend: list[dict[str, Any]]) -> None:
     assert restarts("device-plugin", ASCEND) == 0
 
 
-def test_ascend_drop(ascend: list[dict[str, Any]]) -> None:
+RUN_IDS = [f"run{n + 1}" for n in range(RUNS)]
+
+
+@pytest.mark.parametrize("run", RUN_IDS)
+def test_ascend_drop(ascend: list[dict[str, Any]], run: str) -> None:
     """The Ascend plugin ends its ListAndWatch stream while it keeps serving: restarted by the kubelet for
     hami-guard's liveness, registered again."""
-    restored_after("Ascend drop (ListAndWatch ended)", lambda: set_fault("drop", True, ASCEND), plugin=ASCEND)
+    restored_after(
+        f"Ascend drop (ListAndWatch ended) ({run})", lambda: set_fault("drop", True, ASCEND), plugin=ASCEND
+    )
 
 
-def test_nvidia_drop_beside_ascend(ascend: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("run", RUN_IDS)
+def test_nvidia_drop_beside_ascend(ascend: list[dict[str, Any]], run: str) -> None:
     """NVIDIA's drop on the same node while the Ascend pod runs: its figures beside e2e_node.py's; the
     Ascend plugin untouched by it."""
     before = restarts("device-plugin", ASCEND)
-    restored_after("NVIDIA drop beside the Ascend plugin", lambda: set_fault("drop", True))
+    restored_after(f"NVIDIA drop beside the Ascend plugin ({run})", lambda: set_fault("drop", True))
     assert restarts("device-plugin", ASCEND) == before
     healthy_plugin(60, ASCEND)
