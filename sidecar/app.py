@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from hami_guard.node.unixdiag import KUBELET_PROCESS_NAMES
 from sidecar.config import PluginSpec, Settings
+from sidecar.deviceplugin.candidates import CandidateWait, Where
 from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
 from sidecar.deviceplugin.probes import socket_identity
 from sidecar.deviceplugin.watch import DevicePluginWatch
@@ -44,11 +45,38 @@ class Sidecar:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
-        s = self.settings = settings
         self.clock = clock
+        self._wall = wall
+        self._build(settings)
+        # Several candidate resources (--plugin-candidates): which one this node's plugin serves is learnt
+        # first (sidecar.deviceplugin.candidates), and only then is the rest built, for that one. Until
+        # then the views answer the wait's one check; what _build made of the candidates' settings (no
+        # plugin) never runs.
+        self.candidates: CandidateWait | None = None
+        if settings.plugin_candidates:
+            s = settings
+            self.metrics = Metrics()
+            where = Where(s.device_plugin_dir, s.kubelet_socket, s.polling_interval, s.registration_grace)
+            publish = MetricsPublisher(self.metrics, s.plugin_label, clock).check
+            self.candidates = CandidateWait(where, s.plugin_candidates, publish, clock, wall)
+            self.state = self.candidates.state
+        self.started = clock()
+        self.rounds = 0
+        self._trigger: asyncio.Event | None = None
+        self._tasks = TaskSet("hami-sidecar:")
+        self._refresh_handle: asyncio.TimerHandle | None = None
+        self._watcher: FolderWatcher | None = None
+        self._folder_id: tuple[int, int] | None = None
+        self._folder_waiting = False
+        self._grpc = GrpcRuntime()
+
+    def _build(self, settings: Settings) -> None:
+        """The watches, judges and checks of `settings`, and their metrics."""
+        s = self.settings = settings
+        clock = self.clock
         self.metrics = Metrics()
         publish = MetricsPublisher(self.metrics, s.plugin_label)
-        self.device_plugins = DevicePluginWatch(s, publish, clock, wall)
+        self.device_plugins = DevicePluginWatch(s, publish, clock, self._wall)
         self.judge = self.device_plugins.judge
         self.state = self.judge.state
         # DRA drivers (sidecar.dra.verdicts): judged there, with their own grace, into the same checks.
@@ -72,23 +100,21 @@ class Sidecar:
             self.hami.attach(self.state, publish)
         for check in self.state.checks.values():
             publish.check(check)
-        self.started = clock()
-        self.rounds = 0
-        self._trigger: asyncio.Event | None = None
-        self._tasks = TaskSet("hami-sidecar:")
-        self._refresh_handle: asyncio.TimerHandle | None = None
-        self._watcher: FolderWatcher | None = None
-        self._folder_id: tuple[int, int] | None = None
-        self._folder_waiting = False
-        self._grpc = GrpcRuntime()
+
+    @property
+    def waiting(self) -> bool:
+        """Still learning which of the candidates this node's plugin serves: nothing else runs yet."""
+        return self.candidates is not None and self.candidates.chosen is None
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
-        """Watch the folder, and run the probe loop and the refreshes until `stop`."""
+        """Watch the folder, and run the probe loop and the refreshes until `stop` (once this node's
+        plugin is known, where there are candidates)."""
         loop = asyncio.get_running_loop()
         self._trigger = asyncio.Event()
         self._grpc.hold()
-        self.device_plugins.start()
+        if not self.waiting:
+            self.device_plugins.start()
         self._watcher = FolderWatcher(
             self.settings.device_plugin_dir,
             self._on_fs_event,
@@ -98,6 +124,17 @@ class Sidecar:
         )
         if not self._arm_watcher():
             self._await_folder()
+        if self.candidates is not None and self.waiting:
+            self._tasks.spawn(self._learn_plugin(self.candidates), "plugin-candidates")
+            return
+        self._tasks.spawn(self._probe_loop(), "probe-loop")
+        self._schedule_refresh()
+
+    async def _learn_plugin(self, candidates: CandidateWait) -> None:
+        """Wait for this node's plugin to serve one candidate, then judge it from the first round on."""
+        chosen = await candidates.wait()
+        self._build(self.settings.resolved(chosen))
+        self.device_plugins.start()
         self._tasks.spawn(self._probe_loop(), "probe-loop")
         self._schedule_refresh()
 
@@ -165,6 +202,10 @@ class Sidecar:
 
     def _on_fs_event(self, event: FsEvent) -> None:
         """Runs on the loop (the observer thread hands events over); decides, never blocks."""
+        if self.waiting:  # nothing is judged yet (the wait looks for itself): only the watch is kept
+            if event.kind == "folder-gone":
+                self._await_folder()
+            return
         s = self.settings
         plugin = self.judge.plugin(event.name)
         if event.kind == "folder-gone":
@@ -280,5 +321,6 @@ class Sidecar:
     # -- views ------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        """The first probe round has run: before it, nothing is known."""
-        return self.rounds > 0
+        """The first probe round has run (or, with candidates, the first look for the plugin's socket):
+        before it, nothing is known."""
+        return self.rounds > 0 or (self.candidates is not None and self.candidates.looks > 0)

@@ -8,9 +8,11 @@ same way.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from hami_guard import flags, profiles
@@ -87,6 +89,11 @@ class Settings(flags.DeviceFolder):
     vendor_given: bool = False  # --vendor (or its variable) named it: it owns the resources no profile owns
     host_dev: str = HOST_DEV  # where the host's /dev is in this container
     plugins: tuple[PluginSpec, ...] = (DEFAULT_PLUGIN,)
+    # --plugin-candidates: the resources this node's plugin may serve, one of which it does (a vendor whose
+    # each node serves its own hardware's, one DaemonSet over several kinds). While they are set `plugins`
+    # is empty: the sidecar learns which one first (sidecar.deviceplugin.candidates), then judges it
+    # (`resolved`).
+    plugin_candidates: tuple[PluginSpec, ...] = ()
     pod_resources_socket: str = DEFAULT_POD_RESOURCES
     host: str = "0.0.0.0"
     port: int = PROFILE.free_port()  # 9395 unless the vendor's own containers listen there
@@ -173,6 +180,19 @@ class Settings(flags.DeviceFolder):
             return self.hami_handshake_annotation
         return self.profile_for(resource).handshake_key(resource)
 
+    def resolved(self, plugin: PluginSpec) -> Settings:
+        """These settings once this node's plugin is known to serve `plugin`, one of the candidates: as
+        if `--plugin` had named it (its HAMi annotations only, its vendor's handshake where none is given)."""
+        if plugin not in self.plugin_candidates:
+            raise ValueError(f"{plugin.resource}={plugin.socket} is not one of the candidates")
+        return dataclasses.replace(
+            self,
+            plugins=(plugin,),
+            plugin_candidates=(),
+            hami_annotations=tuple(a for a in self.hami_annotations if a[0] == plugin.resource),
+            hami_handshake_annotation=self.hami_handshake(plugin.resource),
+        )
+
 
 def hami_keys(
     plugins: Sequence[PluginSpec], given: Sequence[tuple[str, str]], vendor: VendorProfile | None = None
@@ -211,6 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
             ),
             flags.kubelet_process_flag(kubelet_process_name=d.kubelet_process_name),
         ],
+    )
+    p.add_argument(
+        "--plugin-candidates",
+        action="append",
+        type=partial(flags.plugin_spec, example=d.plugins[0]),
+        help="RESOURCE=SOCKET, repeatable (the variable: a comma-separated list), instead of --plugin: the "
+        "resources this node's plugin may serve, one of them (one DaemonSet over nodes of several kinds of "
+        "device, each node's plugin serving its own kind's). The sidecar judges nothing until exactly one "
+        "is served by a listener in this pod's network namespace, then judges that one; meanwhile /healthz "
+        "200, /readyz 503 saying so. Not with hostNetwork, nor with --dra-driver",
     )
     p.add_argument(
         "--listen",
@@ -395,6 +425,7 @@ class Vendor:
     given: bool  # --vendor named it (else it follows the resources, or is the default)
     plugins: tuple[PluginSpec, ...]
     device_glob: str
+    candidates: tuple[PluginSpec, ...] = ()  # --plugin-candidates (two or more; then no plugins yet)
 
 
 def vendor_settings(parser: argparse.ArgumentParser, args: argparse.Namespace, dra: bool) -> Vendor:
@@ -402,18 +433,23 @@ def vendor_settings(parser: argparse.ArgumentParser, args: argparse.Namespace, d
     (--plugin, else the vendor's default; none with DRA drivers alone) and the device glob (--device-glob,
     else the vendor's under --host-dev). A usage error where the vendor's defaults do not fit."""
     given = tuple(args.plugin or ())
+    candidates = plugin_candidates(parser, args, given, dra)
     if args.vendor:
         profile = profiles.named(args.vendor) or PROFILE
     else:
-        profile = next((v for p in given if (v := for_resource(p.resource)) is not None), PROFILE)
-    if not given and not dra and profile.resources.per_node:
+        named = given or candidates
+        profile = next((v for p in named if (v := for_resource(p.resource)) is not None), PROFILE)
+    if not given and not candidates and not dra and profile.resources.per_node:
         r = profile.resources
+        several = " (or the chart's, --plugin-candidates)" if hasattr(args, "plugin_candidates") else ""
         parser.error(
             f"--plugin: each node's {profile.vendor} plugin registers the resource of its own hardware "
-            f"({profile.shown(r.pattern)} on {profile.shown(r.socket)}): name this node's, e.g. --plugin "
-            f"{r.default}={profile.socket_for(r.default)}"
+            f"({profile.shown(r.pattern)} on {profile.shown(r.socket)}): name this node's{several}, e.g. "
+            f"--plugin {r.default}={profile.socket_for(r.default)}"
         )
-    plugins = given or (() if dra else (vendor_plugin(profile),))
+    if len(candidates) == 1:  # one candidate is the plugin
+        given, candidates = candidates, ()
+    plugins = given or (() if dra or candidates else (vendor_plugin(profile),))
     if not args.host_dev.startswith("/"):
         parser.error(f"--host-dev {args.host_dev!r}: an absolute path")
     glob = args.device_glob or vendor_glob(profile, args.host_dev)
@@ -422,7 +458,33 @@ def vendor_settings(parser: argparse.ArgumentParser, args: argparse.Namespace, d
             f"--expect-devices auto: the {profile.vendor} profile names no device nodes to count; set "
             "--device-glob, or --expect-devices N"
         )
-    return Vendor(profile, bool(args.vendor), plugins, glob)
+    return Vendor(profile, bool(args.vendor), plugins, glob, candidates)
+
+
+def plugin_candidates(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, given: Sequence[PluginSpec], dra: bool
+) -> tuple[PluginSpec, ...]:
+    """--plugin-candidates (hami-doctor has none), checked: never with --plugin or DRA drivers, each
+    resource and each socket once."""
+    candidates = tuple(getattr(args, "plugin_candidates", None) or ())
+    if not candidates:
+        return ()
+    if given:
+        parser.error(
+            "--plugin-candidates with --plugin: name this node's resource, or the candidates, not both"
+        )
+    if dra:
+        parser.error(
+            "--plugin-candidates with --dra-driver: the DRA drivers are judged from the start, the device "
+            "plugin only once it is known; name the device plugin's resource with --plugin"
+        )
+    for what, values in (
+        ("resource", [c.resource for c in candidates]),
+        ("socket", [c.socket for c in candidates]),
+    ):
+        if len(set(values)) != len(values):
+            parser.error(f"--plugin-candidates: a {what} is named twice: {', '.join(values)}")
+    return candidates
 
 
 def _profile_keys() -> str:
@@ -452,9 +514,12 @@ def hami_settings(
     environ: Mapping[str, str] | None,
     plugins: Sequence[PluginSpec],
     vendor: VendorProfile = PROFILE,
+    *,
+    candidates: Sequence[PluginSpec] = (),
 ) -> HamiSettings:
     """The hami_* settings of the parsed flags (a usage error on a bad one); the handshake's default is
-    the first plugin's vendor's (`vendor` where no profile owns it)."""
+    the first plugin's vendor's (`vendor` where no profile owns it). `candidates`: --plugin-candidates,
+    whose resources --hami-annotation may name too."""
     d = DEFAULTS
     pairs = []
     for value in args.hami_annotation or ():
@@ -462,7 +527,7 @@ def hami_settings(
         if (
             not resource
             or not key
-            or resource not in {p.resource for p in plugins}
+            or resource not in {p.resource for p in (*plugins, *candidates)}
             or any(c.isspace() for c in key)
         ):
             parser.error(f"--hami-annotation: expected RESOURCE=KEY of a --plugin resource, got {value!r}")
@@ -531,7 +596,7 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
     resources = [p.resource for p in plugins]
     if len(set(resources)) != len(resources):
         parser.error(f"--plugin: a resource is named twice: {', '.join(resources)}")
-    hami = hami_settings(parser, args, environ, plugins, vendor.profile)
+    hami = hami_settings(parser, args, environ, plugins, vendor.profile, candidates=vendor.candidates)
     host, port = args.listen or (DEFAULTS.host, vendor.profile.free_port())
     return Settings(
         device_plugin_dir=args.device_plugin_dir,
@@ -540,6 +605,7 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str] | None, *, raise_erro
         vendor_given=vendor.given,
         host_dev=args.host_dev,
         plugins=plugins,
+        plugin_candidates=vendor.candidates,
         pod_resources_socket=args.pod_resources_socket,
         host=host,
         port=port,

@@ -376,3 +376,77 @@ def test_a_listen_port_of_thousands_of_digits_serves_on_the_default() -> None:
     got = read_settings(["--listen", "127.0.0.1:" + "9" * 5000], {})
     assert isinstance(got, BadConfig)
     assert (got.host, got.port) == (Settings().host, Settings().port)
+
+
+# -- several candidate resources (--plugin-candidates, sidecar.candidates) ----------------------------------
+CANDIDATES = "huawei.com/Ascend910B3=Ascend910B3.sock,huawei.com/Ascend310P=Ascend310P.sock"
+B3, P = (
+    PluginSpec("huawei.com/Ascend910B3", "Ascend910B3.sock"),
+    PluginSpec("huawei.com/Ascend310P", "Ascend310P.sock"),
+)
+
+
+def test_candidates_from_the_variable_or_the_flag_until_one_is_known() -> None:
+    """The chart's resources as candidates: no plugin yet, the vendor theirs; once this node's is known,
+    the settings are those of --plugin naming it (its annotations, its vendor's handshake)."""
+    s = parse_settings(
+        ["--hami-annotation", "huawei.com/Ascend910B3=x.io/b3"], {"HAMI_GUARD_PLUGIN_CANDIDATES": CANDIDATES}
+    )
+    assert (s.plugins, s.plugin_candidates) == ((), (B3, P))
+    assert (s.vendor, s.port) == ("ascend", 9396)
+    flagged = parse_settings(
+        [
+            "--plugin-candidates",
+            f"{B3.resource}={B3.socket}",
+            "--plugin-candidates",
+            f"{P.resource}={P.socket}",
+        ],
+        {},
+    )
+    assert flagged.plugin_candidates == (B3, P)
+    one = s.resolved(P)
+    named = parse_settings(["--plugin", f"{P.resource}={P.socket}"], {})
+    assert (one.plugins, one.plugin_candidates, one.hami_annotations) == ((P,), (), ())
+    assert (
+        one.hami_handshake_annotation
+        == named.hami_handshake_annotation
+        == "hami.io/node-handshake-Ascend310P"
+    )
+    assert one.hami_keys() == named.hami_keys()
+    assert s.resolved(B3).hami_keys() == ((B3.resource, "x.io/b3"),)
+    with pytest.raises(ValueError, match="not one of the candidates"):
+        s.resolved(PluginSpec("nvidia.com/gpu", "nvidia-gpu.sock"))
+    # One candidate is the plugin itself: nothing to learn.
+    alone = parse_settings([], {"HAMI_GUARD_PLUGIN_CANDIDATES": f"{P.resource}={P.socket}"})
+    assert (alone.plugins, alone.plugin_candidates) == ((P,), ())
+
+
+CAND = "HAMI_GUARD_PLUGIN_CANDIDATES"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--plugin", f"{P.resource}={P.socket}"], {CAND: CANDIDATES}, "--plugin-candidates with --plugin"),
+        (["--dra-driver", "gpu.example.com"], {CAND: CANDIDATES}, "--plugin-candidates with --dra-driver"),
+        ([], {CAND: f"{CANDIDATES},huawei.com/Ascend310P=b.sock"}, "a resource is named twice"),
+        ([], {CAND: f"{CANDIDATES},huawei.com/Ascend910A=Ascend310P.sock"}, "a socket is named twice"),
+        ([], {CAND: "Ascend310P"}, "HAMI_GUARD_PLUGIN_CANDIDATES='Ascend310P'"),
+        (["--vendor", "ascend"], {}, "name this node's (or the chart's, --plugin-candidates), e.g. --plugin"),
+    ],
+)  # fmt: skip
+def test_candidates_that_cannot_be_used_are_a_served_usage_error(
+    argv: list[str], env: dict[str, str], message: str
+) -> None:
+    got = read_settings(argv, env)
+    assert isinstance(got, BadConfig)
+    assert message in got.error
+
+
+def test_the_doctor_has_no_candidates(capsys: pytest.CaptureFixture[str]) -> None:
+    """hami-doctor runs on one node, whose resource is named: its per-node error does not offer them."""
+    with pytest.raises(SystemExit):
+        doctor_settings(["--vendor", "ascend"], {})
+    err = capsys.readouterr().err
+    assert "each node's Ascend plugin registers the resource of its own hardware" in err
+    assert "--plugin-candidates" not in err

@@ -689,22 +689,43 @@ def test_every_vendors_render_validates_strictly(tmp_path: Path) -> None:
     validate_files(paths, count)
 
 
-def test_a_chart_of_several_ascend_chips_needs_the_nodes_resource(helm: Helm) -> None:
+def test_a_chart_of_several_ascend_chips_gives_the_sidecar_its_candidates(helm: Helm) -> None:
     """Each node's Ascend plugin registers its own chip's resource: with several in the chart's device
-    config, the post-renderer refuses to guess (a wrong resource would fail the plugin check and restart
-    the plugin) and names them; with one, it takes it (the case ascend-one-chip above)."""
+    config and no plugin=, the sidecar is given them all as candidates and learns which one its node's
+    plugin serves (sidecar/deviceplugin/candidates.py); the render is plugin='s (the case ascend) but for
+    that variable. With one entry, that one (ascend-one-chip). A pod with hostNetwork, where the sidecar
+    cannot tell, is refused in one line, naming plugin=."""
     v = VENDORS["ascend"]
     args = ["template", v.release, str(FIXTURES / v.chart), "--namespace", v.namespace]
     result = helm(*args, *helm.post_renderer)
-    assert result.returncode != 0
-    if helm.which == "helm3":
-        assert "each node's plugin registers the resource of its own hardware" in result.stderr
-        assert "huawei.com/Ascend910B3, huawei.com/Ascend310P" in result.stderr
-    alone = run(
-        [str(PATCH / "post-renderer.sh"), f"registry={REGISTRY}"], input=helm(*args).stdout, env=clean_env()
-    )
+    assert result.returncode == 0, result.stderr
+    ds = the_daemonset(docs(result.stdout), "ascend")
+    sidecar = by_name(ds["spec"]["template"]["spec"]["initContainers"])["hami-sidecar"]
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert "HAMI_GUARD_PLUGIN" not in env
+    both = "huawei.com/Ascend910B3=Ascend910B3.sock,huawei.com/Ascend310P=Ascend310P.sock"
+    assert env["HAMI_GUARD_PLUGIN_CANDIDATES"] == both
+    read = sidecar_settings(sidecar)
+    assert read.plugins == ()
+    assert [f"{p.resource}={p.socket}" for p in read.plugin_candidates] == both.split(",")
+    assert (read.vendor, read.port) == ("ascend", v.port)
+    named = the_daemonset(docs(vendor_render(helm.which, "ascend")), "ascend")
+    for e in by_name(named["spec"]["template"]["spec"]["initContainers"])["hami-sidecar"]["env"]:
+        if e["name"] == "HAMI_GUARD_PLUGIN":
+            e.update(name="HAMI_GUARD_PLUGIN_CANDIDATES", value=both)
+    assert unordered(ds) == unordered(named)
+    # hostNetwork: every process of the node listens in the pod's network namespace.
+    chart = helm(*args).stdout
+    assert chart.count("      priorityClassName:") == 1
+    chart = chart.replace("      priorityClassName:", "      hostNetwork: true\n      priorityClassName:")
+    alone = run([str(PATCH / "post-renderer.sh"), f"registry={REGISTRY}"], input=chart, env=clean_env())
     assert alone.returncode == 1 and alone.stdout == ""
-    assert len(alone.stderr.strip().splitlines()) == 1
+    assert alone.stderr.count("\n") == 1
+    assert (
+        "huawei.com/Ascend910B3, huawei.com/Ascend310P): with hostNetwork, the sidecar cannot tell"
+        in alone.stderr
+    )
+    assert "set plugin=RESOURCE=SOCKET" in alone.stderr
 
 
 @pytest.mark.parametrize("case", ["amd", "dcu", "biren", "ascend-one-chip"])

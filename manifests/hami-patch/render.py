@@ -84,7 +84,11 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
         f"the plugin's container; default: the vendor's, else the one that serves in {DEVICE_PLUGINS}",
     ),
     "port": ("", f"hami-sidecar's port; default {PORT}, else the next one no container of the pod has"),
-    "plugin": ("", "RESOURCE=SOCKET[,...]; default: read from the vendor's device config, else the vendor's"),
+    "plugin": (
+        "",
+        "RESOURCE=SOCKET[,...]; default: read from the vendor's device config, else the vendor's; where each "
+        "node serves its own hardware's and the config names several, the sidecar learns which one",
+    ),
     "expect-devices": (
         "",
         "N, auto, or none (no devices check); default: auto where the vendor profile names device nodes "
@@ -129,6 +133,7 @@ SETTINGS: dict[str, tuple[str | None, str]] = {
 # The sidecar's --recover-unhealthy-after: its units and its bound (sidecar/config.py).
 DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 MAX_RECOVER_AFTER = 30 * 86400.0
+PLUGIN = r"[a-z0-9.-]+/[A-Za-z0-9._-]+=[A-Za-z0-9._-]+"  # RESOURCE=SOCKET, as the sidecar reads it
 LABEL = r"([a-z0-9.-]+/)?[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?=[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?"
 
 
@@ -168,7 +173,7 @@ def settings(argv: Sequence[str], environ: Mapping[str, str], *, registry: bool 
         "selector": f"({LABEL})?",
         "container": r"([a-z0-9]([a-z0-9-]*[a-z0-9])?)?",
         "port": r"([1-9][0-9]{0,4})?",
-        "plugin": r"([a-z0-9.-]+/[A-Za-z0-9._-]+=[A-Za-z0-9._-]+(,|$))*",
+        "plugin": f"({PLUGIN}(,|$))*",
         "expect-devices": r"|auto|none|[1-9][0-9]{0,3}",
         "device-glob": r"(/\S*)?",
         "registration-grace": r"[0-9]+(\.[0-9]+)?",
@@ -393,22 +398,33 @@ def chart_resources(
     return []
 
 
-def chart_plugins(ds: Mapping[str, Any], objects: Sequence[Mapping[str, Any]], p: Mapping[str, Any]) -> str:
-    """RESOURCE=SOCKET from the device config the plugin reads, or "": the vendor's default (the sidecar's
-    own). Refused where each node registers its own and the chart names several."""
+def chart_plugins(
+    ds: Mapping[str, Any], objects: Sequence[Mapping[str, Any]], p: Mapping[str, Any]
+) -> tuple[str, str]:
+    """(plugins, candidates), each RESOURCE=SOCKET[,...], from the device config the plugin reads. Plugins
+    "": the vendor's default (the sidecar's own). Where each node registers its own hardware's resource and
+    the chart names several, they are the candidates instead: the sidecar learns which one this node's
+    plugin serves (it cannot where the pod shares the host's network: refused then, as with none read)."""
+    name = ds["metadata"].get("name")
     if not p["name"]:
-        raise Refused(f"DaemonSet {ds['metadata'].get('name')}: a vendor without a profile: set plugin=")
+        raise Refused(f"DaemonSet {name}: a vendor without a profile: set plugin=")
     resources = chart_resources(ds, objects, p)
     r = p["resources"]
+    pairs = [f"{x}={r['socket'].replace(NAME, x.rsplit('/', 1)[1])}" for x in resources]
     if r["per_node"] and len(resources) != 1:
         shown = ", ".join(resources) or "none read"
+        if resources and pod_of(ds).get("hostNetwork") is not True:
+            if bad := [x for x in pairs if not re.fullmatch(PLUGIN, x)]:
+                raise Refused(f"DaemonSet {name}: the chart's device config names {bad[0]!r}: set plugin=")
+            return "", ",".join(dict.fromkeys(pairs))
+        why = "with hostNetwork, the sidecar cannot tell which one this node's serves; " if resources else ""
         raise Refused(
-            f"DaemonSet {ds['metadata'].get('name')}: each node's plugin registers the resource of its own "
-            f"hardware (the chart's: {shown}): set plugin=RESOURCE=SOCKET for the nodes it runs on"
+            f"DaemonSet {name}: each node's plugin registers the resource of its own hardware (the chart's: "
+            f"{shown}): {why}set plugin=RESOURCE=SOCKET for the nodes it runs on"
         )
     if not resources or resources == [r["default"]]:
-        return ""
-    return ",".join(f"{x}={r['socket'].replace(NAME, x.rsplit('/', 1)[1])}" for x in resources)
+        return "", ""
+    return ",".join(pairs), ""
 
 
 def hami_version(ds: Mapping[str, Any]) -> str:
@@ -454,6 +470,7 @@ def adapt(
             e["value"] = env[e["name"]]
     extra = {
         "HAMI_GUARD_PLUGIN": want["plugins"],
+        "HAMI_GUARD_PLUGIN_CANDIDATES": want["candidates"],
         "HAMI_GUARD_DEVICE_GLOB": glob,
         "HAMI_GUARD_RECOVER_UNHEALTHY_AFTER": s["recover-unhealthy-after"]
         if duration(s["recover-unhealthy-after"])
@@ -491,13 +508,14 @@ def vendor_choices(
     profile = profile_of(ds, s)
     assert profile is not None
     container = plugin_container(ds, profile)
-    plugins = s["plugin"] or chart_plugins(ds, objects, profile)
+    plugins, candidates = (s["plugin"], "") if s["plugin"] else chart_plugins(ds, objects, profile)
     port = sidecar_port(ds, profile, s)
     return {
         "profile": profile,
         "container": container,
         "port": port,
         "plugins": plugins,
+        "candidates": candidates,
         "patch": vendor_patch(profile, container, port, liveness_kind(profile, s)),
     }
 

@@ -16,7 +16,7 @@ from hami_guard.flags import DeviceExpectation, Expect
 from sidecar import __version__
 from sidecar.deviceplugin import hamiconfig
 from sidecar.deviceplugin.evidence import iso
-from sidecar.health import Status
+from sidecar.health import HealthState, Status
 
 if TYPE_CHECKING:
     from sidecar.app import Sidecar
@@ -28,27 +28,16 @@ def status_document(sidecar: Sidecar) -> dict[str, Any]:
     s = sidecar.settings
     state = sidecar.state
     judge = sidecar.judge
+    if sidecar.candidates is not None and sidecar.waiting:
+        return _waiting_document(sidecar, sidecar.candidates.document())
     return {
         "version": __version__,
         "uptime_seconds": round(sidecar.clock() - sidecar.started, 3),
         "live": state.healthy(),
         "ready": sidecar.ready and state.all_ok(),
         "watch_mode": sidecar.watch_mode,
-        "checks": {
-            c.name: {
-                "state": c.status.value,
-                "fails_liveness": c.live_failed,
-                "since": iso(c.since),
-                "reason": c.reason,
-                "last_probe_latency_seconds": c.latency,
-                **(
-                    {"grace_left_seconds": round(state.grace_left(c), 3)}
-                    if c.status is Status.PENDING and not c.judged_elsewhere
-                    else {}
-                ),
-            }
-            for c in state.checks.values()
-        },
+        **({"plugin_candidates": sidecar.candidates.document()} if sidecar.candidates is not None else {}),
+        "checks": _checks(state),
         "sockets": {
             s.kubelet_socket: _socket_info(s.kubelet_path),
             **{p.socket: {"resource": p.resource, **_socket_info(s.plugin_path(p))} for p in s.plugins},
@@ -76,6 +65,45 @@ def status_document(sidecar: Sidecar) -> dict[str, Any]:
             "probe_timeout": s.probe_timeout,
             "registration_grace": s.registration_grace,
             "plugins": {p.resource: p.socket for p in s.plugins},
+        },
+    }
+
+
+def _checks(state: HealthState) -> dict[str, Any]:
+    return {
+        c.name: {
+            "state": c.status.value,
+            "fails_liveness": c.live_failed,
+            "since": iso(c.since),
+            "reason": c.reason,
+            "last_probe_latency_seconds": c.latency,
+            **(
+                {"grace_left_seconds": round(state.grace_left(c), 3)}
+                if c.status is Status.PENDING and not c.judged_elsewhere
+                else {}
+            ),
+        }
+        for c in state.checks.values()
+    }
+
+
+def _waiting_document(sidecar: Sidecar, candidates: dict[str, Any]) -> dict[str, Any]:
+    """/status while the sidecar learns which candidate this node's plugin serves
+    (sidecar.deviceplugin.candidates): nothing else is judged yet."""
+    s = sidecar.settings
+    return {
+        "version": __version__,
+        "uptime_seconds": round(sidecar.clock() - sidecar.started, 3),
+        "live": sidecar.state.healthy(),
+        "ready": False,
+        "watch_mode": sidecar.watch_mode,
+        "plugin_candidates": candidates,
+        "checks": _checks(sidecar.state),
+        "settings": {
+            "device_plugin_dir": s.device_plugin_dir,
+            "polling_interval": s.polling_interval,
+            "registration_grace": s.registration_grace,
+            "plugins": {},
         },
     }
 
