@@ -161,6 +161,8 @@ async def test_standin_failed_start_and_xid(kubelet: FakeKubelet, dp_dir: str, s
         plugin.retry_interval = 60.0
         plugin.fail_next_register = True
         await kubelet.restart()
+        # The refusal, then the stop: `serving` alone is False a moment inside the restart, before it.
+        await wait_for(lambda: "not supported" in (plugin.last_register_error or ""), what="the refusal")
         await wait_for(lambda: not plugin.serving, what="the plugin stopped")
         await kubelet.restart()
         await wait_for(lambda: plugin.registrations == 3, timeout=5, what="started on kubelet.sock")
