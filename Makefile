@@ -277,10 +277,11 @@ dra-slices: $(STAMP) dra-fixture-new $(NODE_DIR)/bin/kube-apiserver
 	$(PY) -m pytest -q -m slow tests/e2e/test_dra_slices.py
 
 # HAMi's own registration against a real API server (tests/e2e/test_hami_registration.py): HAMi-shaped
-# writers of the Node's annotations (tests/hamifixture.py), kube-apiserver from make node-bins, Debian's etcd.
+# writers of the Node's annotations (tests/hamifixture.py), and every vendor's stand-in writing its own
+# (tests/test_standin.py); kube-apiserver from make node-bins, Debian's etcd.
 .PHONY: hami-registration
 hami-registration: $(STAMP) $(NODE_DIR)/bin/kube-apiserver ## HAMi's registration against a real API server
-	$(PY) -m pytest -q -m slow tests/e2e/test_hami_registration.py
+	$(PY) -m pytest -q -m slow tests/e2e/test_hami_registration.py tests/test_standin.py
 
 # The serving-limits floods on loopback (about 75 s): /healthz p99 during each, peak RSS, fds, exit on
 # SIGTERM (BENCHMARKS.md#stress). STRESS_CPU_LIMIT=0.2 adds the manifests' CPU limit where cgroups allow.

@@ -1,14 +1,22 @@
 """`python -m testing.standin`: FakeDevicePlugin as a pod's `device-plugin` container.
 
-The node end-to-end tests (tests/node) run it in place of HAMi's plugin, which needs a GPU: it serves
-`nvidia-gpu.sock` in the kubelet's real device-plugins folder with HAMi's split device IDs
-(`<GPU-UUID>-<n>`), registers `nvidia.com/gpu`, and serves and registers again when `kubelet.sock` is
-created, as HAMi does. Like HAMi, a refused `Register` stops the plugin (its socket goes) and the whole
+The node end-to-end tests (tests/node) run it in place of a vendor's HAMi device plugin, which needs the
+vendor's hardware. `--vendor NAME` (a profile of hami_guard/profiles; default: the profile that owns
+`--resource`, else the default profile, NVIDIA's) picks the plugin it plays: it serves the resource the
+vendor's profile registers by default (`--resource`) on the vendor's socket for it in the kubelet's real
+device-plugins folder (`--socket`: `nvidia-gpu.sock`, `Ascend910B3.sock`, device-plugin-manager's
+`hygon.com_dcunum`, `amd.com_gpu`, `birentech.com_gpu`), with the vendor's device IDs, each of `--gpus`
+devices listed `--split` times as its plugin lists shares of it (testing/vendorids.py: NVIDIA's
+`<GPU-UUID>-<n>`, Ascend's `<DCMI UUID>-<i>`, DCU's `DCU-<serial>-fake-<i>`, AMD's `<PCI address>#<i>`,
+Biren's `card_<N>`, once each). It serves and registers again when `kubelet.sock` is created, as HAMi's
+plugins do. Like HAMi's NVIDIA plugin, a refused `Register` stops the plugin (its socket goes) and the whole
 start is tried again 30 s later ("Failed to start one or more plugins. Retrying in 30s..." in HAMi's
 cmd/device-plugin/nvidia/main.go), and a device once reported Unhealthy on an XID event stays so for the
-life of the process (the FIXME in HAMi's nvinternal/plugin/server.go). Faults are files in `--control`
-(a hostPath the tests write), read twice a second (the lasting ones applied are then written to
-`.applied` in the folder), so they outlive a container restart the way a plugin's bug does:
+life of the process (the FIXME in HAMi's nvinternal/plugin/server.go); the other vendors' plugins do the
+same here (Ascend's exits instead, device-plugin-manager tries three times 3 s apart: not mirrored).
+Faults are files in `--control` (a hostPath the tests write), read twice a second (the lasting ones
+applied are then written to `.applied` in the folder), so they outlive a container restart the way a
+plugin's bug does:
 
 - `ignore-kubelet-restart`: `kubelet.sock` re-created is ignored (the plugin stays unregistered after
   a kubelet restart until its container restarts);
@@ -23,19 +31,24 @@ life of the process (the FIXME in HAMi's nvinternal/plugin/server.go). Faults ar
 - `annotation-patch-fails`: the next PATCH of HAMi's node annotation fails (the file is removed as the
   PATCH is sent; the API server refuses it, 409);
 - `map-order-held`: HAMi's annotation loop lists the GPUs in one order every round, as a one-GPU node's
-  Go map always does (without it, a new order each round, as Go's map iteration gives HAMi's plugin:
-  a round in another order patches a stale annotation again).
+  Go map always does (without it, a new order each round, as Go's map iteration gives HAMi's NVIDIA
+  plugin: a round in another order patches a stale annotation again; the other vendors' plugins list
+  theirs in one order anyway).
 
-In a Pod (KUBERNETES_SERVICE_HOST and NODE_NAME set), it also writes HAMi's node annotation
-`hami.io/node-nvidia-register` as HAMi's plugin does (another vendor's resource: that vendor's key, format
-and stamp, `hamiwriter.Vendor`), with the ServiceAccount's token: after each
-Register the kubelet accepts, a `WatchAndRegister` loop with an empty cache (testing/hamiwriter.py:
-the GPUs in Go's map order, a new one each round, compared as a string with the cache, the cache written
-before the PATCH; `--annotation-interval`, `--annotation-error-interval`: HAMi's 30 s and 5 s).
-HAMi's restart on a new `kubelet.sock` builds new plugin objects with a loop of their own; the
-stand-in's new loop replaces the old one (HAMi leaves the old one running on its old plugin objects:
-not mirrored), so one loop writes, and one failed PATCH sticks (until a round in another order) as it
-does in a plugin that never saw a kubelet restart.
+In a Pod (KUBERNETES_SERVICE_HOST and NODE_NAME set), it also writes HAMi's node annotations as the
+vendor's plugin does (testing/hamiwriter.py, `Vendor.of`), with the ServiceAccount's token: the register
+annotation (`hami.io/node-nvidia-register`, `hami.io/node-register-<commonWord>`, ...) in the format HAMi
+decodes for the vendor (JSON, DCU's legacy CSV), and the plugin's `Reported` stamp of the handshake in
+the same patch where the plugin writes one (Ascend's, DCU's, Biren's; NVIDIA's and AMD's leave the
+handshake to the scheduler's `Requesting_`). After each Register the kubelet accepts (Biren's: each time
+the kubelet opens ListAndWatch), a `WatchAndRegister` loop starts with an empty cache: for NVIDIA's, the
+GPUs in Go's map order, a new one each round, compared as a string with the cache, the cache written
+before the PATCH; for the others, every round patched. `--annotation-interval`,
+`--annotation-error-interval`: the plugin's waits after a success and an error (30 s and 5 s; Biren's
+heartbeat, 300 s, for both). HAMi's restart on a new `kubelet.sock` builds new plugin objects with a loop
+of their own; the stand-in's new loop replaces the old one (HAMi leaves the old one running on its old
+plugin objects: not mirrored), so one loop writes, and one failed PATCH sticks (until a round in another
+order) as it does in a plugin that never saw a kubelet restart.
 
 `--faults` (default: the environment's HAMI_STANDIN_FAULTS), comma-separated names of the lasting faults
 above, holds them on whatever the folder says: a pod template that carries a fault (a plugin version
@@ -51,10 +64,13 @@ import logging
 import os
 import signal
 import tempfile
+from collections.abc import Mapping, Sequence
 
+from hami_guard import profiles
 from sidecar.watcher import FsEvent
-from testing import hamiwriter
-from testing.plugin import HAMI_SPLIT_COUNT, FakeDevicePlugin, hami_device_ids
+from testing import hamiwriter, vendorids
+from testing.plugin import FakeDevicePlugin
+from testing.vendorids import Card
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +85,7 @@ MAP_ORDER_HELD = "map-order-held"
 UNSUPPORTED_VERSION = "v1alpha0"  # no kubelet supports it: its Register is refused
 LASTING = frozenset({IGNORE_KUBELET_RESTART, NOREGISTER, DEAD_GPU, MAP_ORDER_HELD})
 CONTROL_INTERVAL = 0.5
-UUID_PREFIX = "e2e00000-0000-0000-0000-00000000"  # GPU-<prefix><nnnn>: NVML's UUID shape, 8-4-4-4-12 hex
+UUID_PREFIX = vendorids.UUID_PREFIX  # NVIDIA's GPU-<prefix><nnnn>: NVML's UUID shape, 8-4-4-4-12 hex
 # The lasting fault files last applied, comma-separated: a test that must know the plugin acts on a
 # change (before it restarts the kubelet) waits for it here.
 APPLIED = ".applied"
@@ -174,14 +190,15 @@ def apply_control(plugin: StandInPlugin, control: str, held: frozenset[str] = fr
             plugin.end_stream()
 
 
-def gpu_view(devices: dict[str, str]) -> list[hamiwriter.Gpu]:
-    """The plugin's own view of its GPUs, as HAMi's annotation carries it: one entry per GPU of HAMi's
-    split IDs (`<GPU-UUID>-<n>`), healthy while all its split devices are."""
-    healthy: dict[str, bool] = {}
-    for device, health in devices.items():
-        uuid = device.rsplit("-", 1)[0]
-        healthy[uuid] = healthy.get(uuid, True) and health == "Healthy"
-    return [hamiwriter.Gpu(u, h) for u, h in healthy.items()]
+def gpu_view(devices: Mapping[str, str], cards: Sequence[Card]) -> list[hamiwriter.Gpu]:
+    """The plugin's own view of its devices, as HAMi's annotation carries them: one entry per card that has
+    a share among `devices`, by its annotation ID, healthy while all its shares are."""
+    out = []
+    for card in cards:
+        health = [devices[share] for share in card.shares if share in devices]
+        if health:
+            out.append(hamiwriter.Gpu(card.annotated, all(h == "Healthy" for h in health), card.custom))
+    return out
 
 
 def take_one_shot(control: str, name: str) -> bool:
@@ -194,38 +211,65 @@ def take_one_shot(control: str, name: str) -> bool:
     return True
 
 
-async def write_annotations(plugin: StandInPlugin, args: argparse.Namespace) -> None:
-    """HAMi's node annotation, written as HAMi's plugin writes it (the module's docstring), until
-    cancelled; nothing outside a Pod."""
-    api, node = hamiwriter.InCluster.from_environ(), hamiwriter.node_name()
-    if api is None or not node:
-        logger.info("HAMi's node annotation: not written (no KUBERNETES_SERVICE_HOST or no NODE_NAME)")
-        return
-    registrar = hamiwriter.Registrar(
+def registrar(
+    plugin: StandInPlugin, args: argparse.Namespace, cards: Sequence[Card], api: hamiwriter.NodeApi, node: str
+) -> hamiwriter.Registrar:
+    """The vendor's annotation loop for this plugin's devices, against `api`."""
+    vendor = hamiwriter.Vendor.of(args.vendor, args.resource)  # its keys, format, stamp and timing
+
+    def order(n: int) -> Sequence[int]:
+        held = plugin.order_held or not vendor.map_order
+        return hamiwriter.held_order(n) if held else hamiwriter.go_map_order(n)
+
+    return hamiwriter.Registrar(
         api,
         node,
-        lambda: gpu_view(plugin.devices),
+        lambda: gpu_view(plugin.devices, cards),
         interval=args.annotation_interval,
         error_interval=args.annotation_error_interval,
         fail_patch=lambda: take_one_shot(args.control, ANNOTATION_PATCH_FAILS),
-        order=lambda n: hamiwriter.held_order(n) if plugin.order_held else hamiwriter.go_map_order(n),
-        vendor=hamiwriter.Vendor.for_resource(args.resource),  # its vendor's key, format and stamp
+        order=order,
+        vendor=vendor,
     )
+
+
+def loop_starts(plugin: StandInPlugin, vendor: hamiwriter.Vendor) -> int:
+    """How many times the plugin's annotation loop has (re)started: at each Register the kubelet accepted,
+    or, for a plugin that patches when the kubelet opens ListAndWatch, at each stream opened."""
+    return plugin.calls["ListAndWatch"] if vendor.on_list_and_watch else plugin.registrations
+
+
+async def write_annotations(
+    plugin: StandInPlugin,
+    args: argparse.Namespace,
+    cards: Sequence[Card],
+    api: hamiwriter.NodeApi | None = None,
+    node: str = "",
+) -> None:
+    """HAMi's node annotations, written as the vendor's plugin writes them (the module's docstring), until
+    cancelled, to `api` and `node` (default: the Pod's API server and NODE_NAME); nothing outside a Pod."""
+    api = api or hamiwriter.InCluster.from_environ()
+    node = node or hamiwriter.node_name()
+    if api is None or not node:
+        logger.info("HAMi's node annotation: not written (no KUBERNETES_SERVICE_HOST or no NODE_NAME)")
+        return
+    writer = registrar(plugin, args, cards, api, node)
     started = 0
     try:
         while True:
-            if plugin.registrations > started:  # a Register accepted: a loop with an empty cache
-                started = plugin.registrations
-                await registrar.restart()
+            if loop_starts(plugin, writer.vendor) > started:  # a loop with an empty cache
+                started = loop_starts(plugin, writer.vendor)
+                await writer.restart()
             await asyncio.sleep(CONTROL_INTERVAL)
     finally:
-        await registrar.stop()
+        await writer.stop()
 
 
 async def serve(args: argparse.Namespace) -> None:
-    devices = hami_device_ids((f"GPU-{args.uuid_prefix}{n:04d}" for n in range(args.gpus)), args.split)
+    cards = vendorids.form(args.vendor).cards(args.gpus, args.split, args.resource, args.uuid_prefix)
+    devices = [share for card in cards for share in card.shares]
     plugin = StandInPlugin(args.device_plugin_dir, args.resource, args.socket, devices)
-    plugin.first_gpu = tuple(devices[: args.split])
+    plugin.first_gpu = cards[0].shares if cards else ()
     plugin.stop_on_register_failure = True
     plugin.retry_interval = args.retry_interval
     plugin.listen_delay = args.listen_delay
@@ -238,8 +282,14 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with plugin:
-        logger.info("serving %s on %s: %d devices", args.resource, plugin.socket_path, len(devices))
-        annotations = asyncio.create_task(write_annotations(plugin, args))
+        logger.info(
+            "serving %s on %s as %s's plugin: %d devices",
+            args.resource,
+            plugin.socket_path,
+            args.vendor,
+            len(devices),
+        )
+        annotations = asyncio.create_task(write_annotations(plugin, args, cards))
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), CONTROL_INTERVAL)
@@ -247,17 +297,59 @@ async def serve(args: argparse.Namespace) -> None:
         annotations.cancel()
 
 
-def main(argv: list[str] | None = None) -> int:
+def resolve(args: argparse.Namespace) -> str | None:
+    """Fills the vendor's defaults into `args` (vendor, resource, socket, split, UUID prefix, annotation
+    intervals); what is wrong with the flags, or None."""
+    chosen = profiles.named(args.vendor) if args.vendor else None
+    owner = profiles.for_resource(args.resource) if args.resource else None
+    profile = chosen or owner or profiles.DEFAULT
+    if chosen is not None and owner is not None and owner is not chosen:
+        pattern = owner.resources.pattern
+        return f"--resource {args.resource} is {owner.name}'s ({pattern}), not {chosen.name}'s"
+    form = vendorids.FORMS.get(profile.name)
+    if form is None:
+        return f"the stand-in knows no device IDs for the profile {profile.name}"
+    if args.uuid_prefix is not None and not form.prefixed:
+        return f"--uuid-prefix names NVIDIA GPUs' UUIDs; {profile.name}'s devices have none"
+    args.vendor = profile.name
+    args.resource = args.resource or profile.resources.default
+    args.socket = args.socket or profile.socket_for(args.resource)
+    args.split = form.split if args.split is None else args.split
+    args.uuid_prefix = UUID_PREFIX if args.uuid_prefix is None else args.uuid_prefix
+    try:
+        form.cards(args.gpus, args.split, args.resource, args.uuid_prefix)
+    except ValueError as e:
+        return f"--gpus {args.gpus} --split {args.split}: {e}"
+    vendor = hamiwriter.Vendor.of(profile.name, args.resource)
+    if args.annotation_interval is None:
+        args.annotation_interval = vendor.interval
+    if args.annotation_error_interval is None:
+        args.annotation_error_interval = vendor.error_interval
+    return None
+
+
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m testing.standin", description=__doc__)
+    vendors = [p.name for p in profiles.PROFILES]
+    parser.add_argument(
+        "--vendor",
+        choices=vendors,
+        help="the vendor's plugin to play, by its profile (default: the one that owns --resource, else "
+        f"{profiles.DEFAULT.name})",
+    )
     parser.add_argument("--device-plugin-dir", default="/var/lib/kubelet/device-plugins")
-    parser.add_argument("--resource", default="nvidia.com/gpu")
-    parser.add_argument("--socket", default="nvidia-gpu.sock")
-    parser.add_argument("--gpus", type=int, default=2, help="physical GPUs (each advertised --split times)")
-    parser.add_argument("--split", type=int, default=HAMI_SPLIT_COUNT)
+    parser.add_argument("--resource", help="the resource to register (default: the vendor's default)")
+    parser.add_argument("--socket", help="the socket's name (default: the vendor's for --resource)")
+    parser.add_argument("--gpus", type=int, default=2, help="physical devices (each listed --split times)")
+    parser.add_argument(
+        "--split",
+        type=int,
+        help="kubelet devices per physical device (default: the vendor's plugin's: NVIDIA's and AMD's 10, "
+        "Ascend's and DCU's 4, Biren's 1)",
+    )
     parser.add_argument(
         "--uuid-prefix",
-        default=UUID_PREFIX,
-        help="GPU UUIDs: GPU-<prefix><4 digits>, the NVIDIA driver's shape (HAMi's split IDs map to them)",
+        help=f"NVIDIA GPU UUIDs: GPU-<prefix><4 digits>, NVML's shape (default {UUID_PREFIX})",
     )
     parser.add_argument("--control", default="/run/hami-standin", help="folder of fault files")
     parser.add_argument(
@@ -277,20 +369,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--annotation-interval",
         type=float,
-        default=hamiwriter.INTERVAL,
-        help="seconds between rounds of HAMi's node annotation loop after a success (HAMi's 30)",
+        help="seconds between rounds of HAMi's node annotation loop after a success (the plugin's: 30, "
+        "Biren's heartbeat 300)",
     )
     parser.add_argument(
         "--annotation-error-interval",
         type=float,
-        default=hamiwriter.ERROR_INTERVAL,
-        help="seconds before the next round after an error (HAMi's 5)",
+        help="seconds before the next round after an error (the plugin's: 5, Biren's 300)",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arguments()
     args = parser.parse_args(argv)
     try:
         parse_faults(args.faults)
     except ValueError as e:
         parser.error(str(e))
+    wrong = resolve(args)
+    if wrong:
+        parser.error(wrong)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     asyncio.run(serve(args))
     return 0
