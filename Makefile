@@ -319,12 +319,16 @@ manifests: profiles helm-binaries ## regenerate manifests/example-hami/hami.yaml
 
 # The vendor profiles (hami_guard/profiles/*.toml) as JSON for the post-renderer, which runs with python3 and
 # PyYAML alone and cannot import the package, and each vendor's kustomize component written from it
-# (tests/test_profiles.py checks the committed copies are current).
+# (tests/test_profiles.py checks the committed copies are current); then what the monitoring and the
+# NetworkPolicies take from the profiles: the alerts' generated regions, manifests/network-policy and the
+# dashboard (tests/test_monitoring.py checks them).
 .PHONY: profiles
-profiles: $(STAMP) ## regenerate manifests/hami-patch/profiles.json and vendors/ from the vendor profiles
+profiles: $(STAMP) ## regenerate everything written from the vendor profiles
 	$(PY) -m hami_guard.profiles > manifests/hami-patch/profiles.json
 	rm -rf manifests/hami-patch/vendors
 	$(PY) manifests/hami-patch/render.py components manifests/hami-patch/vendors
+	$(PY) -m manifests.monitoring.vendors
+	$(PY) -m manifests.monitoring.dashboard
 
 # Helm 3 and Helm 4, built from their Go modules at pinned versions (tests/test_manifests.py installs
 # with both). Kept in tests/helm/bin like the kubelet fixtures: a second run finds them and does nothing.

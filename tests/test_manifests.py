@@ -30,6 +30,8 @@ import yaml
 
 from bench.stress import MEMORY_LIMIT_MIB
 from hami_guard.flags import AUTO_DEVICES, Expect
+from hami_guard.profiles import DEFAULT, named
+from manifests.monitoring import vendors as monitoring_vendors
 from sidecar.config import parse_settings
 from tests.conftest import require_tool
 
@@ -832,8 +834,9 @@ def test_components_for_a_label_of_ones_own(tmp_path: Path) -> None:
 
 
 def test_every_kustomization_is_found() -> None:
-    names = {p.name for p in kustomizations()}
-    assert names == {"example-hami", "network-policy", "monitoring", "npd"}
+    names = {str(p.relative_to(MANIFESTS)) for p in kustomizations()}
+    policies = {f"network-policy/vendors/{v}" for v in ("amd", "ascend", "biren")}  # DCU's: none
+    assert names == {"example-hami", "network-policy", "monitoring", "npd", *policies}
 
 
 @pytest.mark.parametrize("folder", kustomizations(), ids=lambda p: p.name)
@@ -1132,7 +1135,8 @@ def test_promtool_checks_the_rules(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(shipped_rules())} rules found" in result.stdout
-    assert len(shipped_rules()) == 18
+    # 17 written by hand, and the cluster rule of each vendor whose chart selects its nodes by a label.
+    assert len(shipped_rules()) == 17 + len(monitoring_vendors.watched()) == 22
 
 
 def test_every_alert_names_its_node_and_links_its_fix_in_the_runbook() -> None:
@@ -1413,6 +1417,67 @@ def test_network_policy_admits_prometheus_on_the_sidecar_and_keeps_hamis_nodepor
     (service,) = [o for o in helm_home("helm3").template("hami", "kube-system") if o["kind"] == "Service"]
     (port,) = service["spec"]["ports"]
     assert (port["nodePort"], port["targetPort"]) == (31992, 9394)
+
+
+@pytest.mark.parametrize("case", ["ascend", "amd", "dcu", "biren"])
+def test_each_vendors_network_policy_admits_prometheus_to_its_sidecar_and_keeps_its_ports_open(
+    case: str,
+) -> None:
+    """manifests/network-policy/vendors/<vendor> (make profiles): it selects the vendor's pods as its chart
+    renders them, admits Prometheus' namespace to the port the post-renderer gives the sidecar there, and
+    leaves every port of the vendor's own containers open; DCU's pods are on the host's network, outside
+    every NetworkPolicy: it has none."""
+    v = VENDORS[case]
+    template = the_daemonset(docs(vendor_render("helm3", case)), case)["spec"]["template"]
+    pod = template["spec"]
+    folder = MANIFESTS / "network-policy" / "vendors" / v.vendor
+    if pod.get("hostNetwork"):
+        assert not folder.exists()
+        return
+    (policy,) = kustomize(folder)
+    assert policy["metadata"]["name"] == f"hami-guard-{v.vendor}" and "namespace" not in policy["metadata"]
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    assert spec["policyTypes"] == ["Ingress"]
+    sidecar = by_name(pod["initContainers"])["hami-sidecar"]["ports"][0]["containerPort"]
+    own = tuple(p["containerPort"] for c in pod["containers"] for p in c.get("ports", []))
+    rules = {tuple(p["port"] for p in r["ports"]): r for r in spec["ingress"]}
+    assert set(rules) == {(sidecar,), own} - {()}
+    assert rules[(sidecar,)]["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+    assert (sidecar, own) == ((9396, (9395,)) if v.vendor == "ascend" else (9395, ()))
+    if own:
+        assert "from" not in rules[own]
+
+
+@pytest.mark.parametrize("vendor", ["nvidia", "ascend", "amd", "dcu", "biren"])
+def test_each_vendors_cluster_rule_selects_the_nodes_its_chart_runs_on(vendor: str) -> None:
+    """The profile's node label ([chart] node_label, the cluster rule's nodes) is in the nodeSelector of the
+    vendor's DaemonSet as its chart fixture renders it (AMD's chart applies it with node_selector_enabled);
+    the rule selects it under kube-state-metrics' name of the label."""
+    chart, args = {
+        "nvidia": ("hami-chart", ()),
+        "ascend": ("ascend-chart", ()),
+        "amd": ("amd-chart", ("--set", "node_selector_enabled=true")),
+        "dcu": ("dcu-chart", ()),
+        "biren": ("biren-chart", ()),
+    }[vendor]
+    result = helm_home("helm3")("template", "x", str(FIXTURES / chart), *args)
+    assert result.returncode == 0, result.stderr
+    (ds,) = [o for o in docs(result.stdout) if o["kind"] == "DaemonSet"]
+    profile = named(vendor)
+    assert profile
+    key, _, value = profile.chart.node_label.partition("=")
+    assert ds["spec"]["template"]["spec"]["nodeSelector"][key] == value
+    (rule,) = [
+        r
+        for r in shipped_rules()
+        if r.get("alert") == monitoring_vendors.ALERT and r["labels"]["vendor"] == vendor
+    ]
+    assert f"kube_node_labels{{{monitoring_vendors.node_label(key)}={json.dumps(value)}}}" in rule["expr"]
+    if vendor == DEFAULT.name:  # the default vendor's rule comes first
+        assert rule == next(r for r in shipped_rules() if r.get("alert") == monitoring_vendors.ALERT)
 
 
 def test_readme_kustomization_is_the_examples() -> None:

@@ -37,7 +37,9 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models.dashboard import Dashboard
 
-from manifests.monitoring import dashboard
+from hami_guard.flags import PluginSpec
+from hami_guard.profiles import DEFAULT, PROFILES, VendorProfile, named, sanitized
+from manifests.monitoring import dashboard, vendors
 from sidecar.app import Sidecar
 from sidecar.cli import serve
 from sidecar.config import AUTO_DEVICES, Settings
@@ -234,23 +236,30 @@ class SimNode:
 
 
 @contextlib.asynccontextmanager
-async def sim_node(name: str, api: Nodes) -> AsyncIterator[SimNode]:
+async def sim_node(name: str, api: Nodes, vendor: VendorProfile = DEFAULT) -> AsyncIterator[SimNode]:
     """FakeKubelet, FakeDevicePlugin (two GPUs, two device nodes on the 'host') and the real sidecar,
-    which reads its Node from `api`."""
+    which reads its Node from `api`; the plugin is `vendor`'s (its default resource, socket and device
+    nodes)."""
     root = tempfile.mkdtemp(prefix="hg-mon-")
+    resource = vendor.resources.default
+    plugin = PluginSpec(resource, vendor.socket_for(resource))
+    glob = root + vendor.devices.glob  # under the 'host's /dev
     try:
         folder = os.path.join(root, "device-plugins")
         pod_resources = os.path.join(root, "pod-resources", "kubelet.sock")
-        os.mkdir(os.path.join(root, "dev"))
         for n in range(2):
-            Path(root, "dev", f"nvidia{n}").touch()
+            device = Path(glob.replace("[0-9]*", str(n)))
+            device.parent.mkdir(parents=True, exist_ok=True)
+            device.touch()
         settings = Settings(
             device_plugin_dir=folder,
+            vendor=vendor.name,
+            plugins=(plugin,),
             pod_resources_socket=pod_resources,
             host="127.0.0.1",
             port=free_port(),
             expect_devices=AUTO_DEVICES,
-            device_glob=os.path.join(root, "dev", "nvidia[0-9]*"),
+            device_glob=glob,
             # Generous for a loaded machine: a probe that times out is a failed check, here on a healthy
             # node; every event (a socket created or deleted) still triggers a round at once.
             probe_interval=1.0,
@@ -265,7 +274,7 @@ async def sim_node(name: str, api: Nodes) -> AsyncIterator[SimNode]:
         )
         async with (
             FakeKubelet(folder, pod_resources, dial_timeout=0.5) as kubelet,
-            FakeDevicePlugin(folder, register_timeout=5) as plugin,
+            FakeDevicePlugin(folder, plugin.resource, plugin.socket, register_timeout=5) as fake,
         ):
             sidecar = Sidecar(settings)
             stop = asyncio.Event()
@@ -273,7 +282,7 @@ async def sim_node(name: str, api: Nodes) -> AsyncIterator[SimNode]:
             try:
                 await until(lambda: sidecar.ready or task.done(), f"{name}'s sidecar's first probe round")
                 assert not task.done(), task
-                yield SimNode(name, f"hami-device-plugin-{name[-1]}", kubelet, plugin, sidecar, settings.port)
+                yield SimNode(name, f"hami-device-plugin-{name[-1]}", kubelet, fake, sidecar, settings.port)
             finally:
                 stop.set()
                 await asyncio.wait_for(task, 5)
@@ -345,13 +354,17 @@ class Prometheus:
 
 
 @contextlib.asynccontextmanager
-async def prometheus(tmp: Path, targets: dict[str, tuple[str, int]]) -> AsyncIterator[Prometheus]:
+async def prometheus(
+    tmp: Path, targets: dict[str, tuple[str, int]], *jobs: dict[str, Any]
+) -> AsyncIterator[Prometheus]:
+    """Prometheus with the test-time rules, scraping the sidecars (`targets`) as the PodMonitor does, and
+    `jobs` besides."""
     binary = require_tool("prometheus")
     (tmp / "rules.yaml").write_text(yaml.safe_dump(rules_for_the_test()))
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(tmp / "rules.yaml")],
-        "scrape_configs": [scrape_config(targets)],
+        "scrape_configs": [scrape_config(targets), *jobs],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
@@ -616,6 +629,200 @@ def grafana_expr(expr: str, seconds: float) -> str:
     )
     assert "$" not in out, out
     return out
+
+
+# -- each vendor: the cluster rule on kube-state-metrics, the fix of an unrecoverable device --------------
+def test_the_committed_vendor_parts_are_the_generators_output() -> None:
+    """prometheusrule.yaml's generated regions and manifests/network-policy (the vendors' folders whole) are
+    `make profiles`' output (manifests/monitoring/vendors.py, from the profiles)."""
+    expected = vendors.generated(ROOT)
+    for path, text in expected.items():
+        assert (ROOT / path).read_text() == text, f"{path}: run make profiles"
+    folder = ROOT / vendors.VENDOR_POLICIES
+    shipped = {p.relative_to(ROOT) for p in folder.rglob("*") if p.is_file()}
+    assert shipped == {p for p in expected if vendors.VENDOR_POLICIES in p.parents}, "run make profiles"
+    # Each region once; the rest of the file is left as written, and a stale region is written afresh.
+    text = (ROOT / vendors.RULES).read_text()
+    for name in vendors.REGIONS:
+        assert text.count(f"{vendors.BEGIN}{name} ") == text.count(f"{vendors.END}{name}\n") == 1
+    edited = text.replace("# Every rule keeps", "# Each rule keeps")
+    assert vendors.rules(edited.replace("vendor: ascend", "vendor: acme")) == edited
+    with pytest.raises(ValueError, match="has no end"):
+        vendors.rules(text.replace(f"{vendors.END}cluster", "# cut"))
+
+
+def test_the_docs_name_every_vendors_label_and_the_allowlist_they_need() -> None:
+    """docs/deploy.md's kube-state-metrics allowlist is every label the cluster rule reads (the generated
+    rule's header says the same), and the runbook's section names each vendor's label and its rule's
+    `vendor`; its unrecoverable section each vendor's command."""
+    allowlist = f"--metric-labels-allowlist=nodes=[{','.join(vendors.label_keys())}]"
+    assert allowlist in (ROOT / "docs/deploy.md").read_text()
+    assert allowlist in (ROOT / vendors.RULES).read_text()
+    runbook = (ROOT / "docs/runbook.md").read_text()
+    cluster = runbook.split("## HamiGPUNodeWithoutGPUCapacity\n", 1)[1].split("\n## ", 1)[0]
+    unrecoverable = runbook.split("## HamiNodeGPUUnrecoverable\n", 1)[1].split("\n## ", 1)[0]
+    for p in vendors.watched():
+        assert f"| `{p.name}` | `{p.chart.node_label}`" in cluster, p.name
+    for p in PROFILES:
+        assert f"`{p.devices.inspect.split('; ')[-1]}`" in unrecoverable, p.name
+
+
+# The commonWords of Ascend's chart (Project-HAMi/ascend-device-plugin v1.4.0 charts/ascend-device-plugin,
+# values.yaml deviceConfig vnpus.configs), each node's resource huawei.com/<commonWord>.
+ASCEND_CHIPS = (
+    "Ascend910A",
+    "Ascend910B2",
+    "Ascend910B3",
+    "Ascend910B4-1",
+    "Ascend910B4",
+    "Ascend310P",
+    "Ascend910C",
+)
+
+
+def test_kube_state_metrics_names_of_the_vendors_labels_and_resources() -> None:
+    """kube-state-metrics' names (v2.18.0, internal/store/utils.go): node label keys as its own test names
+    them (utils_test.go, TestKubeLabelsToPrometheusLabels), each vendor's label, and each vendor's resources
+    in its capacity expression, another vendor's in none."""
+    for key, name in (
+        ("app1", "label_app1"),
+        ("0_app3", "label_0_app3"),
+        ("$app4", "label__app4"),
+        ("camelCase", "label_camel_case"),
+        ("snake_camelCase", "label_snake_camel_case"),
+        ("nvidia.com/gpu.present", "label_nvidia_com_gpu_present"),
+    ):
+        assert vendors.node_label(key) == name
+    assert [vendors.selected(p) for p in vendors.watched()] == [
+        'label_gpu="on"',
+        'label_feature_node_kubernetes_io_pci_0300_1002_present="true"',
+        'label_ascend="on"',
+        'label_birentech_com="gpu"',
+        'label_dcu="on"',
+    ]
+    assert vendors.label_keys() == [p.chart.node_label.partition("=")[0] for p in PROFILES]
+    resources = {
+        "nvidia": ("nvidia.com/gpu", "nvidia.com/mig-1g.10gb"),
+        "amd": ("amd.com/gpu", "amd.com/cpx_nps1"),
+        "ascend": tuple(f"huawei.com/{c}" for c in ASCEND_CHIPS),
+        "biren": ("birentech.com/gpu", "birentech.com/1-2-gpu"),
+        "dcu": ("hygon.com/dcunum",),
+    }
+    assert sanitized("huawei.com/Ascend910B4-1") == "huawei_com_Ascend910B4_1"
+    for p in PROFILES:
+        for vendor, names in resources.items():
+            for resource in names:
+                matched = re.fullmatch(p.resources.capacity, sanitized(resource)) is not None
+                assert matched == (vendor == p.name), (p.name, resource)
+
+
+def kube_state_metrics_text(nodes: dict[str, tuple[dict[str, str], dict[str, int]]]) -> str:
+    """kube-state-metrics' /metrics for `nodes` (name: its allowed labels, its extended resources' capacity),
+    in its names: kube_node_labels' label_<key>, kube_node_status_capacity's sanitized resource, unit integer;
+    every node Ready and schedulable."""
+    families: dict[str, list[str]] = {}
+    for node, (labels, capacity) in nodes.items():
+        add = families.setdefault
+        add("kube_node_status_condition", []).append(
+            f'kube_node_status_condition{{node="{node}",condition="Ready",status="true"}} 1'
+        )
+        add("kube_node_spec_unschedulable", []).append(f'kube_node_spec_unschedulable{{node="{node}"}} 0')
+        named_labels = "".join(f',{vendors.node_label(k)}="{v}"' for k, v in labels.items())
+        add("kube_node_labels", []).append(f'kube_node_labels{{node="{node}"{named_labels}}} 1')
+        for resource, count in capacity.items():
+            series = f'node="{node}",resource="{sanitized(resource)}",unit="integer"'
+            add("kube_node_status_capacity", []).append(f"kube_node_status_capacity{{{series}}} {count}")
+    return "".join(f"# TYPE {name} gauge\n" + "\n".join(lines) + "\n" for name, lines in families.items())
+
+
+@contextlib.asynccontextmanager
+async def kube_state_metrics(text: str) -> AsyncIterator[dict[str, Any]]:
+    """A stand-in of kube-state-metrics serving `text` at /metrics: its scrape job."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=text, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        yield {
+            "job_name": "kube-state-metrics",
+            "honor_labels": True,
+            "static_configs": [{"targets": [f"127.0.0.1:{port}"]}],
+        }
+    finally:
+        await runner.cleanup()
+
+
+async def test_live_prometheus_names_each_vendors_nodes_resources_and_commands(tmp_path: Path) -> None:
+    """The shipped rules in a live Prometheus that scrapes a Hygon DCU node's sidecar and kube-state-metrics
+    (a stand-in with its names) for nodes of every vendor, each labelled as its chart selects them: the
+    cluster rule fires for each vendor's node without that vendor's resources, naming the vendor and its
+    resource, and for no other node: not one that has them, and not one that serves another vendor's
+    devices while it carries NVIDIA's label too. A DCU device unhealthy again after the restart that
+    re-read it is alerted with the DCU's command (hy-smi), not NVIDIA's."""
+    watched = vendors.watched()
+    default_label = dict([DEFAULT.chart.node_label.split("=", 1)])
+    nodes: dict[str, tuple[dict[str, str], dict[str, int]]] = {}
+    for p in watched:
+        label = dict([p.chart.node_label.split("=", 1)])
+        nodes[f"{p.name}-down"] = (label, {})
+        nodes[f"{p.name}-up"] = (label, {p.resources.default: 4})
+        if not p.default:  # a node of this vendor's that carries NVIDIA's label too
+            nodes[f"{p.name}-also-{DEFAULT.name}"] = (label | default_label, {p.resources.default: 4})
+    nodes["cpu-node"] = ({}, {})
+    expected = {(f"{p.name}-down", p.name) for p in watched}
+    dcu = named("dcu")
+    assert dcu
+    async with contextlib.AsyncExitStack() as stack:
+        api = await stack.enter_async_context(node_api(("dcu-node",)))
+        node = await stack.enter_async_context(sim_node("dcu-node", api, dcu))
+        ksm = await stack.enter_async_context(kube_state_metrics(kube_state_metrics_text(nodes)))
+        prom = await stack.enter_async_context(prometheus(tmp_path, {node.name: (node.pod, node.port)}, ksm))
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+        cluster: dict[tuple[str, str], dict[str, Any]] = {}
+
+        async def cluster_firing() -> bool:
+            for a in (await prom.api("alerts"))["alerts"]:
+                if a["labels"]["alertname"] == vendors.ALERT:
+                    assert (a["labels"]["node"], a["labels"].get("vendor")) in expected, a
+                    if a["state"] == "firing":
+                        cluster[(a["labels"]["node"], a["labels"]["vendor"])] = a
+            return set(cluster) == expected
+
+        await until(cluster_firing, "the cluster rule firing for each vendor's node without its resources")
+        for (name, vendor), alert in cluster.items():
+            owner = named(vendor)
+            assert owner and alert["labels"]["severity"] == "critical"
+            summary = alert["annotations"]["summary"]
+            assert summary.startswith(f"{owner.vendor} node {name} is Ready")
+            assert f"has no {vendors.resource_text(owner)} capacity" in summary
+            assert alert["annotations"]["description"].endswith(f"on the node itself: {owner.devices.check}.")
+        # The DCU: a device unhealthy for the duration, the plugin restarted (as the kubelet does on the
+        # liveness failure), unhealthy again.
+        node.plugin.set_health("GPU-1", False)
+        await until(lambda: node.healthz(http, 503), "the recovery to ask for the plugin restart")
+        await node.plugin.restart()
+        unrecoverable: list[dict[str, Any]] = []
+
+        async def named_with_its_command() -> bool:
+            await cluster_firing()
+            unrecoverable[:] = [
+                a
+                for a in (await prom.api("alerts"))["alerts"]
+                if a["labels"]["alertname"] == UNRECOVERABLE and a["state"] == "firing"
+            ]
+            return bool(unrecoverable)
+
+        await until(named_with_its_command, "the DCU device unrecoverable")
+        (alert,) = unrecoverable
+        assert (alert["labels"]["node"], alert["labels"]["resource"]) == ("dcu-node", dcu.resources.default)
+        description = alert["annotations"]["description"]
+        assert f"read what failed ({dcu.devices.inspect})," in description and "nvidia" not in description
 
 
 # -- the dashboard ----------------------------------------------------------------------------------

@@ -175,6 +175,28 @@ def test_the_shipped_profiles_load_and_nvidia_is_the_default() -> None:
         ("ports = [9394]", 'ports = ["9394"]', "[chart] ports: must be a list of ports"),
         ("ports = [9394]", "ports = [true]", "[chart] ports: must be a list of ports"),
         ("bash = true", "bash = 1", "[chart] bash: must be true or false"),
+        (
+            'node_label = "gpu=on"',
+            'node_label = "gpu"',
+            "[chart] node_label: 'gpu' is not a node label key=value",
+        ),
+        ("host_network = false", 'host_network = "no"', "[chart] host_network: must be true or false"),
+        ("host_network = false\n", "", "nvidia.toml: [chart] host_network: missing"),
+        (
+            'capacity = "nvidia_com_gpu|',
+            'capacity = "nvidia.com/gpu|',
+            "[resources] capacity: 'nvidia.com/gpu|nvidia_com_mig_[A-Za-z0-9_]+' does not match 'nvidia_com_",
+        ),
+        (
+            'capacity = "nvidia_com_gpu|',
+            'capacity = "(nvidia_com_gpu|',
+            "[resources] capacity: not a regular expression",
+        ),
+        (
+            'capacity = "nvidia_com_gpu|nvidia_com_mig_[A-Za-z0-9_]+"',
+            """capacity = 'nvidia_com_gpu"'""",
+            "[resources] capacity: 'nvidia_com_gpu\"' is not a regular expression without quotes",
+        ),
         ('node = "nvidia{minor}"', 'node = ""', "[devices] node: missing for driver_gpus '/proc/driver"),
         (
             'socket = "nvidia-{name}.sock"',
@@ -249,6 +271,7 @@ def test_optional_tables_and_fields() -> None:
         ('resource_value = "nvidia.resourceCountName"', 'resource_value = ""'),
         ('node_config = "/config/config.json"', 'node_config = ""'),
         ("ports = [9394]", "ports = []"),
+        ('node_label = "gpu=on"', 'node_label = ""'),
     ):
         assert text.count(old) == 1, old
         text = text.replace(old, new)
@@ -263,20 +286,32 @@ def test_optional_tables_and_fields() -> None:
     )
     assert (p.resources.name, p.resources.per_node) == (profiles.NAME_EXPRESSION, False)
     assert p.handshake_key("nvidia.com/gpu") == ""
+    assert p.chart.node_label == ""
 
 
 def test_profiles_are_checked_together() -> None:
-    other = NVIDIA.replace("nvidia.com/", "example.com/").replace("default = true", "default = false")
+    other = (
+        NVIDIA.replace("nvidia.com/", "example.com/")
+        .replace("nvidia_com_", "example_com_")
+        .replace("default = true", "default = false")
+    )
     assert [p.name for p in load_all({"other": other, "nvidia": NVIDIA}, SETS)] == ["nvidia", "other"]
     with pytest.raises(ProfileError, match=re.escape("exactly one profile must be the default")):
         load_all({"other": NVIDIA.replace("default = true", "default = false")}, SETS)
     with pytest.raises(ProfileError, match=re.escape("(default = true): nvidia.toml, other.toml")):
-        load_all({"other": NVIDIA.replace("nvidia.com/", "example.com/"), "nvidia": NVIDIA}, SETS)
+        load_all({"other": other.replace("default = false", "default = true"), "nvidia": NVIDIA}, SETS)
     twin = NVIDIA.replace("default = true", "default = false")
     with pytest.raises(
         ProfileError, match=re.escape("twin.toml [resources] default: 'nvidia.com/gpu' is also")
     ):
         load_all({"twin": twin, "nvidia": NVIDIA}, SETS)
+    # kube-state-metrics' names too: another's capacity must not take NVIDIA's nodes for its own.
+    greedy = other.replace('capacity = "example_com_gpu|', 'capacity = "[a-z]+_com_gpu|')
+    with pytest.raises(
+        ProfileError,
+        match=re.escape("other.toml [resources] capacity: '[a-z]+_com_gpu|example_com_mig_[A-Za-z0-9_]+' "),
+    ):
+        load_all({"other": greedy, "nvidia": NVIDIA}, SETS)
 
 
 # -- the names, read both ways -------------------------------------------------------------------------------
@@ -417,6 +452,7 @@ default = true
 pattern = "acme.example/{name}"
 default = "acme.example/xpu"
 socket = "acme_{name}.socket"
+capacity = "acme_example_[a-z]+"
 [devices]
 id = 'XPU-[0-9]{4}'
 folds = ['^({id})#\\d+$']
@@ -445,6 +481,8 @@ resource_value = "acme.resourceName"
 node_config = "/etc/acme/config.json"
 ports = [9395, 9396]
 bash = false
+node_label = "acme.example/xpu.present=true"
+host_network = false
 [doctor]
 process = "acme-device-plugin"
 log_patterns = ["acme"]
@@ -513,6 +551,10 @@ out["driver_cause"] = driver_cause((), DriverNodes(True, "/dev", False, (), "acm
 from doctor.recovery import recovery_cause
 doc = {spec.resource: {"really_unhealthy": {"XPU-0001": 1.0}}}
 out["doctor_recovery"] = recovery_cause(Reading(doc)).fix
+from manifests.monitoring import vendors
+out["cluster"] = vendors.cluster_rule(profiles.DEFAULT, ())
+out["policy"] = vendors.policy(profiles.DEFAULT)
+out["unrecoverable"] = vendors.unrecoverable_rule()
 print(json.dumps(out))
 """
 
@@ -522,6 +564,8 @@ def product_copy(tmp_path: Path) -> Path:
     lib = tmp_path / "lib"
     for package in ("hami_guard", "sidecar", "doctor", "initcheck"):
         shutil.copytree(ROOT / package, lib / package, ignore=shutil.ignore_patterns("__pycache__"))
+    (lib / "manifests" / "monitoring").mkdir(parents=True)
+    shutil.copy(ROOT / "manifests" / "monitoring" / "vendors.py", lib / "manifests" / "monitoring")
     folder = lib / "hami_guard" / "profiles"
     (folder / "nvidia.toml").unlink()
     (folder / "acme.toml").write_text(ACME)
@@ -582,6 +626,20 @@ def test_every_consumer_reads_the_profile(tmp_path: Path) -> None:
         "no /dev/acme-ctl on the host: the ACME driver is not loaded, or this node has no GPU"
     ]
     assert out.pop("doctor_recovery")[0] == "look at the GPU: acme-smi --all"
+    # The monitoring's generator (manifests/monitoring/vendors.py): ACME's cluster rule, NetworkPolicy, and
+    # its command first where an unrecoverable device's fix is told.
+    cluster = out.pop("cluster")
+    assert 'kube_node_labels{label_acme_example_xpu_present="true"}' in cluster
+    assert 'kube_node_status_capacity{resource=~"acme_example_[a-z]+", unit="integer"}' in cluster
+    assert "vendor: acme\n" in cluster and "ACME node {{ $labels.node }}" in cluster
+    assert "has no acme.example/xpu capacity" in cluster and "itself: acme-smi." in cluster
+    policy = out.pop("policy")
+    assert policy["metadata"]["name"] == "hami-guard"
+    assert policy["spec"]["podSelector"] == {
+        "matchLabels": {"app.kubernetes.io/component": "acme-device-plugin"}
+    }
+    assert [[p["port"] for p in r["ports"]] for r in policy["spec"]["ingress"]] == [[9397], [9395, 9396]]
+    assert "({{ if match `^acme\\.example/(?:" in out.pop("unrecoverable").replace("\n", " ")
     assert out == {}
 
 
@@ -718,20 +776,34 @@ def test_the_manifests_name_no_vendor() -> None:
     npd = json.loads((ROOT / "manifests" / "npd" / "hami-guard-monitor.json").read_text())
     (args,) = [r["args"] for r in npd["rules"]]
     assert args[args.index("--host-dev") + 1] == render.HOST_DEV and "--device-glob" not in args
-    # The cluster rule: kube-state-metrics' sanitized resource name, and the resource in its texts.
+    # The cluster rule, one per profile (written from the profiles; test_monitoring checks it current): the
+    # profile's node label and its resources as kube-state-metrics names them, the resource in its texts;
+    # the default vendor's first, its resource kube-state-metrics' name of the chart's default.
     rules = yaml.safe_load((ROOT / "manifests" / "monitoring" / "prometheusrule.yaml").read_text())
-    (rule,) = [
-        r
+    cluster = {
+        r["labels"]["vendor"]: r
         for g in rules["spec"]["groups"]
         for r in g["rules"]
         if r.get("alert") == "HamiGPUNodeWithoutGPUCapacity"
-    ]
-    sanitized = re.sub(r"[^A-Za-z0-9_]", "_", resource)
-    assert f'kube_node_status_capacity{{resource="{sanitized}", unit="integer"}}' in rule["expr"]
-    assert f"has no {resource} capacity" in rule["annotations"]["summary"]
-    # The dashboard (generated by dashboard.py, which reads the profile; test_monitoring checks it current).
+    }
+    assert list(cluster) == [p.name for p in PROFILES]
+    for p in PROFILES:
+        rule = cluster[p.name]
+        key, _, value = p.chart.node_label.partition("=")
+        capacity = f'kube_node_status_capacity{{resource=~"{p.resources.capacity}", unit="integer"}}) > 0'
+        assert f'{key.replace(".", "_").replace("/", "_").replace("-", "_")}="{value}"' in rule["expr"]
+        assert f"unless on (node) max by (node) ({capacity}" in rule["expr"]
+        shown = p.shown(p.resources.pattern) if p.resources.per_node else p.resources.default
+        assert f"{p.vendor} node {{{{ $labels.node }}}}" in rule["annotations"]["summary"]
+        assert f"has no {shown} capacity" in rule["annotations"]["summary"]
+        assert p.devices.check in rule["annotations"]["description"]
+    assert re.fullmatch(DEFAULT.resources.capacity, profiles.sanitized(resource))
+    # The dashboard (generated by dashboard.py, which reads the profiles; test_monitoring checks it current).
     dashboard = (ROOT / "manifests" / "monitoring" / "dashboard.json").read_text()
-    assert DEFAULT.register_key(resource) in dashboard and f"lists no {resource}," in dashboard
+    assert (
+        DEFAULT.register_key(resource) in dashboard
+        and f"{DEFAULT.chart.node_label}: {resource};" in dashboard
+    )
 
 
 def test_nvidia_is_named_only_in_its_profile() -> None:

@@ -59,6 +59,9 @@ class Resources:
     pattern: str  # `vendor.example/{name}`
     default: str  # the chart's default resource: of `pattern`
     socket: str  # the socket's name for the resource <domain>/{name}
+    # The resources as kube-state-metrics labels them in kube_node_status_capacity (`resource`, sanitized:
+    # `vendor_example_gpu`): a regular expression, matched whole, that PromQL's RE2 reads too.
+    capacity: str
     name: str = NAME_EXPRESSION  # what `{name}` may be (a regular expression)
     per_node: bool = False  # each node registers the resource of its hardware: no one default fits all
 
@@ -131,6 +134,8 @@ class Chart:
     node_config: str  # HAMi's node configuration (config.json) in the plugin's container ("" for none)
     ports: tuple[int, ...]  # the ports the vendor's containers listen on in the pod's network
     bash: bool  # the plugin's image has bash and timeout: the exec livenessProbe runs in it
+    node_label: str  # `key=value`: the node label the chart's nodeSelector picks the nodes by ("" none)
+    host_network: bool  # the plugin's pod is on the host's network: no NetworkPolicy applies to it
 
 
 @dataclass(frozen=True)
@@ -214,6 +219,12 @@ class VendorProfile:
         for key, table in tables.items():
             out[key] = {f.name: _plain(getattr(table, f.name)) for f in fields(table)}
         return out | {"dra": dict(self.dra), "sources": dict(self.sources)}
+
+
+def sanitized(resource: str) -> str:
+    """A resource's name as kube-state-metrics labels it (`resource` of kube_node_status_capacity): every
+    character but a letter, a digit and `_` made `_` (SanitizeLabelName, internal/store/utils.go)."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", resource)
 
 
 def _plain(value: Any) -> Any:
@@ -406,6 +417,9 @@ def _resources(t: _Table) -> Resources:
         t.take("pattern", _holds(NAME, slash=True)),
         t.take("default", _text),
         t.take("socket", _holds(NAME, slash=False)),
+        t.take(
+            "capacity", _form(re.compile(r'^[^"\\]+$'), "a regular expression without quotes or backslashes")
+        ),
         t.take("name", _expression, NAME_EXPRESSION),
         t.take("per_node", _flag, False),
     )
@@ -413,6 +427,12 @@ def _resources(t: _Table) -> Resources:
     if not out.owns(out.default):
         raise ProfileError(
             f"{t.where} default: {out.default!r} is not of {out.pattern!r} ({{name}}: {out.name})"
+        )
+    _expression(out.capacity, f"{t.where} capacity")
+    if not re.fullmatch(out.capacity, sanitized(out.default)):
+        raise ProfileError(
+            f"{t.where} capacity: {out.capacity!r} does not match {sanitized(out.default)!r}, "
+            f"kube-state-metrics' name of {out.default!r}"
         )
     return out
 
@@ -468,6 +488,8 @@ def _chart(t: _Table) -> Chart:
         t.take("node_config", _maybe(_form(re.compile(r"^/\S+$"), "an absolute path"))),
         t.take("ports", _ports),
         t.take("bash", _flag),
+        t.take("node_label", _maybe(_form(_LABEL, "a node label key=value"))),
+        t.take("host_network", _flag),
     )
     t.done()
     if bool(out.config_volume) != bool(out.resource_value):
@@ -508,6 +530,11 @@ def load_all(files: Mapping[str, str], pattern_sets: Iterable[str] = ()) -> tupl
                     raise ProfileError(
                         f"{b.name}{SUFFIX} [resources] default: {b.resources.default!r} is also of "
                         f"{a.name}{SUFFIX} ({a.resources.pattern!r})"
+                    )
+                if re.fullmatch(a.resources.capacity, sanitized(b.resources.default)):
+                    raise ProfileError(
+                        f"{a.name}{SUFFIX} [resources] capacity: {a.resources.capacity!r} matches "
+                        f"{sanitized(b.resources.default)!r}, {b.name}{SUFFIX}'s default resource"
                     )
     return tuple(sorted(profiles, key=lambda p: not p.default))
 

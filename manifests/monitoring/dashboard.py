@@ -25,15 +25,22 @@ from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-from hami_guard.profiles import DEFAULT as PROFILE
+from hami_guard.profiles import PROFILES
+from manifests.monitoring.vendors import resource_text, watched
 
 OUT = Path(__file__).with_name("dashboard.json")
 UID = "hami-guard-fleet"
 DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 NODE = 'node=~"$node"'
-# The default vendor profile's annotations (hami_guard/profiles): the texts name them and its resource.
-REGISTER = PROFILE.register_key(PROFILE.resources.default)
-HANDSHAKE = PROFILE.handshake_key(PROFILE.resources.default)
+# The vendor profiles' annotations, node labels, resources and commands (hami_guard/profiles): the texts
+# name them, the default vendor's first (PROFILES is in that order).
+ANNOTATIONS = "; ".join(
+    f"{p.shown(p.resources.pattern)}: {p.shown(p.hami.register)}"
+    + (f" and {p.shown(p.hami.handshake)}" if p.hami.handshake else " (no handshake)")
+    for p in PROFILES
+)
+NODE_LABELS = "; ".join(f"{p.chart.node_label}: {resource_text(p)}" for p in watched())
+INSPECT = "; ".join(f"{p.vendor}: {p.devices.inspect}" for p in PROFILES)
 # The SLOs of the PrometheusRule's alerts (prometheusrule.yaml).
 REGISTRATION_SLO = 0.9995
 LISTANDWATCH_SLO = 2.0
@@ -127,8 +134,10 @@ def fleet_stats() -> list[stat.Panel]:
             6,
             "GPU nodes without GPU capacity",
             'count(ALERTS{alertname="HamiGPUNodeWithoutGPUCapacity", alertstate="firing"}) or vector(0)',
-            "The runbook's cluster rule (kube-state-metrics): Ready, schedulable gpu=on nodes whose "
-            f"status lists no {PROFILE.resources.default}, whether or not a sidecar runs there.",
+            "The runbook's cluster rule (kube-state-metrics): Ready, schedulable nodes that carry the "
+            "label a vendor's device-plugin DaemonSet selects its nodes by, and whose status lists none of "
+            "that vendor's resources (nor another vendor's), whether or not a sidecar runs there "
+            f"({NODE_LABELS}).",
             "red",
         ),
     ]
@@ -239,9 +248,9 @@ def hami_registration() -> table.Panel:
         .id(15)
         .title("HAMi's registration per node")
         .description(
-            "What HAMi's scheduler sees of each node: the sidecar's hami check reads the Node's "
-            f"{REGISTER} annotation (HAMi's device plugin writes it) and "
-            f"{HANDSHAKE} (the scheduler stamps it), and compares the annotation with the GPUs "
+            "What HAMi's scheduler sees of each node: the sidecar's hami check reads the Node's register "
+            "annotation of the resource (HAMi's device plugin writes it) and its handshake (the scheduler "
+            f"stamps it; {ANNOTATIONS}), and compares the annotation with the GPUs "
             "the kubelet lists healthy. reason: ok; repairing (a difference within HAMi's own 30 s loop); "
             "not judged: no_evidence (the Node cannot be read), plugin_down (the plugin does not serve or "
             "register; HAMi's scheduler still offers the node from the annotation), no_handshake (no HAMi "
@@ -493,7 +502,8 @@ def build() -> db.Dashboard:
         series(
             17,
             "Unhealthy GPUs: plugin restarts asked for, GPUs brought back",
-            "HAMi never marks a GPU healthy again after an XID. With --recover-unhealthy-after the sidecar "
+            "HAMi's plugin never marks a device healthy again once it marked it unhealthy (an XID, on "
+            "NVIDIA's). With --recover-unhealthy-after the sidecar "
             "asks for one plugin restart when a GPU stayed unhealthy that long (never while a pod holds "
             "it), and counts the GPUs the restart brought back. Empty without the option.",
             [
@@ -511,9 +521,9 @@ def build() -> db.Dashboard:
         series(
             18,
             "GPUs unrecoverable",
-            "GPUs unhealthy again after the plugin restart that re-read them: the GPU or its driver, not "
-            "a transient XID. No more restarts are asked for them; drain the node and read the XID (alert "
-            "HamiNodeGPUUnrecoverable). Only nodes with such a GPU are drawn.",
+            "GPUs unhealthy again after the plugin restart that re-read them: the device or its driver, "
+            "not a transient fault. No more restarts are asked for them; drain the node and read what "
+            f"failed ({INSPECT}; alert HamiNodeGPUUnrecoverable). Only nodes with such a GPU are drawn.",
             [
                 query(
                     f"max by (node, resource) (device_plugin_unhealthy_devices_unrecoverable{{{NODE}}}) > 0",
