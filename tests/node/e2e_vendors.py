@@ -3,12 +3,14 @@ an Ascend operator installs it, beside HAMi's NVIDIA one.
 
 The chart is tests/fixtures/ascend-chart (Project-HAMi/ascend-device-plugin's chart's shape: its
 DaemonSet, labels, ServiceAccount and ClusterRole, the `device-plugin` container with its metrics port
-9395, the device config listing one resource per chip), rendered by Helm 3 with hami-guard's
-post-renderer (`vendor=ascend`, the node's chip named by `plugin=`): the sidecar gets port 9396,
-liveness follows the Ascend profile. The same render, then only what a node without an NPU needs
-(`standin_daemonset`): the project's stand-in serves `Ascend910B3.sock` and registers
-`huawei.com/Ascend910B3` in `device-plugin`, its faults in /run/hami-standin-ascend, and the driver's
-hostPath goes (there is no driver, and a hostPath of no type would create its folder on the machine).
+9395, the device config listing one resource per chip: 910B3's and 310P's), rendered by Helm 3 with
+hami-guard's post-renderer (`vendor=ascend` and nothing else about the node): the sidecar gets port 9396
+and both chips' resources as candidates, and learns from the pod's own listener which one this node's
+plugin serves; liveness follows the Ascend profile. The same render, then only what a node without an
+NPU needs (`standin_daemonset`): the project's stand-in plays Ascend's plugin on a 910B3 (`--vendor
+ascend`: `Ascend910B3.sock`, `huawei.com/Ascend910B3`, DCMI-shaped IDs, HAMi's Ascend annotations) in
+`device-plugin`, its faults in /run/hami-standin-ascend, and the driver's hostPath goes (there is no
+driver, and a hostPath of no type would create its folder on the machine).
 
 Measured (appended to figures.txt, not asserted): the Ascend plugin's drop mended by the kubelet's
 restart of its container for hami-guard's liveness; then NVIDIA's drop on the same node while the
@@ -56,7 +58,7 @@ CHIP = "Ascend910B3"  # the node's chip: one of the chart's vnpus entries
 NODE_LABEL = ("ascend", "on")  # the chart's nodeSelector
 ASCEND = Plugin(
     resource=f"huawei.com/{CHIP}",
-    devices="20",  # the stand-in's 2 NPUs, each listed 10 times
+    devices="8",  # the stand-in's 2 NPUs, each listed 4 times (a 910B3's vNPU count)
     selector=f"app.kubernetes.io/component=hami-ascend-device-plugin,app.kubernetes.io/instance={RELEASE}",
     control=Path("/run/hami-standin-ascend"),
     port=9396,  # the post-renderer's: Ascend's own metrics server has 9395
@@ -69,7 +71,7 @@ def helm_template() -> list[dict[str, Any]]:
     helm = sorted(glob.glob(str(REPO / "tests" / "helm" / "bin" / "helm-v3.*")))
     assert helm, "no Helm 3 in tests/helm/bin: make helm-binaries"
     env = dict(os.environ, PATH=f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}")  # python3 with PyYAML
-    args = ["registry=registry.invalid", "vendor=ascend", f"plugin=huawei.com/{CHIP}={CHIP}.sock"]
+    args = ["registry=registry.invalid", "vendor=ascend"]
     done = subprocess.run(
         [helm[-1], "template", RELEASE, str(CHART), "--namespace", NS, "--post-renderer", str(POST_RENDERER)]
         + [a for arg in args for a in ("--post-renderer-args", arg)],
@@ -96,16 +98,7 @@ def standin_daemonset(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         image=STANDIN_IMAGE,
         imagePullPolicy="Never",
         command=["/opt/hami-guard/bin/python", "-m", "testing.standin"],
-        args=[
-            "--resource",
-            ASCEND.resource,
-            "--socket",
-            f"{CHIP}.sock",
-            "--gpus",
-            "2",
-            "--control",
-            str(ASCEND.control),
-        ],
+        args=["--vendor", "ascend", "--gpus", "2", "--control", str(ASCEND.control)],
     )
     plugin["volumeMounts"] = [m for m in plugin["volumeMounts"] if m["name"] != "hiai-driver"]
     plugin["volumeMounts"].append({"name": "standin-control", "mountPath": str(ASCEND.control)})
@@ -134,15 +127,22 @@ def ascend() -> Iterator[list[dict[str, Any]]]:
 
 
 def test_ascend_patched_and_registered(ascend: list[dict[str, Any]]) -> None:
-    """The post-renderer's Ascend pod: hami-sidecar on 9396 judging huawei.com/Ascend910B3 registered, no
-    container of the pod sharing a port with another, no restart."""
+    """The post-renderer's Ascend pod: hami-sidecar on 9396, told both chips' resources, chose this node's
+    from the pod's own listener and judges it registered; no container of the pod sharing a port with
+    another, no restart."""
     (ds,) = [d for d in ascend if d["kind"] == "DaemonSet"]
     spec = ds["spec"]["template"]["spec"]
     ports = [
         p["containerPort"] for c in spec["containers"] + spec["initContainers"] for p in c.get("ports", [])
     ]
     assert sorted(ports) == [9395, 9396], ports
+    (sidecar,) = [c for c in spec["initContainers"] if c["name"] == "hami-sidecar"]
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env["HAMI_GUARD_PLUGIN_CANDIDATES"] == (
+        f"huawei.com/{CHIP}={CHIP}.sock,huawei.com/Ascend310P=Ascend310P.sock"
+    ), env
     status = sidecar_status(plugin=ASCEND)
+    assert status["plugin_candidates"]["chosen"] == ASCEND.resource, status["plugin_candidates"]
     check = status["checks"][f"registered:{ASCEND.resource}"]
     assert check["state"] == "ok", check
     assert restarts("device-plugin", ASCEND) == 0
