@@ -188,125 +188,156 @@ class FloodCounts:
     seconds: float = 0.0
 
 
-def flood(kind: str, port: int, connections: int, seconds: float) -> FloodCounts:
-    """Open `connections` to 127.0.0.1:port and behave as `kind` for `seconds`; plain selectors."""
+def _raise_file_limit(connections: int) -> int:
+    """Room for `connections` open sockets (and the process's own files); how many fit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = min(hard, connections + 256)
     if soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    connections = min(connections, want - 64)
-    counts = FloodCounts()
-    sel = selectors.DefaultSelector()
-    conns: dict[int, _Conn] = {}
-    in_flight = 0
-    max_in_flight = 512
-    reopen = kind == "slowloris"
-    start = time.monotonic()
-    deadline = start + seconds
-    slow_head = HEAD + b"X-Pad: " + b"a" * 4000  # never finished: a byte per tick
-    pipeline = METRICS * 200
+    return min(connections, want - 64)
 
-    def open_one() -> None:
-        nonlocal in_flight
+
+class _Flood:
+    """`connections` to 127.0.0.1:port behaving as `kind` (keepalive, idle, pipelined, slowloris) for
+    `seconds`, on plain selectors; slowloris reopens what the server closes."""
+
+    MAX_IN_FLIGHT = 512  # connects under way at once
+
+    def __init__(self, kind: str, port: int, connections: int) -> None:
+        self.kind, self.port = kind, port
+        self.connections = _raise_file_limit(connections)
+        self.counts = FloodCounts()
+        self.sel = selectors.DefaultSelector()
+        self.conns: dict[int, _Conn] = {}
+        self.in_flight = 0
+        self.reopen = kind == "slowloris"
+        self.slow_head = HEAD + b"X-Pad: " + b"a" * 4000  # never finished: a byte per tick
+        self.pipeline = METRICS * 200
+
+    def run(self, seconds: float) -> FloodCounts:
+        start = time.monotonic()
+        deadline = start + seconds
+        while time.monotonic() < deadline:
+            self._fill()
+            now = time.monotonic()
+            for key, events in self.sel.select(timeout=0.02):
+                c = self.conns.get(key.fd)
+                if c is None:
+                    continue
+                if c.state == "connecting":
+                    self._connected(key.fd, c, now)
+                elif events & selectors.EVENT_READ:
+                    self._readable(c)
+            if self.kind == "slowloris":
+                self._drip(now)
+        for c in list(self.conns.values()):
+            c.sock.close()
+        self.counts.seconds = round(time.monotonic() - start, 3)
+        return self.counts
+
+    def _fill(self) -> None:
+        """Open connections up to the target (slowloris: again for each the server closed)."""
+        counts = self.counts
+        target = self.connections if self.reopen else self.connections - counts.attempted + len(self.conns)
+        while (
+            len(self.conns) < target
+            and self.in_flight < self.MAX_IN_FLIGHT
+            and (self.reopen or counts.attempted < self.connections)
+        ):
+            self._open_one()
+        counts.peak_open = max(counts.peak_open, len(self.conns))
+
+    def _open_one(self) -> None:
         s = socket.socket()
         s.setblocking(False)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        counts.attempted += 1
-        err = s.connect_ex(("127.0.0.1", port))
+        self.counts.attempted += 1
+        err = s.connect_ex(("127.0.0.1", self.port))
         if err not in (0, errno.EINPROGRESS):
-            counts.refused += 1
+            self.counts.refused += 1
             s.close()
             return
-        conns[s.fileno()] = _Conn(s)
-        sel.register(s, selectors.EVENT_WRITE)
-        in_flight += 1
+        self.conns[s.fileno()] = _Conn(s)
+        self.sel.register(s, selectors.EVENT_WRITE)
+        self.in_flight += 1
 
-    def drop(c: _Conn, by_server: bool) -> None:
-        nonlocal in_flight
+    def _drop(self, c: _Conn, by_server: bool) -> None:
         if c.state == "connecting":
-            in_flight -= 1
+            self.in_flight -= 1
         with contextlib.suppress(KeyError, ValueError):
-            sel.unregister(c.sock)
-        conns.pop(c.sock.fileno(), None)
+            self.sel.unregister(c.sock)
+        self.conns.pop(c.sock.fileno(), None)
         c.sock.close()
         if by_server:
-            counts.closed_by_server += 1
+            self.counts.closed_by_server += 1
 
-    while time.monotonic() < deadline:
-        target = connections if reopen else connections - counts.attempted + len(conns)
-        while (
-            len(conns) < target and in_flight < max_in_flight and (reopen or counts.attempted < connections)
-        ):
-            open_one()
-        counts.peak_open = max(counts.peak_open, len(conns))
-        now = time.monotonic()
-        for key, events in sel.select(timeout=0.02):
-            c = conns.get(key.fd)
-            if c is None:
-                continue
-            if c.state == "connecting":
-                err = c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                in_flight -= 1
-                if err:
-                    c.state = "failed"
-                    counts.refused += 1
-                    with contextlib.suppress(KeyError, ValueError):
-                        sel.unregister(c.sock)
-                    conns.pop(key.fd, None)
-                    c.sock.close()
-                    continue
-                counts.connected += 1
-                c.state = "sent"
-                with contextlib.suppress(OSError):
-                    if kind == "keepalive":
-                        c.sock.send(HEAD)
-                    elif kind == "idle":  # one byte: a silent connection would stay in the kernel
-                        c.sock.send(HEAD[:1])
-                    elif kind == "pipelined":
-                        c.sock.send(pipeline)
-                    elif kind == "slowloris":
-                        c.sock.send(slow_head[:1])
-                        c.sent, c.next_at = 1, now + 0.1
-                # Watch for the server's close (and, for keep-alive, its answer); pipelined never reads
-                # but still learns of a reset from a failing send below.
-                sel.modify(c.sock, selectors.EVENT_READ)
-                continue
-            if events & selectors.EVENT_READ:
-                if kind == "pipelined":
-                    # Never read an answer: peek only, to learn whether the server closed.
-                    try:
-                        data = c.sock.recv(1, socket.MSG_PEEK)
-                    except OSError:
-                        data = b""
-                    if data:
-                        sel.unregister(c.sock)  # answers wait unread; stop watching
-                        c.state = "held"
-                        continue
-                    drop(c, by_server=True)
-                    continue
+    def _connected(self, fd: int, c: _Conn, now: float) -> None:
+        """A connect finished: count it, send what `kind` sends first, then watch for the server."""
+        err = c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        self.in_flight -= 1
+        if err:
+            c.state = "failed"
+            self.counts.refused += 1
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(c.sock)
+            self.conns.pop(fd, None)
+            c.sock.close()
+            return
+        self.counts.connected += 1
+        c.state = "sent"
+        with contextlib.suppress(OSError):
+            if self.kind == "keepalive":
+                c.sock.send(HEAD)
+            elif self.kind == "idle":  # one byte: a silent connection would stay in the kernel
+                c.sock.send(HEAD[:1])
+            elif self.kind == "pipelined":
+                c.sock.send(self.pipeline)
+            elif self.kind == "slowloris":
+                c.sock.send(self.slow_head[:1])
+                c.sent, c.next_at = 1, now + 0.1
+        # Watch for the server's close (and, for keep-alive, its answer); pipelined never reads but
+        # still learns of a reset from a failing send.
+        self.sel.modify(c.sock, selectors.EVENT_READ)
+
+    def _readable(self, c: _Conn) -> None:
+        if self.kind == "pipelined":
+            # Never read an answer: peek only, to learn whether the server closed.
+            try:
+                data = c.sock.recv(1, socket.MSG_PEEK)
+            except OSError:
+                data = b""
+            if data:
+                self.sel.unregister(c.sock)  # answers wait unread; stop watching
+                c.state = "held"
+                return
+            self._drop(c, by_server=True)
+            return
+        try:
+            data = c.sock.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(c, by_server=True)
+            return
+        if self.kind == "keepalive" and data.startswith(b"HTTP/1.1 200"):
+            self.counts.answered += 1
+
+    def _drip(self, now: float) -> None:
+        """Slowloris: one more byte of the never-finished head on each connection, every 0.1 s."""
+        for c in list(self.conns.values()):
+            if c.state == "sent" and now >= c.next_at and c.sent < len(self.slow_head):
                 try:
-                    data = c.sock.recv(65536)
+                    c.sock.send(self.slow_head[c.sent : c.sent + 1])
                 except OSError:
-                    data = b""
-                if not data:
-                    drop(c, by_server=True)
+                    self._drop(c, by_server=True)
                     continue
-                if kind == "keepalive" and data.startswith(b"HTTP/1.1 200"):
-                    counts.answered += 1
-        if kind == "slowloris":
-            for c in list(conns.values()):
-                if c.state == "sent" and now >= c.next_at and c.sent < len(slow_head):
-                    try:
-                        c.sock.send(slow_head[c.sent : c.sent + 1])
-                    except OSError:
-                        drop(c, by_server=True)
-                        continue
-                    c.sent += 1
-                    c.next_at = now + 0.1
-    for c in list(conns.values()):
-        c.sock.close()
-    counts.seconds = round(time.monotonic() - start, 3)
-    return counts
+                c.sent += 1
+                c.next_at = now + 0.1
+
+
+def flood(kind: str, port: int, connections: int, seconds: float) -> FloodCounts:
+    """Open `connections` to 127.0.0.1:port and behave as `kind` for `seconds`; plain selectors."""
+    return _Flood(kind, port, connections).run(seconds)
 
 
 def run_flood(kind: str, port: int, connections: int, seconds: float) -> FloodCounts:
