@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from hami_guard.node.unixdiag import KUBELET_PROCESS_NAMES
 from sidecar.config import PluginSpec, Settings
+from sidecar.deviceplugin import podlook
 from sidecar.deviceplugin.candidates import CandidateWait, Where
 from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
 from sidecar.deviceplugin.probes import socket_identity
@@ -78,6 +79,11 @@ class Sidecar:
         publish = MetricsPublisher(self.metrics, s.plugin_label)
         self.device_plugins = DevicePluginWatch(s, publish, clock, self._wall)
         self.judge = self.device_plugins.judge
+        # Between rounds where the kubelet's connections cannot be read (a pod with neither the host's
+        # network nor its pids): pod-resources alone, which only brings a round forward.
+        self.pod_look = podlook.PodResourcesLook(
+            s.pod_resources_socket, s.probe_timeout, s.connection_interval, self.trigger
+        )
         self.state = self.judge.state
         # DRA drivers (sidecar.dra.verdicts): judged there, with their own grace, into the same checks.
         self.dra: DraWatch | None = None
@@ -114,7 +120,7 @@ class Sidecar:
         self._trigger = asyncio.Event()
         self._grpc.hold()
         if not self.waiting:
-            self.device_plugins.start()
+            self._start_device_plugins()
         self._watcher = FolderWatcher(
             self.settings.device_plugin_dir,
             self._on_fs_event,
@@ -134,9 +140,14 @@ class Sidecar:
         """Wait for this node's plugin to serve one candidate, then judge it from the first round on."""
         chosen = await candidates.wait()
         self._build(self.settings.resolved(chosen))
-        self.device_plugins.start()
+        self._start_device_plugins()
         self._tasks.spawn(self._probe_loop(), "probe-loop")
         self._schedule_refresh()
+
+    def _start_device_plugins(self) -> None:
+        self.device_plugins.start()
+        if self.settings.connection_interval:
+            self._tasks.spawn(self.pod_look.run(), "pod-resources-look")
 
     async def stop(self) -> None:
         """Stop watching and probing; every task and thread of the sidecar ends."""
@@ -256,7 +267,8 @@ class Sidecar:
     def _watch_connections(self) -> None:
         """The kubelet's connections to the plugins it holds, looked at between rounds on the socket
         table's thread (the table alone, no gRPC call): a drop is judged within a second of happening,
-        not at the next probe interval. Set from each round's reading."""
+        not at the next probe interval. Where the round could not read them, pod-resources' devices of
+        those plugins, on the loop (`sidecar.deviceplugin.podlook`). Set from each round's reading."""
         s = self.settings
         if not s.connection_interval:
             return
@@ -272,6 +284,8 @@ class Sidecar:
                 loop.call_soon_threadsafe(self.trigger)
 
         self.device_plugins.watch_connections(held, wake)
+        unread = not self.device_plugins.connections_read
+        self.pod_look.watch(podlook.listed(held, self.device_plugins.pod_resources) if unread else None)
 
     async def probe_round(self) -> None:
         """One round: the device plugins', then the DRA drivers' (their verdicts into the same checks)."""

@@ -121,6 +121,7 @@ class DevicePluginWatch:
         self.judge = DevicePluginJudge(rules, publish, clock, wall)
         self.names = {*KUBELET_PROCESS_NAMES, s.kubelet_process_name}
         self.connections_source = ""  # where the last round read the kubelet's connections
+        self.connections_read = False  # whether it could (else pod-resources is looked at between rounds)
         self.kubelets_ignored: tuple[str, ...] = ()  # processes named as the kubelet that are not it
         self.table_read_seconds = 0.0  # how long the last read of the socket table took
         self._table = TableThread(every=s.connection_interval)
@@ -191,6 +192,7 @@ class DevicePluginWatch:
         await self._find_listeners()
         connections = table.connections
         self.connections_source = connections if isinstance(connections, str) else connections.source
+        self.connections_read = not isinstance(connections, str)
         self._tables = () if isinstance(connections, str) else connections.tables
         self._listed = {
             p.resource: connections.listed(s.plugin_path(p), _bound_as(p))

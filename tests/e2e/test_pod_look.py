@@ -1,0 +1,201 @@
+"""Between rounds in a pod with neither the host's network nor its pids (Ascend's chart), against the real
+kubelet: the kubelet's connections cannot be read there (their accepted ends are in the kubelet's
+network namespace, not the pod's), so pod-resources is looked at between rounds
+(sidecar.deviceplugin.podlook); a drop brings a round forward, a neighbour's connection to the plugin's
+socket does not, and where the connections can be read the look is never armed.
+
+The sidecar runs as such a pod runs it: the plugin's network namespace, a pid namespace of its own (no
+kubelet process to read), uid 0 with every capability dropped. The probe interval is an hour: a round
+after the drop is one the look brought forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from testing import free_port, netns
+from testing.netns import Netns
+from testing.realkubelet import RealKubelet, RealPlugin, Release
+from tests.conftest import wait_for
+from tests.forged import LOOPBACK_UP, ROOT_NO_CAPS
+
+GPU = "huawei.com/Ascend910B3"
+SOCKET = "Ascend910B3.sock"
+# /status, one line a question (a port), from inside the pod's namespace; a refused ask is asked again.
+STATUS = (
+    "import sys, time, urllib.request\n"
+    "for port in sys.stdin:\n"
+    "    for _ in range(50):\n"
+    "        try:\n"
+    "            body = urllib.request.urlopen(f'http://127.0.0.1:{port.strip()}/status', timeout=5).read()\n"
+    "            break\n"
+    "        except Exception:\n"
+    "            time.sleep(0.1)\n"
+    "    else:\n"
+    "        body = b'{}'\n"
+    "    sys.stdout.write(body.decode().replace(chr(10), ' ') + chr(10)); sys.stdout.flush()\n"
+)
+
+
+def in_pod(pod: Netns, argv: list[str]) -> list[str]:
+    """`argv` as such a pod's container runs: its network namespace, a pid namespace of its own."""
+    return [
+        "nsenter",
+        f"--net={pod.path}",
+        "--",
+        "unshare",
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--mount-proc",
+        "--",
+        *argv,
+    ]
+
+
+@asynccontextmanager
+async def ascend_node(
+    release: Release, dp_dir: str, short_tmp: str
+) -> AsyncIterator[tuple[RealKubelet, RealPlugin, Callable[[], dict[str, Any]]]]:
+    """The kubelet in a network namespace of its own; the plugin it holds and the sidecar in the pod's;
+    yields what reads the sidecar's /status."""
+    netns.require()
+    pod = Netns().start()
+    try:
+        pod_resources = os.path.join(short_tmp, "pod-resources", "kubelet.sock")
+        async with RealKubelet(dp_dir, pod_resources, release=release, netns=True) as kubelet:
+            plugin = RealPlugin(dp_dir, GPU, SOCKET, devices=("NPU-0", "NPU-1"), release=release)
+            plugin.process.argv = ["nsenter", f"--net={pod.path}", "--", *plugin.process.argv]
+            try:
+                mark = plugin.mark()
+                await plugin.start()
+                await plugin.wait_event("stream-open", after=mark)
+                async with sidecar(pod, dp_dir, pod_resources, kubelet, short_tmp) as status:
+                    yield kubelet, plugin, status
+            finally:
+                await plugin.close()
+    finally:
+        pod.close()
+
+
+@asynccontextmanager
+async def sidecar(
+    pod: Netns, dp_dir: str, pod_resources: str, kubelet: RealKubelet, short_tmp: str
+) -> AsyncIterator[Callable[[], dict[str, Any]]]:
+    up = await asyncio.create_subprocess_exec(*pod.command([sys.executable, "-c", LOOPBACK_UP]))
+    assert await asyncio.wait_for(up.wait(), 30) == 0
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "sidecar",
+        "--device-plugin-dir",
+        dp_dir,
+        "--pod-resources-socket",
+        pod_resources,
+    ]
+    argv += ["--listen", f"127.0.0.1:{port}", "--plugin", f"{GPU}={SOCKET}"]
+    argv += ["--kubelet-version", kubelet.version, "--probe-interval", "3600", "--probe-timeout", "0.3"]
+    argv += ["--registration-grace", "1.5", "--connection-interval", "0.2"]
+    with open(os.path.join(short_tmp, "sidecar.log"), "wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            *in_pod(pod, [*ROOT_NO_CAPS, *argv]), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    # Blocking on purpose: `status` answers wait_for's predicates, which are plain functions.
+    asker = subprocess.Popen(  # noqa: ASYNC220
+        pod.command([sys.executable, "-c", STATUS]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert asker.stdin is not None and asker.stdout is not None
+    questions, answers = asker.stdin, asker.stdout
+
+    def status() -> dict[str, Any]:
+        questions.write(f"{port}\n")
+        questions.flush()
+        doc: dict[str, Any] = json.loads(answers.readline())
+        return doc
+
+    try:
+        yield status
+    finally:
+        # unshare --fork ignores SIGTERM and waits for its child, the sidecar: the group's signal reaches it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        questions.close()
+        await asyncio.wait_for(proc.wait(), 10)
+        asker.wait(10)
+
+
+def registered(doc: dict[str, Any]) -> tuple[str, str]:
+    c = doc.get("checks", {}).get(f"registered:{GPU}", {"state": "", "reason": ""})
+    return c["state"], c["reason"]
+
+
+async def held(status: Callable[[], dict[str, Any]]) -> int:
+    """Once the sidecar judges the plugin held, with no connection read: the rounds so far."""
+    await wait_for(lambda: registered(status())[0] == "ok", timeout=30, what="registered")
+    doc = status()
+    assert "not visible from this pod" in doc["kubelet_connections_from"], doc["kubelet_connections_from"]
+    rounds: int = doc["probe_rounds"]
+    return rounds
+
+
+@pytest.mark.parametrize("release", ["new"], indirect=True)
+async def test_a_drop_brings_the_round_forward_where_the_connections_cannot_be_read(
+    release: Release, dp_dir: str, short_tmp: str
+) -> None:
+    """The kubelet ends the plugin's stream while it serves: the round that judges it comes from the
+    look (an hour's probe interval: no other round is due), and fails the check as a round would."""
+    async with ascend_node(release, dp_dir, short_tmp) as (_, plugin, status):
+        before = await held(status)
+        await plugin.end_stream("oldest")
+        await wait_for(lambda: registered(status())[0] == "failed", timeout=30, what="the drop judged")
+        assert status()["probe_rounds"] > before
+
+
+@pytest.mark.parametrize("release", ["new"], indirect=True)
+async def test_a_neighbours_connection_to_the_plugin_changes_no_verdict(
+    release: Release, dp_dir: str, short_tmp: str
+) -> None:
+    """Any root process may connect to the plugin's socket and close: the look reads the kubelet's
+    pod-resources, not the connections, so it brings no round forward and no verdict changes; a drop
+    after it is still brought forward."""
+    async with ascend_node(release, dp_dir, short_tmp) as (_, plugin, status):
+        before = await held(status)
+        for _ in range(3):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(plugin.socket_path)
+            await asyncio.sleep(0.5)  # a few looks (every 0.2 s) after each
+        doc = status()
+        assert registered(doc)[0] == "ok", registered(doc)
+        assert doc["probe_rounds"] <= before + 1
+        await plugin.end_stream("oldest")
+        await wait_for(lambda: registered(status())[0] == "failed", timeout=30, what="the drop judged")
+
+
+@pytest.mark.parametrize("release", ["new"], indirect=True)
+@pytest.mark.parametrize("kubelet_netns", [False, True], ids=["sock_diag", "proc"])
+async def test_no_look_at_pod_resources_where_the_connections_are_read(
+    node_factory: Any, kubelet_netns: bool
+) -> None:
+    """The sidecar in the kubelet's namespace (sock_diag) or reading it through /proc (HAMi's NVIDIA pod):
+    the table's look alone, as before; pod-resources is never called between rounds, a drop or not."""
+    async with node_factory(kubelet_netns=kubelet_netns) as node:
+        plugin = await node.plugin(watch_kubelet=False)
+        await node.until("/readyz", 200)
+        await node.rounds(2)
+        await plugin.end_stream("oldest")
+        await node.until("/healthz?verbose", 503, contains="it dropped the plugin")
+        await node.rounds(2)
+        assert node.sidecar.pod_look.looks == 0
