@@ -36,6 +36,7 @@ from tests.node.kit import (
     RUNS,
     SELECTOR,
     allocatable,
+    cmdline,
     container_status,
     fault_applied,
     figure,
@@ -57,6 +58,7 @@ from tests.node.kit import (
     restored_after,
     set_fault,
     sidecar_status,
+    sidecar_usage,
     status_reason,
     wait,
 )
@@ -120,43 +122,7 @@ def test_healthy_node() -> None:
         f"healthy: the kubelet's prober: {ok / minutes:.1f} /healthz liveness probes per minute, all 200; "
         f"{ready_ok / minutes:.1f} /readyz readiness probes per minute"
     )
-    sidecar_usage(pod)
-
-
-def sidecar_usage(pod: dict[str, Any]) -> None:
-    """The sidecar's CPU over 30 s and its RSS, read from /proc (the pod shares the node's PID namespace)."""
-    pids = [
-        p.name
-        for p in Path("/proc").iterdir()
-        if p.name.isdigit()
-        and _cmdline(p).startswith("/opt/hami-guard/bin/python /opt/hami-guard/bin/hami-sidecar")
-    ]
-    assert len(pids) == 1, pids
-    pid = pids[0]
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def cpu() -> float:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / tick
-
-    c0, t0 = cpu(), time.monotonic()
-    time.sleep(30)
-    share = (cpu() - c0) / (time.monotonic() - t0)
-    rss = next(
-        int(line.split()[1])
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-        if line.startswith("VmRSS")
-    )
-    figure(
-        f"healthy: hami-sidecar in the pod: {share * 100:.2f} % of a core over 30 s, {rss / 1024:.1f} MiB RSS"
-    )
-
-
-def _cmdline(p: Path) -> str:
-    try:
-        return p.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+    sidecar_usage("healthy")
 
 
 RUN_IDS = [f"run{n + 1}" for n in range(RUNS)]
@@ -208,7 +174,7 @@ def test_sidecar_killed_does_not_restart_the_plugin() -> None:
     container, and the device-plugin container outlives its liveness probe's failure window."""
     healthy_plugin()
     plugin_before, sidecar_before = restarts("device-plugin"), restarts("hami-sidecar")
-    pids = [p for p in Path("/proc").iterdir() if p.name.isdigit() and "bin/hami-sidecar" in _cmdline(p)]
+    pids = [p for p in Path("/proc").iterdir() if p.name.isdigit() and "bin/hami-sidecar" in cmdline(p)]
     assert len(pids) == 1
     os.kill(int(pids[0].name), 9)
     wait("the sidecar restarted", lambda: restarts("hami-sidecar") > sidecar_before, 60)

@@ -43,6 +43,7 @@ from tests.node.kit import (
     restored_after,
     set_fault,
     sidecar_status,
+    sidecar_usage,
     wait,
 )
 
@@ -146,6 +147,13 @@ def test_ascend_patched_and_registered(ascend: list[dict[str, Any]]) -> None:
     check = status["checks"][f"registered:{ASCEND.resource}"]
     assert check["state"] == "ok", check
     assert restarts("device-plugin", ASCEND) == 0
+
+
+def test_sidecars_at_rest(ascend: list[dict[str, Any]]) -> None:
+    """Both sidecars' CPU and RSS at rest (measured, not asserted): Ascend's looks at pod-resources
+    between rounds, where NVIDIA's reads the kubelet's connections."""
+    sidecar_usage("at rest beside each other", ASCEND)
+    sidecar_usage("at rest beside each other")
 
 
 RUN_IDS = [f"run{n + 1}" for n in range(RUNS)]

@@ -359,3 +359,50 @@ def fresh_plugin_pod(plugin: Plugin = NVIDIA) -> None:
     kubectl("delete", "pod", "-n", NS, old, "--wait=true")
     replaced(old, 120, plugin)
     healthy_plugin(240, plugin)
+
+
+def sidecar_usage(label: str, plugin: Plugin = NVIDIA) -> None:
+    """The plugin pod's sidecar's CPU over 30 s and its RSS, read from /proc (this namespace sees every
+    pod's processes); the sidecar told by its port (HAMI_GUARD_LISTEN; NVIDIA's: the default)."""
+    pids = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _is_sidecar_of(p, plugin)]
+    assert len(pids) == 1, pids
+    pid = pids[0]
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu() -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    c0, t0 = cpu(), time.monotonic()
+    time.sleep(30)
+    share = (cpu() - c0) / (time.monotonic() - t0)
+    rss = next(
+        int(line.split()[1])
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if line.startswith("VmRSS")
+    )
+    figure(
+        f"{label}: hami-sidecar in the {plugin.resource} pod: {share * 100:.2f} % of a core over 30 s, "
+        f"{rss / 1024:.1f} MiB RSS"
+    )
+
+
+def cmdline(p: Path) -> str:
+    """A process's command line, its arguments joined by spaces ("" once it is gone)."""
+    try:
+        return p.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _is_sidecar_of(p: Path, plugin: Plugin) -> bool:
+    try:
+        environ = p.joinpath("environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    if not cmdline(p).startswith("/opt/hami-guard/bin/python /opt/hami-guard/bin/hami-sidecar"):
+        return False
+    listen = [e for e in environ if e.startswith(b"HAMI_GUARD_LISTEN=")]
+    if plugin.port == NVIDIA.port and not listen:
+        return True
+    return listen == [f"HAMI_GUARD_LISTEN=0.0.0.0:{plugin.port}".encode()]
