@@ -323,9 +323,10 @@ class DevicePluginWatch:
         changed since this round? A drop, a second Register (the kubelet closes the first connection):
         `then()` is called, from that thread, and the round that judges it is due now, not at the next
         interval. Only what the reader trusts counts: a set of connections, or 0 where a positive count
-        is not trusted; a look that cannot tell leaves it to the next round. Set after each round."""
+        is not trusted; a look that cannot tell leaves it to the next round. Set after each round; none
+        where the round could not read them (a look would not either: podlook looks there)."""
         watched = [p for p in self.settings.plugins if p.resource in held]
-        if not watched:
+        if not watched or not self.connections_read:
             self._table.watch(None)
             return
         known = {p.resource: self.last_ids.get(p.resource) for p in watched}
