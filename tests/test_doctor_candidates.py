@@ -26,7 +26,7 @@ from doctor.settings import parse_settings
 from doctor.types import CandidateSocket
 from hami_guard.flags import PluginSpec
 from testing import FakeDevicePlugin, FakeKubelet
-from tests.conftest import wait_for
+from tests.conftest import require_tool, wait_for
 from tests.test_doctor import Doctor, doctor, row, verdicts
 
 __all__ = ["doctor"]  # the fixture, imported for the tests below
@@ -307,9 +307,8 @@ def test_the_ascend_component_replaces_the_rule(tmp_path: Path) -> None:
             }
         )
     )
-    done = subprocess.run(
-        ["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True, check=False
-    )
+    kubectl = require_tool("kubectl")
+    done = subprocess.run([kubectl, "kustomize", str(tmp_path)], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     (cm,) = list(yaml.safe_load_all(done.stdout))
     assert cm["metadata"]["name"] == "hami-guard-npd"
