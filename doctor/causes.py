@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from doctor.candidates import candidates_cause
 from doctor.dra.causes import dra_causes
 from doctor.hami import hami_causes
 from doctor.patterns import (
@@ -22,6 +23,7 @@ from doctor.patterns import (
 from doctor.recovery import recovery_cause
 from doctor.shell import command
 from doctor.types import (
+    CANDIDATE_CAUSES,
     CAUSES,
     DRA_CAUSES,
     HAMI_CAUSES,
@@ -42,7 +44,11 @@ from sidecar.deviceplugin.evidence import accepted_devices, iso, not_held_reason
 from sidecar.deviceplugin.naming import matching_plugins, physical_devices, pick_found, socket_found_instead
 
 ORDER = {cause: i for i, (cause, _) in enumerate(CAUSES)}
-RANK = {cause: i for i, (cause, _) in enumerate(CAUSES + DRA_CAUSES + HAMI_CAUSES + RECOVERY_CAUSES)}
+# --plugin-candidates' row right after driver-runtime (a plugin that cannot reach its device may serve
+# nothing), before every row of the plugins it decides on.
+_RANKED = [c for c, _ in CAUSES + DRA_CAUSES + HAMI_CAUSES + RECOVERY_CAUSES]
+_RANKED.insert(_RANKED.index("driver-runtime") + 1, CANDIDATE_CAUSES[0][0])
+RANK = {cause: i for i, cause in enumerate(_RANKED)}
 # initcheck's checks that are about permission; the others are about the socket's path.
 PERMISSION_CHECKS = frozenset(
     ("PERMISSION_DENIED", "OWNER_MISMATCH", "GROUP_MISMATCH", "MODE_MISMATCH", "MODE_TOO_OPEN")
@@ -64,6 +70,10 @@ UNRECORDED_FIX = (
     "if it stays so, the kubelet refused the Register: restart the plugin; on Kubernetes 1.37 a kubelet "
     "restart clears the refused state",
     RESTART_PLUGIN,
+)
+# The rows of the judged plugins: with candidates and none judged, they judge nothing.
+NO_PLUGIN_ROWS = frozenset(
+    ("socket-owner", "plugin-not-serving", "plugin-not-registered", "socket-name", "devices-not-registered")
 )
 # Growth between two samples that no healthy plugin shows.
 FD_GROWTH = 100
@@ -99,6 +109,12 @@ def diagnose(e: NodeEvidence) -> list[Cause]:
         causes += hami_causes(e.hami, e.plugin_logs)
     if e.recovery is not None:
         causes.append(recovery_cause(e.recovery))
+    if e.candidates is not None:
+        causes.append(candidates_cause(e.candidates))
+        if not e.plugins:  # the rows of the plugins judge none: not "ok"
+            for c in causes:
+                if c.id in NO_PLUGIN_ROWS:
+                    c.verdict, c.evidence = "unknown", ["no plugin judged: none of the candidates is served"]
     causes.sort(key=lambda c: (c.verdict != "problem", RANK[c.id]))
     return causes
 

@@ -13,10 +13,12 @@ broken psutil is a diagnosis error the CLI reports (NPD's Unknown), not a failed
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import glob
 import os
 import re
+import socket
 import stat
 import subprocess
 import time
@@ -25,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
+from doctor import candidates
 from doctor.dra.evidence import dra_kubelet_logs, gather_dra
 from doctor.hami import gather_hami
 from doctor.logscan import kubelet_logs, plugin_logs
@@ -32,6 +35,7 @@ from doctor.patterns import KUBELET_PATTERNS, catalogue
 from doctor.recovery import gather_recovery
 from doctor.settings import DoctorSettings
 from doctor.types import (
+    CandidateJudgement,
     DriverNodes,
     KubeletProcess,
     NodeEvidence,
@@ -60,6 +64,7 @@ from hami_guard.node.unixdiag import (
 from hami_guard.profiles import VendorProfile
 from initcheck.checks import options_for, run_checks
 from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
+from sidecar.deviceplugin.hamiconfig import NODE_NAME_ENV
 from sidecar.deviceplugin.probes import (
     ProbeResult,
     Reading,
@@ -88,7 +93,30 @@ class Gathering:
 
 
 async def gather(s: DoctorSettings) -> NodeEvidence:
-    """Everything the doctor reads from the node, once; a reader that fails is said in `errors`."""
+    """Everything the doctor reads from the node, once; a reader that fails is said in `errors`. With
+    --plugin-candidates, first which of them to judge (`decide`), then those as --plugin."""
+    if not s.plugin_candidates:
+        return await _gather(s)
+    judgement = await decide(s)
+    found = await _gather(s.judging(judgement.judged))
+    return dataclasses.replace(found, candidates=judgement)
+
+
+async def decide(s: DoctorSettings) -> CandidateJudgement:
+    """Which of --plugin-candidates this node serves (doctor/candidates.py): the sockets, then the
+    kubelet's records of them."""
+    pod_resources = await pod_resources_devices(s.pod_resources_socket, s.probe_timeout)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hami-doctor-checkpoint") as reader:
+        checkpoint = await read_checkpoint_async(os.path.join(s.device_plugin_dir, CHECKPOINT_NAME), reader)
+    folder, found = s.device_plugin_dir, s.plugin_candidates
+    looked, records = await asyncio.to_thread(candidates.look, folder, found, pod_resources, checkpoint)
+    elsewhere = await asyncio.to_thread(candidates.others_served, folder, found, s.kubelet_socket, s.profile)
+    node = os.environ.get(NODE_NAME_ENV, "") or socket.gethostname()
+    return candidates.judge(looked, records, elsewhere, s.profile.name, node)
+
+
+async def _gather(s: DoctorSettings) -> NodeEvidence:
+    """Everything the doctor reads from the node for the plugins `s` names."""
     options = options_for(
         s.kubelet_path,
         plugin_uid=s.plugin_uid,

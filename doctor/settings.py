@@ -10,7 +10,8 @@ import argparse
 import os
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Literal
 
 from hami_guard import flags, profiles
@@ -45,6 +46,9 @@ class DoctorSettings(flags.DeviceFolder):
     kubelet_socket: str = SIDECAR.kubelet_socket
     vendor: str = SIDECAR.vendor  # the devices' vendor profile: the defaults that are a vendor's follow it
     plugins: tuple[PluginSpec, ...] = SIDECAR.plugins
+    # --plugin-candidates (two or more; `plugins` empty then): the resources this node's plugin may serve,
+    # of which the doctor first decides which (doctor/candidates.py), then judges those as `plugins`.
+    plugin_candidates: tuple[PluginSpec, ...] = ()
     pod_resources_socket: str = SIDECAR.pod_resources_socket
     probe_timeout: float = SIDECAR.probe_timeout
     expect_devices: flags.DeviceExpectation = SIDECAR.expect_devices  # ANY: no devices check; AUTO: the glob
@@ -84,6 +88,22 @@ class DoctorSettings(flags.DeviceFolder):
         """The vendor profile the settings name (`vendor`): its log patterns, its driver, its texts."""
         return profiles.named(self.vendor) or DEFAULT_PROFILE
 
+    def judging(self, plugins: Sequence[PluginSpec]) -> DoctorSettings:
+        """These settings once the candidates `plugins` are decided on: as if --plugin had named them
+        (HAMi's annotations of those resources only)."""
+        if not set(plugins) <= set(self.plugin_candidates):
+            raise ValueError(f"{', '.join(p.resource for p in plugins)}: not among the candidates")
+        mine = {p.resource for p in plugins}
+        keys = tuple((r, k) for r, k in self.hami_keys if r in mine)
+        return replace(
+            self,
+            plugins=tuple(plugins),
+            plugin_candidates=(),
+            hami_keys=keys,
+            hami_api=self.hami_api if keys else None,
+            node_name=self.node_name if keys else "",
+        )
+
 
 DEFAULTS = DoctorSettings()
 MAX_SINCE = 3650 * flags.DAY
@@ -109,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
             flags.identity_flags(),
             flags.kubelet_process_flag(kubelet_process_name=d.kubelet_process_name),
         ],
+    )
+    p.add_argument(
+        "--plugin-candidates",
+        action="append",
+        type=partial(flags.plugin_spec, example=SIDECAR.plugins[0]),
+        help="RESOURCE=SOCKET, repeatable (the variable: a comma-separated list), instead of --plugin: the "
+        "resources this node's plugin may serve, one of them (one DaemonSet over nodes of several kinds of "
+        "device). The doctor judges the one whose socket file (not a link) a listener accepts connections "
+        "on; several such: each; none: the one the kubelet's records name, else one problem row saying so",
     )
     p.add_argument(
         "--kubelet-log",
@@ -170,7 +199,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
     dra = dra_drivers(parser, args)
     vendor = vendor_settings(parser, args, bool(dra))
     plugins = vendor.plugins
-    hami = hami_settings(parser, args, environ, plugins, vendor.profile)
+    hami = hami_settings(parser, args, environ, plugins, vendor.profile, candidates=vendor.candidates)
     # --kubeconfig serves every route of the API the doctor takes (HAMi's registration, the ResourceSlices).
     kube = None
     if args.kubeconfig and (hami.registration or args.dra_resourceslices):
@@ -180,7 +209,8 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
             parser.error(f"--kubeconfig: {e}")
     api = kube if kube is not None and args.dra_resourceslices else dra_api(parser, args, environ)
     hami_api = kube if kube is not None and hami.registration else hami.api
-    keys = hami_keys(plugins, hami.annotations, vendor.profile if vendor.given else None)
+    # With candidates, every candidate's keys: those of the judged ones are kept (`judging`).
+    keys = hami_keys(plugins or vendor.candidates, hami.annotations, vendor.profile if vendor.given else None)
     status = args.sidecar_status
     if status is None:
         status = f"http://127.0.0.1:{vendor.profile.free_port()}/status"
@@ -190,6 +220,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
         kubelet_socket=args.kubelet_socket,
         vendor=vendor.profile.name,
         plugins=plugins,
+        plugin_candidates=vendor.candidates,
         pod_resources_socket=args.pod_resources_socket,
         probe_timeout=args.probe_timeout,
         expect_devices=args.expect_devices,

@@ -62,7 +62,10 @@ HAMI_CAUSES = (
 )
 # What hami-sidecar did for GPUs HAMi marked unhealthy (doctor/recovery.py), where its /status answers.
 RECOVERY_CAUSES = (("unhealthy-devices", "GPUs HAMi marked unhealthy"),)
-TITLES = dict(CAUSES + DRA_CAUSES + HAMI_CAUSES + RECOVERY_CAUSES)
+# Which of --plugin-candidates this node serves (doctor/candidates.py), only when they are given: ranked
+# after driver-runtime (a plugin that cannot reach its device may serve nothing).
+CANDIDATE_CAUSES = (("plugin-candidates", "plugin candidates"),)
+TITLES = dict(CAUSES + DRA_CAUSES + HAMI_CAUSES + RECOVERY_CAUSES + CANDIDATE_CAUSES)
 
 
 # -- the evidence ----------------------------------------------------------------------------------------
@@ -191,6 +194,45 @@ class SocketFile:
     age: float = 0.0  # seconds since it was made (its mtime: bind() sets it, nothing writes a socket)
 
 
+CandidateState = Literal["served", "dead", "link", "other", "absent", "changed", "unreadable"]
+Decided = Literal["served", "several", "recorded", "none"]
+
+
+@dataclass(frozen=True)
+class CandidateSocket:
+    """One --plugin-candidates resource as read on the node: its socket file and the kubelet's records."""
+
+    spec: PluginSpec
+    # served: a socket file (not a link) a listener accepted a connection on; dead: a socket file that
+    # refused one; link: a symbolic link (never followed); other: not a socket; absent; changed: the file
+    # changed while it was looked at; unreadable: the look failed (a permission).
+    state: CandidateState
+    detail: str  # what is at the path, in words (the listener's pid and name where served)
+    listed: int | None = None  # healthy devices the kubelet's pod-resources lists; None: not listed
+    checkpointed: bool = False  # the kubelet's checkpoint names the resource
+
+    @property
+    def recorded(self) -> bool:
+        """The kubelet's own records name the resource on this node."""
+        return self.listed is not None or self.checkpointed
+
+
+@dataclass(frozen=True)
+class CandidateJudgement:
+    """Which of the candidates the doctor judged, and why: `judged` are then judged as --plugin."""
+
+    candidates: tuple[CandidateSocket, ...]
+    judged: tuple[PluginSpec, ...]
+    # served: exactly one served; several: more than one served, each judged; recorded: none served, and
+    # the kubelet's records name exactly one, judged; none: nothing to judge.
+    decided: Decided
+    records: str = ""  # why the kubelet's records could not be read ("" where they were)
+    # Sockets served in the folder of the vendor's form that are no candidate: (socket, resource).
+    elsewhere: tuple[tuple[str, str], ...] = ()
+    vendor: str = DEFAULT.name  # the vendor profile's name (its chart's namespace, its nodes' label)
+    node: str = ""  # this node's name, for the fix's command
+
+
 # -- the logs ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Pattern:
@@ -310,6 +352,8 @@ class NodeEvidence:
     # hami-sidecar's recovery of unhealthy devices, from its /status (doctor/recovery.py): None when no
     # sidecar answers at --sidecar-status.
     recovery: Reading[Any] | None = None
+    # --plugin-candidates: which of them `plugins` are, and why; None when they are not given.
+    candidates: CandidateJudgement | None = None
 
 
 # -- the verdicts, the repairs and the report --------------------------------------------------------------
