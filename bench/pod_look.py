@@ -4,8 +4,8 @@ against the real kubelet's device manager (tests/realkubelet) holding one plugin
 
 Prints the CPU time per call (this whole process: grpcio's own threads work for each call too),
 median and p90 over LOOKS calls, and the wall time. The calls are spaced 20 ms: the kubelet answers
-RESOURCE_EXHAUSTED past its rate (a burst of 10, then 100 a second, all clients together). Run as root from the repository root:
-`python -m bench.pod_look`.
+RESOURCE_EXHAUSTED past its rate (a burst of 10, then 100 a second, all clients together). Run as root
+from the repository root: `python -m bench.pod_look`.
 """
 
 from __future__ import annotations
