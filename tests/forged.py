@@ -4,10 +4,13 @@ process of their own until it is stopped."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 # Each argument is an operation: `name:<hex>` binds an abstract or file name (hex: names hold NULs and
 # newlines), listens and connects to it; `listen:<hex>` only binds and listens; `serve:<hex>` also accepts
@@ -198,3 +201,45 @@ LOOPBACK_UP = (
 def loopback_up(pid: int) -> None:
     """Bring up the loopback of the network namespace of `pid` (SIOCGIFFLAGS, SIOCSIFFLAGS)."""
     subprocess.run([*nsenter(pid), sys.executable, "-c", LOOPBACK_UP], check=True, timeout=30)
+
+
+# /status from inside a namespace, one line a question (a port). /status is rate limited (the serving
+# limits answer 503 "busy" past their rate): a refused ask is asked again a moment later, a few times,
+# never forever.
+STATUS = (
+    "import sys, time, urllib.request\n"
+    "for port in sys.stdin:\n"
+    "    for _ in range(50):\n"
+    "        try:\n"
+    "            body = urllib.request.urlopen(f'http://127.0.0.1:{port.strip()}/status', timeout=5).read()\n"
+    "            break\n"
+    "        except OSError:\n"
+    "            body = b'{}'\n"
+    "            time.sleep(0.05)\n"
+    "    print(body.decode().replace(chr(10), ' '), flush=True)\n"
+)
+
+
+@contextmanager
+def asking_status(
+    command: Callable[[list[str]], list[str]], port: int
+) -> Iterator[Callable[[], dict[str, Any]]]:
+    """What reads the sidecar's /status on `port` from where `command` runs (a namespace's), a plain
+    function for wait_for's predicates: one process asked, a line each time."""
+    asker = subprocess.Popen(
+        command([sys.executable, "-c", STATUS]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert asker.stdin is not None and asker.stdout is not None
+    questions, answers = asker.stdin, asker.stdout
+
+    def status() -> dict[str, Any]:
+        questions.write(f"{port}\n")
+        questions.flush()
+        doc: dict[str, Any] = json.loads(answers.readline())
+        return doc
+
+    try:
+        yield status
+    finally:
+        questions.close()
+        asker.wait(10)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -29,24 +28,10 @@ from testing import free_port, netns
 from testing.netns import Netns
 from testing.realkubelet import RealKubelet, RealPlugin, Release
 from tests.conftest import wait_for
-from tests.forged import LOOPBACK_UP, ROOT_NO_CAPS
+from tests.forged import LOOPBACK_UP, ROOT_NO_CAPS, asking_status
 
 GPU = "huawei.com/Ascend910B3"
 SOCKET = "Ascend910B3.sock"
-# /status, one line a question (a port), from inside the pod's namespace; a refused ask is asked again.
-STATUS = (
-    "import sys, time, urllib.request\n"
-    "for port in sys.stdin:\n"
-    "    for _ in range(50):\n"
-    "        try:\n"
-    "            body = urllib.request.urlopen(f'http://127.0.0.1:{port.strip()}/status', timeout=5).read()\n"
-    "            break\n"
-    "        except Exception:\n"
-    "            time.sleep(0.1)\n"
-    "    else:\n"
-    "        body = b'{}'\n"
-    "    sys.stdout.write(body.decode().replace(chr(10), ' ') + chr(10)); sys.stdout.flush()\n"
-)
 
 
 def in_pod(pod: Netns, argv: list[str]) -> list[str]:
@@ -113,28 +98,14 @@ async def sidecar(
         proc = await asyncio.create_subprocess_exec(
             *in_pod(pod, [*ROOT_NO_CAPS, *argv]), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-    # Blocking on purpose: `status` answers wait_for's predicates, which are plain functions.
-    asker = subprocess.Popen(  # noqa: ASYNC220
-        pod.command([sys.executable, "-c", STATUS]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    assert asker.stdin is not None and asker.stdout is not None
-    questions, answers = asker.stdin, asker.stdout
-
-    def status() -> dict[str, Any]:
-        questions.write(f"{port}\n")
-        questions.flush()
-        doc: dict[str, Any] = json.loads(answers.readline())
-        return doc
-
     try:
-        yield status
+        with asking_status(pod.command, port) as status:
+            yield status
     finally:
         # unshare --fork ignores SIGTERM and waits for its child, the sidecar: the group's signal reaches it.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        questions.close()
         await asyncio.wait_for(proc.wait(), 10)
-        asker.wait(10)
 
 
 def registered(doc: dict[str, Any]) -> tuple[str, str]:

@@ -12,7 +12,6 @@ probe round fails.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from tests.forged import (
     PTRACE_ONLY,
     ROOT_NO_CAPS,
     Holder,
+    asking_status,
     comm,
     forged_names,
     in_a_mount_namespace,
@@ -50,24 +50,10 @@ from tests.test_doctor import Doctor, row, verdicts
 GPU = "nvidia.com/gpu"  # its plugin serves and never registers: the name lies about it
 DEV = "example.com/dev"  # its plugin registers
 BOUND_DIR = "/var/lib/kubelet/device-plugins"  # where the kubelet's mount namespace has the folder
+
+
 # A process in the kubelet's namespace that answers each line (a port) with that sidecar's /status on
 # one line: one interpreter for the whole test, not one per question.
-# /status is rate limited (the serving limits answer 503 "busy" past their rate): a refused ask is
-# asked again a moment later, a few times, never forever.
-STATUS = (
-    "import sys, time, urllib.request\n"
-    "for port in sys.stdin:\n"
-    "    for _ in range(50):\n"
-    "        try:\n"
-    "            body = urllib.request.urlopen(f'http://127.0.0.1:{port.strip()}/status', timeout=5).read()\n"
-    "            break\n"
-    "        except OSError:\n"
-    "            body = b'{}'\n"
-    "            time.sleep(0.05)\n"
-    "    print(body.decode().replace(chr(10), ' '), flush=True)\n"
-)
-
-
 class Entered(Netns):
     """An existing network namespace (by its handle), entered as the manifests run the sidecar: uid 0,
     every capability dropped (so the descriptors of the kubelet and of the plugin cannot be read), or
@@ -105,26 +91,12 @@ async def sidecar_in(ns: Entered, settings: Any, log: str) -> AsyncIterator[Call
         argv += ["--plugin", f"{p.resource}={p.socket}"]
     with open(log, "wb") as out:
         proc = await asyncio.create_subprocess_exec(*ns.command(argv), stdout=out, stderr=subprocess.STDOUT)
-    # Blocking on purpose: `status` answers wait_for's predicates, which are plain functions.
-    asker = subprocess.Popen(  # noqa: ASYNC220
-        ns.command([sys.executable, "-c", STATUS]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    assert asker.stdin is not None and asker.stdout is not None
-    questions, answers = asker.stdin, asker.stdout
-
-    def status() -> dict[str, Any]:
-        questions.write(f"{settings.port}\n")
-        questions.flush()
-        doc: dict[str, Any] = json.loads(answers.readline())
-        return doc
-
     try:
-        yield status
+        with asking_status(ns.command, settings.port) as status:
+            yield status
     finally:
         proc.terminate()
-        questions.close()
         await asyncio.wait_for(proc.wait(), 10)
-        asker.wait(10)
 
 
 @asynccontextmanager
