@@ -136,6 +136,7 @@ class Chart:
     bash: bool  # the plugin's image has bash and timeout: the exec livenessProbe runs in it
     node_label: str  # `key=value`: the node label the chart's nodeSelector picks the nodes by ("" none)
     host_network: bool  # the plugin's pod is on the host's network: no NetworkPolicy applies to it
+    ports_note: str = ""  # who listens on `ports` and who reaches them, for the NetworkPolicy's comment
 
 
 @dataclass(frozen=True)
@@ -490,6 +491,7 @@ def _chart(t: _Table) -> Chart:
         t.take("bash", _flag),
         t.take("node_label", _maybe(_form(_LABEL, "a node label key=value"))),
         t.take("host_network", _flag),
+        t.take("ports_note", _text, ""),
     )
     t.done()
     if bool(out.config_volume) != bool(out.resource_value):

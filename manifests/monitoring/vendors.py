@@ -23,6 +23,7 @@ import json
 import re
 import shutil
 import sys
+import textwrap
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -241,11 +242,13 @@ def policy(profile: VendorProfile) -> dict[str, object]:
 
 def policy_file(profile: VendorProfile) -> str:
     ports = ", ".join(map(str, profile.chart.ports))
+    whose = profile.chart.ports_note or f"{profile.vendor}'s own containers'"
     own = (
-        f"{ports} ({profile.vendor}'s own containers'): open, as its chart leaves them."
+        f"{ports} ({whose}): open, as its chart leaves them."
         if ports
         else f"no other port: {profile.vendor}'s containers listen on none."
     )
+    own = "\n".join(textwrap.wrap(f"- {own}", 108, initial_indent="# ", subsequent_indent="#   "))
     folder = "manifests/network-policy" + ("" if profile.default else f"/vendors/{profile.name}")
     head = f"""\
 # Who reaches {profile.vendor}'s device-plugin pods' ports (docs/deploy.md#who-reaches-the-port). Written by
@@ -256,7 +259,7 @@ def policy_file(profile: VendorProfile) -> str:
 #   where your Prometheus runs (every namespace has the kubernetes.io/metadata.name label); add a
 #   podSelector beside the namespaceSelector to admit its pods only. The sidecar on another port (the
 #   post-renderer's port=): that port here too.
-# - {own}
+{own}
 # It selects the plugin's pods by their label, {profile.chart.selector}.
 # The kubelet probes from the node itself, and NetworkPolicy does not apply to a pod's own node, so no
 # rule names the node. A pod with hostNetwork: true is outside every policy.
