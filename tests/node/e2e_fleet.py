@@ -317,7 +317,8 @@ def test_fires_while_the_plugin_is_unregistered_and_resolves(monitor: Monitor) -
         firing = watch.until("the alert firing", lambda c, a, e, s: s == "firing", 120)
         alert = firing_alert(monitor)
         assert alert["labels"]["severity"] == "critical", alert
-        assert alert["annotations"]["summary"].startswith(f"GPU node {NODE} "), alert
+        assert alert["labels"]["vendor"] == "nvidia", alert  # the rule of the NVIDIA profile's
+        assert alert["annotations"]["summary"].startswith(f"NVIDIA node {NODE} "), alert
         # Capacity never came back while the plugin could not register.
         assert all(c in ("0", DEVICES) for _, c, *_ in watch.changes), watch.story()
         assert watch.poll()[:3] == ("0", "0", "0"), watch.story()
