@@ -17,6 +17,7 @@ from hami_guard.flags import AUTO_DEVICES, DeviceExpectation, Expect
 from initcheck.cli import build_parser as initcheck_parser
 from sidecar.config import BadConfig, PluginSpec, Settings, parse_settings, read_settings
 from sidecar.config import build_parser as sidecar_parser
+from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
 
 
 def test_defaults_are_hamis_real_names() -> None:
@@ -132,6 +133,35 @@ def test_duration_ranges(
     # The environment twin is checked the same way, and named.
     var = env_name(flag)
     assert f"{var}='nan'" in usage_error(PARSERS[prog](), [], {var: "nan"}, capsys)
+
+
+@pytest.mark.parametrize("sock", [".", "..", "a/b.sock", "kubelet.sock", "kubelet_internal_checkpoint"])
+@pytest.mark.parametrize(
+    ("prog", "flag"),
+    [
+        ("hami-sidecar", "--plugin"),
+        ("hami-sidecar", "--plugin-candidates"),
+        ("hami-doctor", "--plugin"),
+        ("hami-doctor", "--plugin-candidates"),
+    ],
+)
+def test_a_plugin_socket_is_a_file_of_the_folder_not_the_kubelets(
+    prog: str, flag: str, sock: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plugin's socket is a file name in the device-plugins folder: not the folder, its parent, a path,
+    nor the kubelet's own socket or checkpoint (a plugin judged on those would read the kubelet's file)."""
+    message = usage_error(PARSERS[prog](), [flag, f"vendor.example/gpu={sock}"], {}, capsys)
+    assert message.startswith(f"{prog}: error: argument {flag}: ")
+    assert repr(f"vendor.example/gpu={sock}") in message
+    # The variable the same (a comma-separated list), and a name that merely starts like one is a name.
+    var = env_name(flag)
+    assert f"{var}=" in usage_error(PARSERS[prog](), [], {var: f"vendor.example/gpu={sock}"}, capsys)
+    near = sock.replace("/", "")
+    assert parse_with_env(PARSERS[prog](), [flag, f"vendor.example/gpu=.{near}x"], {})
+
+
+def test_the_kubelets_files_are_the_kubelets_names() -> None:
+    assert (Settings().kubelet_socket, CHECKPOINT_NAME) == flags.KUBELET_FILES
 
 
 def test_doctor_since_takes_units_within_a_range(capsys: pytest.CaptureFixture[str]) -> None:
