@@ -473,10 +473,10 @@ def test_candidates_that_cannot_be_used_are_a_served_usage_error(
     assert message in got.error
 
 
-def test_the_doctor_has_no_candidates(capsys: pytest.CaptureFixture[str]) -> None:
-    """hami-doctor runs on one node, whose resource is named: its per-node error does not offer them."""
+def test_the_doctor_offers_the_candidates_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """hami-doctor takes --plugin-candidates too (doctor/candidates.py): its per-node error offers them."""
     with pytest.raises(SystemExit):
         doctor_settings(["--vendor", "ascend"], {})
     err = capsys.readouterr().err
     assert "each node's Ascend plugin registers the resource of its own hardware" in err
-    assert "--plugin-candidates" not in err
+    assert "name this node's (or the chart's, --plugin-candidates)" in err
