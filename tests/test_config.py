@@ -446,6 +446,9 @@ def test_candidates_from_the_variable_or_the_flag_until_one_is_known() -> None:
     assert s.resolved(B3).hami_keys() == ((B3.resource, "x.io/b3"),)
     with pytest.raises(ValueError, match="not one of the candidates"):
         s.resolved(PluginSpec("nvidia.com/gpu", "nvidia-gpu.sock"))
+    # Resources no profile owns are one kind too: --vendor's (else the default's) settings.
+    none = parse_settings(["--vendor", "ascend"], {CAND: "vendor.example/a=a.sock,vendor.example/b=b.sock"})
+    assert (none.vendor, len(none.plugin_candidates)) == ("ascend", 2)
     # One candidate is the plugin itself: nothing to learn.
     alone = parse_settings([], {"HAMI_GUARD_PLUGIN_CANDIDATES": f"{P.resource}={P.socket}"})
     assert (alone.plugins, alone.plugin_candidates) == ((P,), ())
@@ -462,6 +465,9 @@ CAND = "HAMI_GUARD_PLUGIN_CANDIDATES"
         ([], {CAND: f"{CANDIDATES},huawei.com/Ascend310P=b.sock"}, "a resource is named twice"),
         ([], {CAND: f"{CANDIDATES},huawei.com/Ascend910A=Ascend310P.sock"}, "a socket is named twice"),
         ([], {CAND: "Ascend310P"}, "HAMI_GUARD_PLUGIN_CANDIDATES='Ascend310P'"),
+        ([], {CAND: f"{CANDIDATES},nvidia.com/gpu=gpu.sock"}, "Ascend310P (ascend), nvidia.com/gpu (nvidia)"),
+        ([], {CAND: f"{CANDIDATES},vendor.example/npu=npu.sock"}, "vendor.example/npu (no vendor profile)"),
+        (["--vendor", "ascend"], {CAND: "hygon.com/dcunum=d.sock,x.example/n=n.sock"}, "all of one vendor"),
         (["--vendor", "ascend"], {}, "name this node's (or the chart's, --plugin-candidates), e.g. --plugin"),
     ],
 )  # fmt: skip
