@@ -48,21 +48,25 @@ class Sidecar:
     ) -> None:
         self.clock = clock
         self._wall = wall
-        self._build(settings)
+        self._made = False  # `device_plugins` exists (to be closed), started or not
         # Several candidate resources (--plugin-candidates): which one this node's plugin serves is learnt
         # first (sidecar.deviceplugin.candidates), and only then is the rest built, for that one. Until
-        # then the views answer the wait's one check; what _build made of the candidates' settings (no
-        # plugin) never runs.
+        # then the views answer the wait's one check, its metrics and these settings.
         self.candidates: CandidateWait | None = None
         if settings.plugin_candidates:
-            s = settings
+            s = self.settings = settings
             self.metrics = Metrics()
             where = Where(s.device_plugin_dir, s.kubelet_socket, s.polling_interval, s.registration_grace)
             publish = MetricsPublisher(self.metrics, s.plugin_label, clock).check
             self.candidates = CandidateWait(where, s.plugin_candidates, publish, clock, wall)
             self.state = self.candidates.state
+            self.dra: DraWatch | None = None
+            self.hami: hami.HamiWatch | None = None
+        else:
+            self._build(settings)
         self.started = clock()
         self.rounds = 0
+        self._hami_task: asyncio.Task[object] | None = None
         self._trigger: asyncio.Event | None = None
         self._tasks = TaskSet("hami-sidecar:")
         self._refresh_handle: asyncio.TimerHandle | None = None
@@ -76,8 +80,9 @@ class Sidecar:
         s = self.settings = settings
         clock = self.clock
         self.metrics = Metrics()
-        publish = MetricsPublisher(self.metrics, s.plugin_label)
+        publish = MetricsPublisher(self.metrics, s.plugin_label, clock)
         self.device_plugins = DevicePluginWatch(s, publish, clock, self._wall)
+        self._made = True
         self.judge = self.device_plugins.judge
         # Between rounds where the kubelet's connections cannot be read (a pod with neither the host's
         # network nor its pids): pod-resources alone, which only brings a round forward.
@@ -86,7 +91,7 @@ class Sidecar:
         )
         self.state = self.judge.state
         # DRA drivers (sidecar.dra.verdicts): judged there, with their own grace, into the same checks.
-        self.dra: DraWatch | None = None
+        self.dra = None
         if s.dra_drivers:
             self.dra = DraWatch(
                 s.dra_drivers,
@@ -101,7 +106,6 @@ class Sidecar:
             self.dra.attach(self.state, publish)
         # HAMi's own registration (sidecar.hami): judged beside the rounds, into the same checks.
         self.hami = hami.from_settings(s, clock)
-        self._hami_task: asyncio.Task[object] | None = None
         if self.hami is not None:
             self.hami.attach(self.state, publish)
         for check in self.state.checks.values():
@@ -161,7 +165,8 @@ class Sidecar:
                 await self.hami.close()
             if self.dra is not None:
                 self.dra.close()
-            self.device_plugins.close()
+            if self._made:
+                self.device_plugins.close()
         finally:
             self._grpc.release()
 
