@@ -48,6 +48,7 @@ class Sidecar:
     ) -> None:
         self.clock = clock
         self._wall = wall
+        self._judging = False  # the watches below are built and started (else: the candidates' wait)
         self._made = False  # `device_plugins` exists (to be closed), started or not
         # Several candidate resources (--plugin-candidates): which one this node's plugin serves is learnt
         # first (sidecar.deviceplugin.candidates), and only then is the rest built, for that one. Until
@@ -64,6 +65,7 @@ class Sidecar:
             self.hami: hami.HamiWatch | None = None
         else:
             self._build(settings)
+            self._judging = True
         self.started = clock()
         self.rounds = 0
         self._hami_task: asyncio.Task[object] | None = None
@@ -113,8 +115,9 @@ class Sidecar:
 
     @property
     def waiting(self) -> bool:
-        """Still learning which of the candidates this node's plugin serves: nothing else runs yet."""
-        return self.candidates is not None and self.candidates.chosen is None
+        """Not judging yet: still learning which of the candidates this node's plugin serves (or judging
+        the one chosen could not start); nothing else runs."""
+        return self.candidates is not None and not self._judging
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -143,8 +146,21 @@ class Sidecar:
     async def _learn_plugin(self, candidates: CandidateWait) -> None:
         """Wait for this node's plugin to serve one candidate, then judge it from the first round on."""
         chosen = await candidates.wait()
-        self._build(self.settings.resolved(chosen))
-        self._start_device_plugins()
+        waited = self.settings, self.metrics, self.state
+        try:
+            self._build(self.settings.resolved(chosen))
+            self._start_device_plugins()
+        except Exception as e:
+            # The sidecar's own fault, which a restart of the plugin cannot mend: readiness fails with it
+            # (the wait's check), never liveness. No exit either: the plugin's livenessProbe asks this
+            # port, and a sidecar crash-looping would restart the plugin (docs/design.md#bad-config).
+            logger.exception("judging %s could not start", chosen.resource)
+            self.settings, self.metrics, self.state = waited
+            candidates.broken(
+                f"judging {chosen.resource} could not start: {e!r} (the sidecar's fault: its log)"
+            )
+            return
+        self._judging = True
         self._tasks.spawn(self._probe_loop(), "probe-loop")
         self._schedule_refresh()
 

@@ -271,6 +271,62 @@ def test_the_host_network_is_not_guessed_in(dp_dir: str, started: Callable[..., 
     assert set(sidecar.liveness) == {200}, sidecar.liveness
 
 
+PIDS = "/sys/fs/cgroup/pids"  # cgroup v1's pids controller
+
+
+@contextlib.contextmanager
+def no_new_threads(pid: int) -> Iterator[None]:
+    """`pid` in a pids cgroup of its own capped at the threads it has: it can make no new one (as in a
+    pod whose pids limit is reached). Back in the root cgroup after."""
+    if not os.access(os.path.join(PIDS, "cgroup.procs"), os.W_OK):
+        pytest.skip("no writable cgroup v1 pids controller")
+    group = os.path.join(PIDS, f"hami-guard-test-{os.getpid()}-{pid}")
+    os.mkdir(group)
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            threads = next(line.split()[1] for line in f if line.startswith("Threads:"))
+        with open(os.path.join(group, "pids.max"), "w") as f:
+            f.write(threads)
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+        yield
+    finally:
+        with contextlib.suppress(OSError), open(os.path.join(PIDS, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+        os.rmdir(group)
+
+
+def test_judging_the_one_chosen_that_cannot_start_fails_readiness_only(
+    dp_dir: str, namespaces: tuple[Netns, Netns], started: Callable[..., Sidecar]
+) -> None:
+    """The choice made, judging it cannot start (here no new thread may be made: a pids cgroup full at
+    the threads the wait runs with): the sidecar's own fault. It says so where
+    the plugin's readinessProbe and an operator look (the `plugin` check fails, no restart), never
+    liveness, and it keeps serving (an exit would leave the plugin's livenessProbe no answer)."""
+    node, _ = namespaces
+    with listening(os.path.join(dp_dir, "kubelet.sock"), node):
+        sidecar = started([OURS, NPU["Ascend910B3"]])
+        sidecar.until(looked(3), "3 looks")
+        with no_new_threads(sidecar.proc.pid):
+            with listening(os.path.join(dp_dir, OURS.socket)):
+                doc = sidecar.until(
+                    lambda d: "could not start" in d["checks"].get("plugin", {}).get("reason", ""),
+                    "the failure to start judging",
+                )
+            assert doc["plugin_candidates"]["chosen"] == OURS.resource
+            assert doc["checks"]["plugin"]["state"] == "failed"
+            assert not doc["checks"]["plugin"]["fails_liveness"]
+            assert doc["checks"]["plugin"]["reason"].startswith(
+                f"judging {OURS.resource} could not start: RuntimeError("
+            )
+            code, body = sidecar.get("/readyz?verbose")
+            assert code == 503 and "[!]plugin failed (no restart" in body, body
+            assert sidecar.get("/healthz") == (200, "ok")
+            assert sidecar.proc.poll() is None
+    assert set(sidecar.liveness) == {200}, sidecar.liveness
+    assert f"judging {OURS.resource} could not start" in sidecar.output()
+
+
 def test_without_the_kubelets_listener_nothing_is_chosen(dp_dir: str) -> None:
     """Whether this namespace is the host's is told by the kubelet's listener being elsewhere: with
     kubelet.sock missing, or a dead file, a served candidate waits."""

@@ -236,6 +236,12 @@ class CandidateWait:
         finally:
             reader.shutdown(wait=False, cancel_futures=True)
 
+    def broken(self, reason: str) -> None:
+        """Judging the candidate chosen could not start (the sidecar's fault): the check fails with
+        `reason`, readiness only, for good."""
+        self.state.assign(CHECK.name, Status.FAILED, reason, restarts=False)
+        self._publish(self.state.checks[CHECK.name])
+
     def _choose(self, seen: Look) -> PluginSpec:
         assert seen.served is not None
         self.chosen, self.evidence, self.chosen_at, self.last = seen.served, seen.reason, self._wall(), seen
