@@ -356,6 +356,6 @@ class Sidecar:
     # -- views ------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        """The first probe round has run (or, with candidates, the first look for the plugin's socket):
-        before it, nothing is known."""
-        return self.rounds > 0 or (self.candidates is not None and self.candidates.looks > 0)
+        """The first probe round has run (or, while the candidates are waited for, their first look):
+        before it, nothing is known. Once one is chosen, the first round of it."""
+        return self.rounds > 0 or (self.candidates is not None and self.waiting and self.candidates.looks > 0)

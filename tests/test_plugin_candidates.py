@@ -271,6 +271,26 @@ def test_the_host_network_is_not_guessed_in(dp_dir: str, started: Callable[..., 
     assert set(sidecar.liveness) == {200}, sidecar.liveness
 
 
+def test_once_chosen_nothing_is_ready_before_the_first_round(
+    dp_dir: str, namespaces: tuple[Netns, Netns], started: Callable[..., Sidecar]
+) -> None:
+    """The look chose, the first round of the one chosen has not ended (its plugin accepts and never
+    answers: the round waits out a 3 s probe timeout): /readyz says probes are pending and /sidecarz is
+    503 again, as for a sidecar told --plugin, until that round ends."""
+    node, _ = namespaces
+    with listening(os.path.join(dp_dir, "kubelet.sock"), node), listening(os.path.join(dp_dir, OURS.socket)):
+        sidecar = started([OURS, NPU["Ascend910B3"]], "--probe-timeout", "3", "--probe-interval", "10")
+        doc = sidecar.until(lambda d: d["plugin_candidates"].get("chosen") is not None, "the choice")
+        assert doc["probe_rounds"] == 0, doc  # asked at once: the round waits 3 s for the plugin
+        code, body = sidecar.get("/readyz?verbose")
+        assert code == 503
+        assert body.startswith("[~]probes pending: the first probe round has not finished"), body
+        assert sidecar.get("/sidecarz")[0] == 503
+        sidecar.until(lambda d: d["probe_rounds"] > 0, "the first round")
+        assert sidecar.get("/sidecarz") == (200, "ok")
+    assert set(sidecar.liveness) == {200}, sidecar.liveness
+
+
 PIDS = "/sys/fs/cgroup/pids"  # cgroup v1's pids controller
 
 
