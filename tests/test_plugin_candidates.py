@@ -10,7 +10,9 @@ served here the sidecar restarts nothing: every /healthz the tests ask on the wa
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import socket
@@ -25,9 +27,11 @@ from typing import Any
 import pytest
 
 from hami_guard.flags import PluginSpec
-from sidecar.deviceplugin.candidates import look
+from sidecar.deviceplugin.candidates import CHECK, CandidateWait, Where, look
+from sidecar.health import Status
 from testing import free_port, netns
 from testing.netns import Netns, PluginProcess
+from tests.conftest import wait_for
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_GUARD_")}
 NPU = {
@@ -359,3 +363,51 @@ def test_without_the_kubelets_listener_nothing_is_chosen(dp_dir: str) -> None:
         seen = look(dp_dir, "kubelet.sock", [OURS, NPU["Ascend910B3"]])
         assert (seen.outcome, seen.served) == ("waiting", None)
         assert "nothing listens on kubelet.sock" in seen.reason
+
+
+@contextlib.contextmanager
+def stuck_folder(root: str) -> Iterator[str]:
+    """A folder whose every look hangs, as on a hostPath mount that stopped answering: a FUSE mount whose
+    daemon never answers (its first request waits for an INIT nobody reads). Closing the device ends it."""
+    try:
+        fd = os.open("/dev/fuse", os.O_RDWR)
+    except OSError as e:
+        pytest.skip(f"no FUSE here: {e}")
+    folder = os.path.join(root, "stuck")
+    os.mkdir(folder)
+    libc = ctypes.CDLL(None, use_errno=True)
+    opts = f"fd={fd},rootmode=40000,user_id=0,group_id=0".encode()
+    try:
+        if libc.mount(b"hami-guard-test", folder.encode(), b"fuse", 0, opts) != 0:
+            pytest.skip(f"cannot mount FUSE: {os.strerror(ctypes.get_errno())}")
+        try:
+            yield folder
+        finally:
+            os.close(fd)  # the hung looks end (ENOTCONN)
+            fd = -1
+            libc.umount2(folder.encode(), 2)  # MNT_DETACH
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        os.rmdir(folder)
+
+
+async def test_a_look_that_hangs_is_late_at_the_grace(short_tmp: str) -> None:
+    """The look never returns: the wait says so, and at the grace fails (readiness only), as it would
+    for looks that return and find nothing."""
+    with stuck_folder(short_tmp) as folder:
+        wait = CandidateWait(
+            Where(folder, "kubelet.sock", 0.05, 1.0), [OURS, NPU["Ascend910B3"]], lambda c: None
+        )
+        task = asyncio.create_task(wait.wait())
+        try:
+            check = wait.state.checks[CHECK.name]
+            await wait_for(lambda: check.status is Status.FAILED, timeout=30, what="the wait late")
+            assert wait.looks == 0 and not check.live_failed
+            assert check.reason.startswith(
+                f"a look at {folder} has not finished: a stuck mount? (none within"
+            )
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

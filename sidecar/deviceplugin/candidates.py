@@ -50,6 +50,7 @@ CHECK = CheckKey(Kind.PLUGIN)
 # Where the plugin binds its socket when the sidecar mounts the folder elsewhere: the kubelet's folder.
 BOUND_DIR = os.path.dirname(KUBELET_BOUND_PATH)
 CONNECT_TIMEOUT = 0.2  # kubelet.sock answers a connect at once when the kubelet serves it
+LOOK_DEADLINE = 2.0  # a look takes milliseconds (its connect at most CONNECT_TIMEOUT): past this it hangs
 NAME_IT = "name this node's resource with --plugin (HAMI_GUARD_PLUGIN; the post-renderer's plugin=)"
 
 Outcome = Literal["serves", "waiting", "undecided"]
@@ -223,8 +224,19 @@ class CandidateWait:
         )
         try:
             before: PluginSpec | None = None
+            pending: asyncio.Future[Look] | None = None
             while True:
-                seen = await loop.run_in_executor(reader, self.look)
+                # A look that hangs (a stuck hostPath mount) is waited for, never stacked on, and its
+                # wait is a reason of its own, judged late once the grace runs out like any other.
+                if pending is None:
+                    pending = loop.run_in_executor(reader, self.look)
+                done, _ = await asyncio.wait({pending}, timeout=max(self.where.interval, LOOK_DEADLINE))
+                if not done:
+                    self._show(
+                        Look("waiting", f"a look at {self.where.folder} has not finished: a stuck mount?")
+                    )
+                    continue
+                seen, pending = pending.result(), None
                 self.looks += 1
                 if seen.served is not None and seen.served == before:
                     return self._choose(seen)
