@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple, NoReturn
 
+from hami_guard.node.sockets import DEFAULT_SOCKET
+
 DAY = 86400.0
 # The shortest probe timeout or polling period worth asking for: below a few
 # milliseconds a probe cannot finish and a poll loop only burns a core.
@@ -165,13 +167,26 @@ def octal(value: str) -> int:
     return mode
 
 
+# The kubelet's own files in the device-plugins folder (its socket, its device manager's checkpoint): never
+# a plugin's socket. A plugin named so would be judged on the kubelet's file, and its socket's removal
+# taken for the kubelet's (or the reverse).
+KUBELET_FILES = (DEFAULT_SOCKET, "kubelet_internal_checkpoint")
+
+
 def plugin_spec(value: str, example: PluginSpec | None = None) -> PluginSpec:
-    """`RESOURCE=SOCKET`: an extended resource name (with a domain) and a file name in the folder.
-    `example`, the caller's default, is shown in the error."""
+    """`RESOURCE=SOCKET`: an extended resource name (with a domain) and a file name in the folder (not
+    `.` or `..`, nor one of the kubelet's own files). `example`, the caller's default, is shown in the
+    error."""
     resource, sep, sock = value.strip().partition("=")
-    if not sep or "/" not in resource or not sock or "/" in sock:
+    if not sep or "/" not in resource or not sock or "/" in sock or "\0" in sock:
         shown = f" ({example.resource}={example.socket})" if example else ""
         raise argparse.ArgumentTypeError(f"expected RESOURCE=SOCKET{shown}, got {value!r}")
+    if sock in (".", ".."):
+        raise argparse.ArgumentTypeError(f"SOCKET {sock!r} names a folder, not a socket file, in {value!r}")
+    if sock in KUBELET_FILES:
+        raise argparse.ArgumentTypeError(
+            f"SOCKET {sock!r} is the kubelet's own file in the folder, not a plugin's socket, in {value!r}"
+        )
     return PluginSpec(resource, sock)
 
 

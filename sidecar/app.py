@@ -48,21 +48,27 @@ class Sidecar:
     ) -> None:
         self.clock = clock
         self._wall = wall
-        self._build(settings)
+        self._judging = False  # the watches below are built and started (else: the candidates' wait)
+        self._made = False  # `device_plugins` exists (to be closed), started or not
         # Several candidate resources (--plugin-candidates): which one this node's plugin serves is learnt
         # first (sidecar.deviceplugin.candidates), and only then is the rest built, for that one. Until
-        # then the views answer the wait's one check; what _build made of the candidates' settings (no
-        # plugin) never runs.
+        # then the views answer the wait's one check, its metrics and these settings.
         self.candidates: CandidateWait | None = None
         if settings.plugin_candidates:
-            s = settings
+            s = self.settings = settings
             self.metrics = Metrics()
             where = Where(s.device_plugin_dir, s.kubelet_socket, s.polling_interval, s.registration_grace)
             publish = MetricsPublisher(self.metrics, s.plugin_label, clock).check
             self.candidates = CandidateWait(where, s.plugin_candidates, publish, clock, wall)
             self.state = self.candidates.state
+            self.dra: DraWatch | None = None
+            self.hami: hami.HamiWatch | None = None
+        else:
+            self._build(settings)
+            self._judging = True
         self.started = clock()
         self.rounds = 0
+        self._hami_task: asyncio.Task[object] | None = None
         self._trigger: asyncio.Event | None = None
         self._tasks = TaskSet("hami-sidecar:")
         self._refresh_handle: asyncio.TimerHandle | None = None
@@ -76,8 +82,9 @@ class Sidecar:
         s = self.settings = settings
         clock = self.clock
         self.metrics = Metrics()
-        publish = MetricsPublisher(self.metrics, s.plugin_label)
+        publish = MetricsPublisher(self.metrics, s.plugin_label, clock)
         self.device_plugins = DevicePluginWatch(s, publish, clock, self._wall)
+        self._made = True
         self.judge = self.device_plugins.judge
         # Between rounds where the kubelet's connections cannot be read (a pod with neither the host's
         # network nor its pids): pod-resources alone, which only brings a round forward.
@@ -86,7 +93,7 @@ class Sidecar:
         )
         self.state = self.judge.state
         # DRA drivers (sidecar.dra.verdicts): judged there, with their own grace, into the same checks.
-        self.dra: DraWatch | None = None
+        self.dra = None
         if s.dra_drivers:
             self.dra = DraWatch(
                 s.dra_drivers,
@@ -101,7 +108,6 @@ class Sidecar:
             self.dra.attach(self.state, publish)
         # HAMi's own registration (sidecar.hami): judged beside the rounds, into the same checks.
         self.hami = hami.from_settings(s, clock)
-        self._hami_task: asyncio.Task[object] | None = None
         if self.hami is not None:
             self.hami.attach(self.state, publish)
         for check in self.state.checks.values():
@@ -109,8 +115,9 @@ class Sidecar:
 
     @property
     def waiting(self) -> bool:
-        """Still learning which of the candidates this node's plugin serves: nothing else runs yet."""
-        return self.candidates is not None and self.candidates.chosen is None
+        """Not judging yet: still learning which of the candidates this node's plugin serves (or judging
+        the one chosen could not start); nothing else runs."""
+        return self.candidates is not None and not self._judging
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -139,8 +146,21 @@ class Sidecar:
     async def _learn_plugin(self, candidates: CandidateWait) -> None:
         """Wait for this node's plugin to serve one candidate, then judge it from the first round on."""
         chosen = await candidates.wait()
-        self._build(self.settings.resolved(chosen))
-        self._start_device_plugins()
+        waited = self.settings, self.metrics, self.state
+        try:
+            self._build(self.settings.resolved(chosen))
+            self._start_device_plugins()
+        except Exception as e:
+            # The sidecar's own fault, which a restart of the plugin cannot mend: readiness fails with it
+            # (the wait's check), never liveness. No exit either: the plugin's livenessProbe asks this
+            # port, and a sidecar crash-looping would restart the plugin (docs/design.md#bad-config).
+            logger.exception("judging %s could not start", chosen.resource)
+            self.settings, self.metrics, self.state = waited
+            candidates.broken(
+                f"judging {chosen.resource} could not start: {e!r} (the sidecar's fault: its log)"
+            )
+            return
+        self._judging = True
         self._tasks.spawn(self._probe_loop(), "probe-loop")
         self._schedule_refresh()
 
@@ -161,7 +181,8 @@ class Sidecar:
                 await self.hami.close()
             if self.dra is not None:
                 self.dra.close()
-            self.device_plugins.close()
+            if self._made:
+                self.device_plugins.close()
         finally:
             self._grpc.release()
 
@@ -335,6 +356,6 @@ class Sidecar:
     # -- views ------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        """The first probe round has run (or, with candidates, the first look for the plugin's socket):
-        before it, nothing is known."""
-        return self.rounds > 0 or (self.candidates is not None and self.candidates.looks > 0)
+        """The first probe round has run (or, while the candidates are waited for, their first look):
+        before it, nothing is known. Once one is chosen, the first round of it."""
+        return self.rounds > 0 or (self.candidates is not None and self.waiting and self.candidates.looks > 0)

@@ -464,8 +464,8 @@ def vendor_settings(parser: argparse.ArgumentParser, args: argparse.Namespace, d
 def plugin_candidates(
     parser: argparse.ArgumentParser, args: argparse.Namespace, given: Sequence[PluginSpec], dra: bool
 ) -> tuple[PluginSpec, ...]:
-    """--plugin-candidates (hami-doctor has none), checked: never with --plugin or DRA drivers, each
-    resource and each socket once."""
+    """--plugin-candidates, checked: never with --plugin or DRA drivers, each resource and each socket once,
+    all of one vendor profile (or all of none)."""
     candidates = tuple(getattr(args, "plugin_candidates", None) or ())
     if not candidates:
         return ()
@@ -484,6 +484,15 @@ def plugin_candidates(
     ):
         if len(set(values)) != len(values):
             parser.error(f"--plugin-candidates: a {what} is named twice: {', '.join(values)}")
+    # The settings a vendor's defaults make (the port, the device glob, the expected devices, the doctor's
+    # process and logs) are made once, for one profile, and kept once a candidate is chosen: candidates of
+    # two profiles would judge one vendor's plugin by the other's.
+    owners = {
+        c.resource: (v.name if (v := for_resource(c.resource)) else "no vendor profile") for c in candidates
+    }
+    if len(set(owners.values())) > 1:
+        shown = ", ".join(f"{r} ({o})" for r, o in owners.items())
+        parser.error(f"--plugin-candidates: all of one vendor profile, or all of none; got {shown}")
     return candidates
 
 

@@ -17,6 +17,7 @@ from hami_guard.flags import AUTO_DEVICES, DeviceExpectation, Expect
 from initcheck.cli import build_parser as initcheck_parser
 from sidecar.config import BadConfig, PluginSpec, Settings, parse_settings, read_settings
 from sidecar.config import build_parser as sidecar_parser
+from sidecar.deviceplugin.checkpoint import CHECKPOINT_NAME
 
 
 def test_defaults_are_hamis_real_names() -> None:
@@ -132,6 +133,35 @@ def test_duration_ranges(
     # The environment twin is checked the same way, and named.
     var = env_name(flag)
     assert f"{var}='nan'" in usage_error(PARSERS[prog](), [], {var: "nan"}, capsys)
+
+
+@pytest.mark.parametrize("sock", [".", "..", "a/b.sock", "kubelet.sock", "kubelet_internal_checkpoint"])
+@pytest.mark.parametrize(
+    ("prog", "flag"),
+    [
+        ("hami-sidecar", "--plugin"),
+        ("hami-sidecar", "--plugin-candidates"),
+        ("hami-doctor", "--plugin"),
+        ("hami-doctor", "--plugin-candidates"),
+    ],
+)
+def test_a_plugin_socket_is_a_file_of_the_folder_not_the_kubelets(
+    prog: str, flag: str, sock: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plugin's socket is a file name in the device-plugins folder: not the folder, its parent, a path,
+    nor the kubelet's own socket or checkpoint (a plugin judged on those would read the kubelet's file)."""
+    message = usage_error(PARSERS[prog](), [flag, f"vendor.example/gpu={sock}"], {}, capsys)
+    assert message.startswith(f"{prog}: error: argument {flag}: ")
+    assert repr(f"vendor.example/gpu={sock}") in message
+    # The variable the same (a comma-separated list), and a name that merely starts like one is a name.
+    var = env_name(flag)
+    assert f"{var}=" in usage_error(PARSERS[prog](), [], {var: f"vendor.example/gpu={sock}"}, capsys)
+    near = sock.replace("/", "")
+    assert parse_with_env(PARSERS[prog](), [flag, f"vendor.example/gpu=.{near}x"], {})
+
+
+def test_the_kubelets_files_are_the_kubelets_names() -> None:
+    assert (Settings().kubelet_socket, CHECKPOINT_NAME) == flags.KUBELET_FILES
 
 
 def test_doctor_since_takes_units_within_a_range(capsys: pytest.CaptureFixture[str]) -> None:
@@ -416,6 +446,9 @@ def test_candidates_from_the_variable_or_the_flag_until_one_is_known() -> None:
     assert s.resolved(B3).hami_keys() == ((B3.resource, "x.io/b3"),)
     with pytest.raises(ValueError, match="not one of the candidates"):
         s.resolved(PluginSpec("nvidia.com/gpu", "nvidia-gpu.sock"))
+    # Resources no profile owns are one kind too: --vendor's (else the default's) settings.
+    none = parse_settings(["--vendor", "ascend"], {CAND: "vendor.example/a=a.sock,vendor.example/b=b.sock"})
+    assert (none.vendor, len(none.plugin_candidates)) == ("ascend", 2)
     # One candidate is the plugin itself: nothing to learn.
     alone = parse_settings([], {"HAMI_GUARD_PLUGIN_CANDIDATES": f"{P.resource}={P.socket}"})
     assert (alone.plugins, alone.plugin_candidates) == ((P,), ())
@@ -432,6 +465,9 @@ CAND = "HAMI_GUARD_PLUGIN_CANDIDATES"
         ([], {CAND: f"{CANDIDATES},huawei.com/Ascend310P=b.sock"}, "a resource is named twice"),
         ([], {CAND: f"{CANDIDATES},huawei.com/Ascend910A=Ascend310P.sock"}, "a socket is named twice"),
         ([], {CAND: "Ascend310P"}, "HAMI_GUARD_PLUGIN_CANDIDATES='Ascend310P'"),
+        ([], {CAND: f"{CANDIDATES},nvidia.com/gpu=gpu.sock"}, "Ascend310P (ascend), nvidia.com/gpu (nvidia)"),
+        ([], {CAND: f"{CANDIDATES},vendor.example/npu=npu.sock"}, "vendor.example/npu (no vendor profile)"),
+        (["--vendor", "ascend"], {CAND: "hygon.com/dcunum=d.sock,x.example/n=n.sock"}, "all of one vendor"),
         (["--vendor", "ascend"], {}, "name this node's (or the chart's, --plugin-candidates), e.g. --plugin"),
     ],
 )  # fmt: skip
@@ -443,10 +479,10 @@ def test_candidates_that_cannot_be_used_are_a_served_usage_error(
     assert message in got.error
 
 
-def test_the_doctor_has_no_candidates(capsys: pytest.CaptureFixture[str]) -> None:
-    """hami-doctor runs on one node, whose resource is named: its per-node error does not offer them."""
+def test_the_doctor_offers_the_candidates_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """hami-doctor takes --plugin-candidates too (doctor/candidates.py): its per-node error offers them."""
     with pytest.raises(SystemExit):
         doctor_settings(["--vendor", "ascend"], {})
     err = capsys.readouterr().err
     assert "each node's Ascend plugin registers the resource of its own hardware" in err
-    assert "--plugin-candidates" not in err
+    assert "name this node's (or the chart's, --plugin-candidates)" in err

@@ -10,7 +10,9 @@ served here the sidecar restarts nothing: every /healthz the tests ask on the wa
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import socket
@@ -25,9 +27,11 @@ from typing import Any
 import pytest
 
 from hami_guard.flags import PluginSpec
-from sidecar.deviceplugin.candidates import look
+from sidecar.deviceplugin.candidates import CHECK, CandidateWait, Where, look
+from sidecar.health import Status
 from testing import free_port, netns
 from testing.netns import Netns, PluginProcess
+from tests.conftest import wait_for
 
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_GUARD_")}
 NPU = {
@@ -271,6 +275,82 @@ def test_the_host_network_is_not_guessed_in(dp_dir: str, started: Callable[..., 
     assert set(sidecar.liveness) == {200}, sidecar.liveness
 
 
+def test_once_chosen_nothing_is_ready_before_the_first_round(
+    dp_dir: str, namespaces: tuple[Netns, Netns], started: Callable[..., Sidecar]
+) -> None:
+    """The look chose, the first round of the one chosen has not ended (its plugin accepts and never
+    answers: the round waits out a 3 s probe timeout): /readyz says probes are pending and /sidecarz is
+    503 again, as for a sidecar told --plugin, until that round ends."""
+    node, _ = namespaces
+    with listening(os.path.join(dp_dir, "kubelet.sock"), node), listening(os.path.join(dp_dir, OURS.socket)):
+        sidecar = started([OURS, NPU["Ascend910B3"]], "--probe-timeout", "3", "--probe-interval", "10")
+        doc = sidecar.until(lambda d: d["plugin_candidates"].get("chosen") is not None, "the choice")
+        assert doc["probe_rounds"] == 0, doc  # asked at once: the round waits 3 s for the plugin
+        code, body = sidecar.get("/readyz?verbose")
+        assert code == 503
+        assert body.startswith("[~]probes pending: the first probe round has not finished"), body
+        assert sidecar.get("/sidecarz")[0] == 503
+        sidecar.until(lambda d: d["probe_rounds"] > 0, "the first round")
+        assert sidecar.get("/sidecarz") == (200, "ok")
+    assert set(sidecar.liveness) == {200}, sidecar.liveness
+
+
+PIDS = "/sys/fs/cgroup/pids"  # cgroup v1's pids controller
+
+
+@contextlib.contextmanager
+def no_new_threads(pid: int) -> Iterator[None]:
+    """`pid` in a pids cgroup of its own capped at the threads it has: it can make no new one (as in a
+    pod whose pids limit is reached). Back in the root cgroup after."""
+    if not os.access(os.path.join(PIDS, "cgroup.procs"), os.W_OK):
+        pytest.skip("no writable cgroup v1 pids controller")
+    group = os.path.join(PIDS, f"hami-guard-test-{os.getpid()}-{pid}")
+    os.mkdir(group)
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            threads = next(line.split()[1] for line in f if line.startswith("Threads:"))
+        with open(os.path.join(group, "pids.max"), "w") as f:
+            f.write(threads)
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+        yield
+    finally:
+        with contextlib.suppress(OSError), open(os.path.join(PIDS, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+        os.rmdir(group)
+
+
+def test_judging_the_one_chosen_that_cannot_start_fails_readiness_only(
+    dp_dir: str, namespaces: tuple[Netns, Netns], started: Callable[..., Sidecar]
+) -> None:
+    """The choice made, judging it cannot start (here no new thread may be made: a pids cgroup full at
+    the threads the wait runs with): the sidecar's own fault. It says so where
+    the plugin's readinessProbe and an operator look (the `plugin` check fails, no restart), never
+    liveness, and it keeps serving (an exit would leave the plugin's livenessProbe no answer)."""
+    node, _ = namespaces
+    with listening(os.path.join(dp_dir, "kubelet.sock"), node):
+        sidecar = started([OURS, NPU["Ascend910B3"]])
+        sidecar.until(looked(3), "3 looks")
+        with no_new_threads(sidecar.proc.pid):
+            with listening(os.path.join(dp_dir, OURS.socket)):
+                doc = sidecar.until(
+                    lambda d: "could not start" in d["checks"].get("plugin", {}).get("reason", ""),
+                    "the failure to start judging",
+                )
+            assert doc["plugin_candidates"]["chosen"] == OURS.resource
+            assert doc["checks"]["plugin"]["state"] == "failed"
+            assert not doc["checks"]["plugin"]["fails_liveness"]
+            assert doc["checks"]["plugin"]["reason"].startswith(
+                f"judging {OURS.resource} could not start: RuntimeError("
+            )
+            code, body = sidecar.get("/readyz?verbose")
+            assert code == 503 and "[!]plugin failed (no restart" in body, body
+            assert sidecar.get("/healthz") == (200, "ok")
+            assert sidecar.proc.poll() is None
+    assert set(sidecar.liveness) == {200}, sidecar.liveness
+    assert f"judging {OURS.resource} could not start" in sidecar.output()
+
+
 def test_without_the_kubelets_listener_nothing_is_chosen(dp_dir: str) -> None:
     """Whether this namespace is the host's is told by the kubelet's listener being elsewhere: with
     kubelet.sock missing, or a dead file, a served candidate waits."""
@@ -283,3 +363,51 @@ def test_without_the_kubelets_listener_nothing_is_chosen(dp_dir: str) -> None:
         seen = look(dp_dir, "kubelet.sock", [OURS, NPU["Ascend910B3"]])
         assert (seen.outcome, seen.served) == ("waiting", None)
         assert "nothing listens on kubelet.sock" in seen.reason
+
+
+@contextlib.contextmanager
+def stuck_folder(root: str) -> Iterator[str]:
+    """A folder whose every look hangs, as on a hostPath mount that stopped answering: a FUSE mount whose
+    daemon never answers (its first request waits for an INIT nobody reads). Closing the device ends it."""
+    try:
+        fd = os.open("/dev/fuse", os.O_RDWR)
+    except OSError as e:
+        pytest.skip(f"no FUSE here: {e}")
+    folder = os.path.join(root, "stuck")
+    os.mkdir(folder)
+    libc = ctypes.CDLL(None, use_errno=True)
+    opts = f"fd={fd},rootmode=40000,user_id=0,group_id=0".encode()
+    try:
+        if libc.mount(b"hami-guard-test", folder.encode(), b"fuse", 0, opts) != 0:
+            pytest.skip(f"cannot mount FUSE: {os.strerror(ctypes.get_errno())}")
+        try:
+            yield folder
+        finally:
+            os.close(fd)  # the hung looks end (ENOTCONN)
+            fd = -1
+            libc.umount2(folder.encode(), 2)  # MNT_DETACH
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        os.rmdir(folder)
+
+
+async def test_a_look_that_hangs_is_late_at_the_grace(short_tmp: str) -> None:
+    """The look never returns: the wait says so, and at the grace fails (readiness only), as it would
+    for looks that return and find nothing."""
+    with stuck_folder(short_tmp) as folder:
+        wait = CandidateWait(
+            Where(folder, "kubelet.sock", 0.05, 1.0), [OURS, NPU["Ascend910B3"]], lambda c: None
+        )
+        task = asyncio.create_task(wait.wait())
+        try:
+            check = wait.state.checks[CHECK.name]
+            await wait_for(lambda: check.status is Status.FAILED, timeout=30, what="the wait late")
+            assert wait.looks == 0 and not check.live_failed
+            assert check.reason.startswith(
+                f"a look at {folder} has not finished: a stuck mount? (none within"
+            )
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

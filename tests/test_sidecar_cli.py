@@ -58,6 +58,12 @@ def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
         (["--probe-timeout", "1e-300"], {}, "--probe-timeout"),
         ([], {"HAMI_GUARD_PROBE_INTERVAL": "soon"}, "HAMI_GUARD_PROBE_INTERVAL='soon'"),
         (["x\nfail: FAKE"], {}, "unrecognized arguments: x\\nfail: FAKE"),
+        # Candidates of two vendors: the settings would be one vendor's, judging the other's plugin.
+        (
+            [],
+            {"HAMI_GUARD_PLUGIN_CANDIDATES": "huawei.com/Ascend910B=Ascend910B.sock,nvidia.com/gpu=gpu.sock"},
+            "--plugin-candidates: all of one vendor profile, or all of none",
+        ),
     ],
 )
 def test_a_bad_configuration_is_served_not_exited_on(

@@ -50,6 +50,7 @@ CHECK = CheckKey(Kind.PLUGIN)
 # Where the plugin binds its socket when the sidecar mounts the folder elsewhere: the kubelet's folder.
 BOUND_DIR = os.path.dirname(KUBELET_BOUND_PATH)
 CONNECT_TIMEOUT = 0.2  # kubelet.sock answers a connect at once when the kubelet serves it
+LOOK_DEADLINE = 2.0  # a look takes milliseconds (its connect at most CONNECT_TIMEOUT): past this it hangs
 NAME_IT = "name this node's resource with --plugin (HAMI_GUARD_PLUGIN; the post-renderer's plugin=)"
 
 Outcome = Literal["serves", "waiting", "undecided"]
@@ -223,8 +224,19 @@ class CandidateWait:
         )
         try:
             before: PluginSpec | None = None
+            pending: asyncio.Future[Look] | None = None
             while True:
-                seen = await loop.run_in_executor(reader, self.look)
+                # A look that hangs (a stuck hostPath mount) is waited for, never stacked on, and its
+                # wait is a reason of its own, judged late once the grace runs out like any other.
+                if pending is None:
+                    pending = loop.run_in_executor(reader, self.look)
+                done, _ = await asyncio.wait({pending}, timeout=max(self.where.interval, LOOK_DEADLINE))
+                if not done:
+                    self._show(
+                        Look("waiting", f"a look at {self.where.folder} has not finished: a stuck mount?")
+                    )
+                    continue
+                seen, pending = pending.result(), None
                 self.looks += 1
                 if seen.served is not None and seen.served == before:
                     return self._choose(seen)
@@ -235,6 +247,12 @@ class CandidateWait:
                 await asyncio.sleep(self.where.interval)
         finally:
             reader.shutdown(wait=False, cancel_futures=True)
+
+    def broken(self, reason: str) -> None:
+        """Judging the candidate chosen could not start (the sidecar's fault): the check fails with
+        `reason`, readiness only, for good."""
+        self.state.assign(CHECK.name, Status.FAILED, reason, restarts=False)
+        self._publish(self.state.checks[CHECK.name])
 
     def _choose(self, seen: Look) -> PluginSpec:
         assert seen.served is not None

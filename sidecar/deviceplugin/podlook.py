@@ -14,9 +14,12 @@ judges from pod-resources and the checkpoint as ever, and a look that cannot tel
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Collection, Mapping
 
 from sidecar.deviceplugin.probes import Reading, pod_resources_devices
+
+logger = logging.getLogger(__name__)
 
 Listed = Mapping[str, frozenset[str]]  # a held resource's device IDs, as the round's pod-resources listed
 
@@ -63,7 +66,11 @@ class PodResourcesLook:
             before = self._for
             if before is None:
                 continue
-            now = await pod_resources_devices(self.path, self.timeout)
+            try:
+                now = await pod_resources_devices(self.path, self.timeout)
+            except Exception:  # a look that fails is no answer (the next round reads it), never the end
+                logger.debug("pod-resources look failed", exc_info=True)
+                now = Reading.failed("pod-resources look failed")
             self.looks += 1
             if before is self._for and fell(before, now):  # not a look a newer round replaced
                 self.watch(None)

@@ -25,11 +25,11 @@ if TYPE_CHECKING:
 
 def status_document(sidecar: Sidecar) -> dict[str, Any]:
     """Everything /status shows of `sidecar`."""
+    if sidecar.candidates is not None and sidecar.waiting:
+        return _waiting_document(sidecar, sidecar.candidates.document())
     s = sidecar.settings
     state = sidecar.state
     judge = sidecar.judge
-    if sidecar.candidates is not None and sidecar.waiting:
-        return _waiting_document(sidecar, sidecar.candidates.document())
     return {
         "version": __version__,
         "uptime_seconds": round(sidecar.clock() - sidecar.started, 3),

@@ -22,8 +22,12 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import grpc
 import pytest
 
+from sidecar.deviceplugin.podlook import PodResourcesLook
+from sidecar.proto import podresources_v1_pb2 as pr
+from sidecar.rpc import POD_RESOURCES, method_path
 from testing import free_port, netns
 from testing.netns import Netns
 from testing.realkubelet import RealKubelet, RealPlugin, Release
@@ -170,3 +174,37 @@ async def test_no_look_at_pod_resources_where_the_connections_are_read(
         await node.until("/healthz?verbose", 503, contains="it dropped the plugin")
         await node.rounds(2)
         assert node.sidecar.pod_look.looks == 0
+
+
+async def test_a_look_that_raises_is_no_answer_and_the_look_goes_on(short_tmp: str) -> None:
+    """Something on the pod-resources socket answers bytes that are no AllocatableResourcesResponse (the
+    call then raises, not as an RPC error): that look tells nothing, and the next ones still see the drop.
+    A real gRPC server on a Unix socket; the look as the sidecar runs it."""
+    answers = [b"\xff\xff\xff", b"\xff\xff\xff"]  # undecodable, then the kubelet's, NPU-0 gone
+    kept = pr.AllocatableResourcesResponse(
+        devices=[pr.ContainerDevices(resource_name=GPU, device_ids=["NPU-1"])]
+    )
+
+    def allocatable(request: bytes, context: object) -> bytes:
+        return answers.pop(0) if answers else kept.SerializeToString()
+
+    service, method = method_path(POD_RESOURCES, "GetAllocatableResources").strip("/").split("/")
+    server = grpc.aio.server()
+    handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(allocatable)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {method: handler})])
+    path = os.path.join(short_tmp, "pod-resources.sock")
+    server.add_insecure_port(f"unix:{path}")
+    await server.start()
+    fell: list[bool] = []
+    look = PodResourcesLook(path, 1.0, 0.01, lambda: fell.append(True))
+    task = asyncio.create_task(look.run())
+    try:
+        look.watch({GPU: frozenset({"NPU-0", "NPU-1"})})
+        await wait_for(lambda: bool(fell) or task.done(), timeout=30, what="the drop seen")
+        assert not task.done(), task.exception()
+        assert fell == [True] and look.looks == 3
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await server.stop(None)
