@@ -188,6 +188,8 @@ async def pod_resources_devices(path: str, timeout: float) -> Reading[dict[str, 
             answer = await call(pr.AllocatableResourcesRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             return Reading.failed(f"pod-resources: {e.code().name}: {e.details()}")
+    if not isinstance(answer, pr.AllocatableResourcesResponse):  # grpcio answers None for undecodable bytes
+        return Reading.failed("pod-resources: an answer that is no AllocatableResourcesResponse")
     ids: dict[str, set[str]] = {}
     for d in answer.devices:
         ids.setdefault(d.resource_name, set()).update(d.device_ids)
@@ -213,6 +215,8 @@ async def pod_resources_held(path: str, timeout: float) -> Reading[dict[str, dic
             answer = await call(pr.ListPodResourcesRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             return Reading.failed(f"pod-resources List: {e.code().name}: {e.details()}")
+    if not isinstance(answer, pr.ListPodResourcesResponse):  # grpcio answers None for undecodable bytes
+        return Reading.failed("pod-resources List: an answer that is no ListPodResourcesResponse")
     if len(answer.pod_resources) > MAX_LISTED_PODS:
         return Reading.failed(f"pod-resources List: over {MAX_LISTED_PODS} pods")
     held: dict[str, dict[str, str]] = {}

@@ -26,6 +26,7 @@ import grpc
 import pytest
 
 from sidecar.deviceplugin.podlook import PodResourcesLook
+from sidecar.deviceplugin.probes import pod_resources_devices, pod_resources_held
 from sidecar.proto import podresources_v1_pb2 as pr
 from sidecar.rpc import POD_RESOURCES, method_path
 from testing import free_port, netns
@@ -208,3 +209,27 @@ async def test_a_look_that_raises_is_no_answer_and_the_look_goes_on(short_tmp: s
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await server.stop(None)
+
+
+@pytest.mark.parametrize("method", ["GetAllocatableResources", "List"])
+async def test_an_undecodable_pod_resources_answer_is_a_failed_reading(method: str, short_tmp: str) -> None:
+    """Bytes that are no answer of pod-resources' (grpcio hands the caller None for them): a reading that
+    failed, saying so, never an exception in the round."""
+
+    def garbage(request: bytes, context: object) -> bytes:
+        return b"\xff\xff\xff"
+
+    service, name = method_path(POD_RESOURCES, method).strip("/").split("/")
+    server = grpc.aio.server()
+    handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(garbage)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {name: handler})])
+    path = os.path.join(short_tmp, "pod-resources.sock")
+    server.add_insecure_port(f"unix:{path}")
+    await server.start()
+    try:
+        read = pod_resources_devices if method == "GetAllocatableResources" else pod_resources_held
+        reading = await read(path, 2.0)
+    finally:
+        await server.stop(None)
+    assert reading.value is None
+    assert "an answer that is no" in str(reading.error), reading
