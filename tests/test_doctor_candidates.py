@@ -28,6 +28,7 @@ from hami_guard.flags import PluginSpec
 from testing import FakeDevicePlugin, FakeKubelet
 from tests.conftest import require_tool, wait_for
 from tests.test_doctor import Doctor, doctor, row, verdicts
+from tests.test_monitoring import ASCEND_CHIPS
 
 __all__ = ["doctor"]  # the fixture, imported for the tests below
 
@@ -278,16 +279,7 @@ def test_the_ascend_rule_passes_the_charts_chips_as_candidates() -> None:
     assert isinstance(args, list)
     s = parse_settings(args, environ={})
     assert s.npd and s.vendor == "ascend" and not s.plugins
-    words = (
-        "Ascend910A",
-        "Ascend910B2",
-        "Ascend910B3",
-        "Ascend910B4-1",
-        "Ascend910B4",
-        "Ascend310P",
-        "Ascend910C",
-    )
-    assert s.plugin_candidates == tuple(PluginSpec(f"huawei.com/{w}", f"{w}.sock") for w in words)
+    assert s.plugin_candidates == tuple(PluginSpec(f"huawei.com/{w}", f"{w}.sock") for w in ASCEND_CHIPS)
     main = json.loads((NPD / "hami-guard-monitor.json").read_text())
     ascend = json.loads((NPD / "ascend" / "hami-guard-monitor.json").read_text())
     assert {k: v for k, v in ascend.items() if k != "rules"} == {

@@ -127,6 +127,17 @@ async def held(status: Callable[[], dict[str, Any]]) -> int:
     return rounds
 
 
+async def answering(path: str, method: str, answer: Callable[[bytes, object], bytes]) -> grpc.aio.Server:
+    """A gRPC server on the Unix socket `path` whose pod-resources `method` answers `answer`'s bytes."""
+    service, name = method_path(POD_RESOURCES, method).strip("/").split("/")
+    server = grpc.aio.server()
+    handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(answer)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {name: handler})])
+    server.add_insecure_port(f"unix:{path}")
+    await server.start()
+    return server
+
+
 @pytest.mark.parametrize("release", ["new"], indirect=True)
 async def test_a_drop_brings_the_round_forward_where_the_connections_cannot_be_read(
     release: Release, dp_dir: str, short_tmp: str
@@ -189,13 +200,8 @@ async def test_a_look_that_raises_is_no_answer_and_the_look_goes_on(short_tmp: s
     def allocatable(request: bytes, context: object) -> bytes:
         return answers.pop(0) if answers else kept.SerializeToString()
 
-    service, method = method_path(POD_RESOURCES, "GetAllocatableResources").strip("/").split("/")
-    server = grpc.aio.server()
-    handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(allocatable)
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {method: handler})])
     path = os.path.join(short_tmp, "pod-resources.sock")
-    server.add_insecure_port(f"unix:{path}")
-    await server.start()
+    server = await answering(path, "GetAllocatableResources", allocatable)
     fell: list[bool] = []
     look = PodResourcesLook(path, 1.0, 0.01, lambda: fell.append(True))
     task = asyncio.create_task(look.run())
@@ -219,13 +225,8 @@ async def test_an_undecodable_pod_resources_answer_is_a_failed_reading(method: s
     def garbage(request: bytes, context: object) -> bytes:
         return b"\xff\xff\xff"
 
-    service, name = method_path(POD_RESOURCES, method).strip("/").split("/")
-    server = grpc.aio.server()
-    handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(garbage)
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {name: handler})])
     path = os.path.join(short_tmp, "pod-resources.sock")
-    server.add_insecure_port(f"unix:{path}")
-    await server.start()
+    server = await answering(path, method, garbage)
     try:
         read = pod_resources_devices if method == "GetAllocatableResources" else pod_resources_held
         reading = await read(path, 2.0)
