@@ -32,7 +32,6 @@ import yaml
 
 from tests.node.kit import (
     NODE,
-    NS,
     RUN,
     RUNS,
     Plugin,
@@ -55,6 +54,11 @@ CHART = REPO / "tests" / "fixtures" / "ascend-chart"
 POST_RENDERER = REPO / "manifests" / "hami-patch" / "post-renderer.sh"
 STANDIN_IMAGE = "registry.invalid/hami-standin:0.1.0"  # tests/node/images.sh's name for it
 RELEASE = "ascend"
+# The release's own namespace: the chart creates a ConfigMap named as HAMi's scheduler's device config
+# (config.deviceConfigMapName, hami-scheduler-device), which in HAMi's namespace would be HAMi's own
+# (Helm refuses to take it over; kubectl apply overwrites it, and the delete after the file removed it
+# from under HAMi's plugin pod).
+NAMESPACE = "hami-ascend"
 CHIP = "Ascend910B3"  # the node's chip: one of the chart's vnpus entries
 NODE_LABEL = ("ascend", "on")  # the chart's nodeSelector
 ASCEND = Plugin(
@@ -63,6 +67,7 @@ ASCEND = Plugin(
     selector=f"app.kubernetes.io/component=hami-ascend-device-plugin,app.kubernetes.io/instance={RELEASE}",
     control=Path("/run/hami-standin-ascend"),
     port=9396,  # the post-renderer's: Ascend's own metrics server has 9395
+    namespace=NAMESPACE,
 )
 SIDECAR_SETTINGS = {"HAMI_GUARD_KUBELET_PROCESS_NAME": "kubelet-e2e"}  # the node's kubelet binary's name
 
@@ -74,7 +79,16 @@ def helm_template() -> list[dict[str, Any]]:
     env = dict(os.environ, PATH=f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}")  # python3 with PyYAML
     args = ["registry=registry.invalid", "vendor=ascend"]
     done = subprocess.run(
-        [helm[-1], "template", RELEASE, str(CHART), "--namespace", NS, "--post-renderer", str(POST_RENDERER)]
+        [
+            helm[-1],
+            "template",
+            RELEASE,
+            str(CHART),
+            "--namespace",
+            NAMESPACE,
+            "--post-renderer",
+            str(POST_RENDERER),
+        ]
         + [a for arg in args for a in ("--post-renderer-args", arg)],
         capture_output=True,
         text=True,
@@ -117,13 +131,16 @@ def ascend() -> Iterator[list[dict[str, Any]]]:
     docs = standin_daemonset(helm_template())
     rendered = yaml.safe_dump_all(docs)
     kubectl("label", "node", NODE, "=".join(NODE_LABEL), "--overwrite")
+    kubectl("create", "namespace", NAMESPACE)
     kubectl("apply", "-f", "-", stdin=rendered)
     try:
-        wait("the Ascend plugin's pod", lambda: get("pods", selector=ASCEND.selector)["items"] or None, 120)
+        pods = lambda: get("pods", namespace=NAMESPACE, selector=ASCEND.selector)["items"] or None  # noqa: E731
+        wait("the Ascend plugin's pod", pods, 120)
         healthy_plugin(240, ASCEND)
         yield docs
     finally:
         kubectl("delete", "--wait=true", "--ignore-not-found", "-f", "-", stdin=rendered, check=False)
+        kubectl("delete", "namespace", NAMESPACE, "--wait=true", check=False)
         kubectl("label", "node", NODE, f"{NODE_LABEL[0]}-", check=False)
 
 

@@ -50,6 +50,7 @@ class Plugin:
     selector: str
     control: Path
     port: int
+    namespace: str = NS
 
 
 # HAMi's NVIDIA plugin (manifests/example-hami through tests/node/overlay): every test's default.
@@ -112,7 +113,9 @@ def plugin_pod(node: str = NODE, plugin: Plugin = NVIDIA) -> dict[str, Any]:
     """The plugin's pod on `node` (one, not being deleted)."""
     pods = [
         p
-        for p in get("pods", selector=plugin.selector, field=f"spec.nodeName={node}")["items"]
+        for p in get(
+            "pods", namespace=plugin.namespace, selector=plugin.selector, field=f"spec.nodeName={node}"
+        )["items"]
         if not p["metadata"].get("deletionTimestamp")
     ]
     assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
@@ -187,8 +190,8 @@ def gpu_pod(name: str, devices: str, code: str) -> dict[str, Any]:
     }
 
 
-def events(pod: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = get("events", selector="")["items"]
+def events(pod: str, namespace: str = NS) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = get("events", namespace=namespace)["items"]
     return [e for e in items if e["involvedObject"].get("name") == pod]
 
 
@@ -327,10 +330,10 @@ def restored_after(
     assert seen["503"] <= seen["restart"] <= seen["registered"] <= seen["back"], seen
     killing = [
         e["message"]
-        for e in events(name)
+        for e in events(name, plugin.namespace)
         if e["reason"] == "Killing" and "device-plugin" in e["message"] and "liveness" in e["message"]
     ]
-    assert killing, [(e["reason"], e["message"]) for e in events(name)]
+    assert killing, [(e["reason"], e["message"]) for e in events(name, plugin.namespace)]
     assert restarts("device-plugin", plugin) == before + 1
     assert restarts("hami-sidecar", plugin) == 0
     figure(
@@ -356,7 +359,7 @@ def replaced(old: str, timeout: float = 180, plugin: Plugin = NVIDIA) -> dict[st
 def fresh_plugin_pod(plugin: Plugin = NVIDIA) -> None:
     """Replaces the plugin pod (the DaemonSet makes a new one) and waits for it healthy."""
     old = healthy_plugin(plugin=plugin)["metadata"]["name"]
-    kubectl("delete", "pod", "-n", NS, old, "--wait=true")
+    kubectl("delete", "pod", "-n", plugin.namespace, old, "--wait=true")
     replaced(old, 120, plugin)
     healthy_plugin(240, plugin)
 
